@@ -1,0 +1,1 @@
+"""Worker-side execution: dispatching transfers between the KV cache and the host backend."""
