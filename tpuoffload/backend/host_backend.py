@@ -87,15 +87,19 @@ class HostBackend:
         the expected save id; their rows are zeros."""
         idx = self._check_slots(slots)
         expected = np.asarray(save_ids, dtype=np.int64)
+        if expected.shape != idx.shape:
+            raise ValueError("slots and save_ids must have the same length")
         data = np.zeros((max(pad_to, idx.size), *self.slot_shape), self.dtype)
         with self._lock:
             np.take(self._storage, idx, axis=0, out=data[: idx.size])
             tags = self._tags[idx]
-        bad = np.nonzero(tags != expected)[0].tolist()
+        # An empty/invalidated slot is never readable, even by a caller that "expects" EMPTY.
+        bad = np.nonzero((tags != expected) | (tags == EMPTY))[0].tolist()
         if bad:
             data[bad] = 0
         return data, bad
 
     def tag(self, slot: int) -> int:
+        self._check_slots([slot])
         with self._lock:
             return int(self._tags[slot])

@@ -1,4 +1,4 @@
-"""Content-hash index of the chunks host RAM holds, with LRU eviction and a reference-count lifecycle.
+r"""Content-hash index of the chunks host RAM holds, with LRU eviction and a reference-count lifecycle.
 
 Lifecycle of a chunk::
 
@@ -172,8 +172,26 @@ class ChunkIndex:
             if chunk.pins <= 0:
                 raise ValueError(f"chunk {chunk.hash.hex()[:16]} is not pinned")
             chunk.pins -= 1
-            if chunk.pins == 0 and self._chunks.get(chunk.hash) is chunk:
+            if chunk.pins:
+                continue
+            if self._chunks.get(chunk.hash) is chunk:
                 self._evictable[chunk.hash] = None  # most recently used end
+            else:  # discarded while pinned: its slot is free only now
+                self._pool.free(chunk.slot)
+
+    def discard(self, chunk_hash: ChunkHash, save_id: int) -> bool:
+        """Forget a READY chunk that failed to load somewhere (so it is not offered again). A
+        pinned chunk leaves the index at once but keeps its slot until its last unpin. Returns
+        False if the hash now names another chunk (or none)."""
+        chunk = self._chunks.get(chunk_hash)
+        if chunk is None or chunk.save_id != save_id or chunk.state is not ChunkState.READY:
+            return False
+        del self._chunks[chunk_hash]
+        self._evictable.pop(chunk_hash, None)
+        if chunk.pins == 0:
+            self._pool.free(chunk.slot)
+        self.counters["discarded"] += 1
+        return True
 
     # ---- internals ----
     def _evict_one(self) -> bool:

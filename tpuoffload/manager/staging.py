@@ -12,7 +12,7 @@ class StagingBudget:
 
     def __init__(self, capacity_bytes: int) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"staging capacity must be a positive number of bytes, got {capacity_bytes!r}")
+            raise ValueError(f"staging_bytes (staging capacity) must be a positive int, got {capacity_bytes!r}")
         self.capacity = capacity_bytes
         self.in_use = 0
 

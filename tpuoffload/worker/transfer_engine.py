@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -56,6 +57,22 @@ def _bucket(n: int) -> int:
     return max(8, 1 << (n - 1).bit_length())
 
 
+def _local_head_ranges(cache: jax.Array) -> list[tuple[int, int]]:
+    """The global heads ranges held by this host's devices, in order (replicas counted once)."""
+    ranges = set()
+    for index in cache.sharding.addressable_devices_indices_map(cache.shape).values():
+        start, stop, _ = index[HEADS_AXIS].indices(cache.shape[HEADS_AXIS])
+        ranges.add((start, stop))
+    return sorted(ranges)
+
+
+def host_slot_shape(kv_caches: Sequence[jax.Array]) -> tuple[int, int, int, int]:
+    """Shape of one host slot: this host's heads of one block, all layers: (L, block_size, heads, head_dim)."""
+    first = kv_caches[0]
+    host_heads = sum(stop - start for start, stop in _local_head_ranges(first))
+    return (len(kv_caches), first.shape[1], host_heads, first.shape[3])
+
+
 def _gather(caches, ids):
     return jnp.stack([c[ids] for c in caches], axis=1)  # (P, L, block_size, heads, head_dim)
 
@@ -75,7 +92,7 @@ class TransferEngine:
         load_wait_timeout_s: float = 10.0,
         faults: Faults | None = None,
     ) -> None:
-        first = self._validate_caches(kv_caches)
+        first = self.validate_caches(kv_caches)
         if not isinstance(save_threads, int) or save_threads <= 0:
             raise ValueError(f"save_threads must be a positive int, got {save_threads!r}")
         if not load_wait_timeout_s > 0:
@@ -85,6 +102,7 @@ class TransferEngine:
         self.num_blocks = first.shape[0]
         self.block_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
+        self._cache_sharding = first.sharding
         self._load_wait_timeout_s = load_wait_timeout_s
         self._faults = faults or Faults()
 
@@ -95,12 +113,8 @@ class TransferEngine:
         self._device_sharding = NamedSharding(mesh, stacked_spec)
         self._host_sharding = NamedSharding(mesh, stacked_spec, memory_kind=host_memory_kind)
         self._total_heads = first.shape[HEADS_AXIS]
-        self._local_heads = self._local_head_ranges(first)
-        host_heads = sum(stop - start for start, stop in self._local_heads)
-        block_size, _, head_dim = self.block_shape
-        self.backend = HostBackend(
-            cpu_bytes_to_use, (self.num_layers, block_size, host_heads, head_dim), np.dtype(first.dtype)
-        )
+        self._local_heads = _local_head_ranges(first)
+        self.backend = HostBackend(cpu_bytes_to_use, host_slot_shape(kv_caches), np.dtype(first.dtype))
 
         self._gather = jax.jit(_gather, out_shardings=self._device_sharding)
         self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=tuple(c.sharding for c in kv_caches))
@@ -110,11 +124,12 @@ class TransferEngine:
         self._last_write: dict[int, futures.Future] = {}  # slot -> newest write; main thread only
         self._results: list[SaveResult] = []
         self._inflight: dict[futures.Future, tuple[float, int, int]] = {}  # fut -> (t0, chunks, bytes)
-        self._lock = threading.Lock()  # guards _results and _inflight
+        self._lock = threading.Lock()  # guards _results, _inflight and counters
+        self.counters: Counter[str] = Counter()  # chunks/bytes saved and loaded, failures, seconds
 
     # ---------------- validation ----------------
     @staticmethod
-    def _validate_caches(kv_caches) -> jax.Array:
+    def validate_caches(kv_caches) -> jax.Array:
         if not kv_caches:
             raise ValueError("kv_caches is empty")
         first = kv_caches[0]
@@ -136,14 +151,6 @@ class TransferEngine:
             raise ValueError("the blocks axis (0) of the KV cache must not be sharded")
         return first
 
-    @staticmethod
-    def _local_head_ranges(cache: jax.Array) -> list[tuple[int, int]]:
-        ranges = set()
-        for index in cache.sharding.addressable_devices_indices_map(cache.shape).values():
-            start, stop, _ = index[HEADS_AXIS].indices(cache.shape[HEADS_AXIS])
-            ranges.add((start, stop))
-        return sorted(ranges)
-
     def _host_head_slice(self, global_slice: slice) -> slice:
         """Map a global heads range of a local shard to its place in this host's slot."""
         start, stop, _ = global_slice.indices(self._total_heads)
@@ -154,6 +161,17 @@ class TransferEngine:
             offset += e - s
         raise AssertionError(f"heads {start}:{stop} are not local to this host")
 
+    def _check_call_caches(self, kv_caches) -> None:
+        """The caches handed to save/load must be laid out like the ones the engine was built for
+        (otherwise the jitted programs retrace, a load silently casts, a save fails later)."""
+        first = self.validate_caches(kv_caches)
+        if (len(kv_caches) != self.num_layers or first.shape != (self.num_blocks, *self.block_shape)
+                or first.dtype != self.dtype or first.sharding != self._cache_sharding):
+            raise ValueError(
+                f"kv_caches ({len(kv_caches)} layers of {first.shape} {first.dtype}) do not match the engine's "
+                f"({self.num_layers} layers of {(self.num_blocks, *self.block_shape)} {self.dtype}, same sharding)"
+            )
+
     def _check_owner(self) -> None:
         if threading.get_ident() != self._owner:
             raise RuntimeError(
@@ -161,7 +179,10 @@ class TransferEngine:
                 f"called from {threading.current_thread().name!r}"
             )
 
-    def _check_plan(self, block_ids, slots, save_ids) -> None:
+    def _check_plan(self, block_ids, slots, save_ids, *, unique: str) -> None:
+        """Validate a plan; ``unique`` names the argument that must not repeat ("slots" for a save:
+        two chunks in one slot; "block_ids" for a load: two chunks into one block). A load may
+        read one slot into several blocks."""
         if not (len(block_ids) == len(slots) == len(save_ids)):
             raise ValueError(
                 f"block_ids, slots and save_ids differ in length: {len(block_ids)}, {len(slots)}, {len(save_ids)}"
@@ -170,8 +191,9 @@ class TransferEngine:
             bad = [int(x) for x in seq if not 0 <= int(x) < limit]
             if bad:
                 raise ValueError(f"{name} out of range 0..{limit - 1}: {bad[:8]}")
-        if len(set(slots)) != len(slots):
-            raise ValueError("slots repeat within one save or load")
+        seq = slots if unique == "slots" else block_ids
+        if len(set(seq)) != len(seq):
+            raise ValueError(f"{unique} repeat within one {'save' if unique == 'slots' else 'load'}")
 
     # ---------------- saves ----------------
     def save(self, kv_caches: Sequence[jax.Array], block_ids: Sequence[int], slots: Sequence[int],
@@ -179,7 +201,8 @@ class TransferEngine:
         """Dispatch one gather and one device-to-host transfer for all the blocks, then complete
         the copies into ``slots`` in the background. Results come back via ``drain_results``."""
         self._check_owner()
-        self._check_plan(block_ids, slots, save_ids)
+        self._check_call_caches(kv_caches)
+        self._check_plan(block_ids, slots, save_ids, unique="slots")
         n = len(block_ids)
         if n == 0:
             return
@@ -204,6 +227,7 @@ class TransferEngine:
                        previous: set[futures.Future]) -> None:
         futures.wait(previous)  # write-after-write: older writes to these slots land first
         ok = True
+        t0 = time.monotonic()
         try:
             self.backend.invalidate(slots)
             self._faults.before_write(save_ids)
@@ -223,10 +247,22 @@ class TransferEngine:
             self.backend.invalidate(slots)
         with self._lock:
             self._results.extend(SaveResult(s, ok) for s in save_ids)
+            if ok:
+                self.counters["chunks_saved"] += n
+                self.counters["bytes_saved"] += n * self.backend.slot_bytes
+                self.counters["save_seconds"] += time.monotonic() - t0
+            else:
+                self.counters["save_failures"] += n
 
     def _forget_inflight(self, fut: futures.Future) -> None:
         with self._lock:
             self._inflight.pop(fut, None)
+
+    def take_counters(self) -> Counter[str]:
+        """Counters accumulated since the last call (thread-safe)."""
+        with self._lock:
+            out, self.counters = self.counters, Counter()
+        return out
 
     def drain_results(self) -> list[SaveResult]:
         """Save outcomes completed since the last call (thread-safe)."""
@@ -256,10 +292,12 @@ class TransferEngine:
         scatter. The cache arrays are donated: use the returned ones. Returns
         ``(new_caches, failed_block_ids)``."""
         self._check_owner()
-        self._check_plan(block_ids, slots, save_ids)
+        self._check_call_caches(kv_caches)
+        self._check_plan(block_ids, slots, save_ids, unique="block_ids")
         n = len(block_ids)
         if n == 0:
             return list(kv_caches), []
+        t0 = time.monotonic()
         late = self._wait_for_writes(slots)
         rows, bad = self.backend.read(slots, save_ids, pad_to=_bucket(n))
         bad = sorted(set(bad) | late)
@@ -275,6 +313,11 @@ class TransferEngine:
         ids[:n] = block_ids
         new = self._scatter(tuple(kv_caches), ids, device_rows)
         self.log.record("scatter", shape=device_rows.shape, blocks=list(map(int, block_ids)))
+        with self._lock:
+            self.counters["chunks_loaded"] += n - len(bad)
+            self.counters["bytes_loaded"] += (n - len(bad)) * self.backend.slot_bytes
+            self.counters["load_errors"] += len(bad)
+            self.counters["load_seconds"] += time.monotonic() - t0
         return list(new), [int(block_ids[i]) for i in bad]
 
     def _wait_for_writes(self, slots: Sequence[int]) -> set[int]:

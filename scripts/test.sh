@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite, from nothing: set up .venv, then pytest under an outside timeout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+exec timeout -k 30 4800 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,667 @@
+"""Drive vLLM 0.32's REAL v1 Scheduler / AsyncScheduler on CPU, with no model
+and no accelerator, with a KV connector loaded via kv_connector_module_path.
+
+Typical use::
+
+    from vllm_harness import make_scheduler, make_request, EngineLoop
+
+    sched = make_scheduler(num_blocks=64, block_size=16,
+                           kv_connector_extra_config={...},
+                           connector_module_path="tpuoffload.connector")
+    sched.add_request(make_request("r0", list(range(40)), max_tokens=4))
+    loop = EngineLoop(sched)                   # optionally worker_connectors=[...]
+    loop.run_until_done()
+
+Pitfalls handled here (see tests/VLLM_API_NOTES.md):
+  * VLLM_TARGET_DEVICE=cpu must be set before vllm.platforms.current_platform is
+    first touched, otherwise the platform is "UnspecifiedPlatform" (device_type
+    "") on a machine without GPU/TPU.
+  * HF_HUB_OFFLINE=1 + skip_tokenizer_init=True + a local dir with config.json:
+    ModelConfig never touches the network or a tokenizer.
+  * Request block hashes must be computed with the same hash fn + NONE_HASH as
+    the scheduler's prefix cache (engine core: get_hash_fn_by_name(
+    cache_config.prefix_caching_hash_algo) -> init_none_hash -> 
+    get_request_block_hasher(hash_block_size, fn)).
+  * For partial-prefill chunks the real model runner returns NO sampled token;
+    giving one would corrupt the request. We decide "samples this step" right
+    after schedule() (request.is_prefill_chunk), which is also correct under
+    async scheduling where several batches are in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Irrelevant for a bare Scheduler, but keeps any accidental LLM() in-process.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
+    KVConnectorFactory,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
+    KVOutputAggregator,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+EOS_TOKEN_ID = 2
+VOCAB_SIZE = 32000
+
+_MODEL_DIR: str | None = None
+_DEFAULT_HASH_BLOCK_SIZE: int | None = None
+_DEFAULT_HASH_FN: Callable[[Any], bytes] | None = None
+
+
+# --------------------------------------------------------------------------
+# model dir / configs
+# --------------------------------------------------------------------------
+def tiny_model_dir(
+    num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 16
+) -> str:
+    """Temp dir with only a tiny llama-style config.json (cached per process
+    for the default shape)."""
+    global _MODEL_DIR
+    default = (num_layers, num_kv_heads, head_size) == (2, 2, 16)
+    if default and _MODEL_DIR is not None:
+        return _MODEL_DIR
+    num_heads = num_kv_heads * 2
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": num_heads * head_size,
+        "head_dim": head_size,
+        "intermediate_size": 4 * num_heads * head_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "num_hidden_layers": num_layers,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+    }
+    d = tempfile.mkdtemp(prefix="vllm_tiny_model_")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if default:
+        _MODEL_DIR = d
+    return d
+
+
+def layer_names(num_layers: int) -> list[str]:
+    """Attention layer names as vLLM's llama would register them."""
+    return [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+
+
+def make_vllm_config(
+    block_size: int,
+    kv_connector_extra_config: dict | None,
+    connector_module_path: str | None,
+    connector_class: str = "TPUOffloadConnector",
+    async_scheduling: bool = False,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 4096,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_size: int = 16,
+    kv_role: str = "kv_both",
+    kv_load_failure_policy: str = "recompute",
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True,
+    tensor_parallel_size: int = 1,
+) -> VllmConfig:
+    model_dir = tiny_model_dir(num_layers, num_kv_heads, head_size)
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        is_encoder_decoder=model_config.is_encoder_decoder,
+        async_scheduling=async_scheduling,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    kv_transfer_config = None
+    if connector_module_path is not None or connector_class in (
+        KVConnectorFactory._registry
+    ):
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=connector_class,
+            kv_connector_module_path=connector_module_path,
+            kv_role=kv_role,
+            kv_connector_extra_config=dict(kv_connector_extra_config or {}),
+            kv_load_failure_policy=kv_load_failure_policy,
+        )
+    from vllm.config import ParallelConfig
+
+    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        parallel_config=parallel_config,
+        kv_transfer_config=kv_transfer_config,
+        device_config=DeviceConfig("cpu"),
+    )
+    # PITFALL: CpuPlatform.check_and_update_config (platforms/cpu.py:330-331)
+    # unconditionally forces async_scheduling=False. Restore the requested
+    # value; max_concurrent_batches (config/vllm.py:577-587) then becomes 2.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    # CpuPlatform would replace a non-user-specified block size with 128.
+    assert vllm_config.cache_config.block_size == block_size, (
+        vllm_config.cache_config.block_size
+    )
+    return vllm_config
+
+
+def make_kv_cache_config(
+    num_blocks: int,
+    block_size: int,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> KVCacheConfig:
+    """Scheduler-side KVCacheConfig: one FullAttentionSpec group, no tensors."""
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                layer_names(num_layers),
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=num_kv_heads,
+                    head_size=head_size,
+                    dtype=dtype,
+                ),
+            )
+        ],
+    )
+    # EngineCore resolves these before building the scheduler (core.py:361-374).
+    cfg.hash_block_size = block_size
+    cfg.cache_hit_alignment_tokens = block_size
+    return cfg
+
+
+def make_scheduler(
+    num_blocks: int,
+    block_size: int,
+    kv_connector_extra_config: dict | None = None,
+    connector_module_path: str | None = "tpuoffload.connector",
+    async_scheduling: bool = False,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_size: int = 16,
+    connector_class: str = "TPUOffloadConnector",
+    max_model_len: int = 4096,
+    kv_role: str = "kv_both",
+    kv_load_failure_policy: str = "recompute",
+    enable_chunked_prefill: bool = True,
+    tensor_parallel_size: int = 1,
+    log_stats: bool = True,
+    model_runner_v2: bool = False,
+) -> Scheduler:
+    """Build vLLM's real Scheduler (or AsyncScheduler) exactly as EngineCore does,
+    minus the executor. The connector (role SCHEDULER) is ``sched.connector``.
+
+    Set connector_module_path=None and connector_class="" for no connector.
+    tensor_parallel_size only changes parallel_config.world_size (what the
+    executor's KVOutputAggregator would expect); nothing is launched.
+    model_runner_v2=True emulates Model Runner V2's SchedulerOutput shape
+    (resumed requests go to scheduled_new_reqs with prefill_token_ids). The
+    real switch (VLLM_USE_V2_MODEL_RUNNER=1) fails config validation without
+    Triton, so this only flips Scheduler.use_v2_model_runner after __init__
+    (the only scheduler-side uses: scheduler.py:363,1418,1450,1731,
+    async_scheduler.py:52); vllm_config.use_v2_model_runner stays False.
+    """
+    global _DEFAULT_HASH_BLOCK_SIZE, _DEFAULT_HASH_FN
+    vllm_config = make_vllm_config(
+        block_size=block_size,
+        kv_connector_extra_config=kv_connector_extra_config,
+        connector_module_path=connector_module_path,
+        connector_class=connector_class,
+        async_scheduling=async_scheduling,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        kv_role=kv_role,
+        kv_load_failure_policy=kv_load_failure_policy,
+        enable_chunked_prefill=enable_chunked_prefill,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    # EngineCore sets this from the resolved scheduler KV cache config.
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = make_kv_cache_config(
+        num_blocks, block_size, num_layers, num_kv_heads, head_size
+    )
+    # Same hashing setup as EngineCore.__init__ (v1/engine/core.py:231-240).
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    _DEFAULT_HASH_BLOCK_SIZE = block_size
+    _DEFAULT_HASH_FN = hash_fn
+
+    sched_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    assert sched_cls is (AsyncScheduler if async_scheduling else Scheduler), sched_cls
+    sched = sched_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=block_size,
+        include_finished_set=False,
+        log_stats=log_stats,
+    )
+    if model_runner_v2:
+        sched.use_v2_model_runner = True
+    return sched
+
+
+def make_worker_connector(scheduler: Scheduler) -> KVConnectorBase_V1:
+    """A WORKER-role instance of the same connector class (what
+    ensure_kv_transfer_initialized() builds in each worker). Real workers get a
+    kv_cache_config with kv_cache_tensors filled in; this one has none, and
+    register_kv_caches() is NOT called (do it yourself with fake tensors)."""
+    return KVConnectorFactory.create_connector(
+        config=scheduler.vllm_config,
+        role=KVConnectorRole.WORKER,
+        kv_cache_config=scheduler.kv_cache_config,
+    )
+
+
+# --------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------
+def make_request(
+    req_id: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int = 8,
+    block_size: int | None = None,
+    ignore_eos: bool = True,
+    kv_transfer_params: dict | None = None,
+    priority: int = 0,
+    arrival_time: float | None = None,
+) -> Request:
+    """Build a vllm.v1.request.Request the way EngineCore.preprocess_add_request
+    does (Request.from_engine_core_request with the engine's block hasher).
+
+    n>1 does not exist at this level: the v1 frontend fans n>1 out into n
+    independent child Requests (vllm/v1/engine/parallel_sampling.py), so just
+    make several requests with the same prompt.
+    """
+    bs = block_size if block_size is not None else _DEFAULT_HASH_BLOCK_SIZE
+    if bs is None:
+        raise RuntimeError("call make_scheduler() first or pass block_size=")
+    hash_fn = _DEFAULT_HASH_FN
+    if hash_fn is None:
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sp.update_from_generation_config({}, EOS_TOKEN_ID)
+    req = Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=sp,
+        pooling_params=None,
+        arrival_time=arrival_time,
+        priority=priority,
+        block_hasher=get_request_block_hasher(bs, hash_fn),
+    )
+    if kv_transfer_params is not None:
+        req.kv_transfer_params = kv_transfer_params
+    return req
+
+
+# --------------------------------------------------------------------------
+# fake model runner
+# --------------------------------------------------------------------------
+def sampling_req_ids(scheduler: Scheduler, scheduler_output: SchedulerOutput) -> set[str]:
+    """Req ids that sample a token in this step. MUST be called right after
+    scheduler.schedule() (before the next schedule()): a request whose scheduled
+    chunk does not reach the end of its known tokens is a partial prefill and the
+    real model runner returns no token for it."""
+    out = set()
+    for req_id in scheduler_output.num_scheduled_tokens:
+        req = scheduler.requests.get(req_id)
+        if req is not None and not req.is_prefill_chunk:
+            out.add(req_id)
+    return out
+
+
+def make_model_runner_output(
+    scheduler_output: SchedulerOutput,
+    kv_connector_output: KVConnectorOutput | None = None,
+    sample_ids: Iterable[str] | None = None,
+    scheduler: Scheduler | None = None,
+    token_id: int | Callable[[str], int] = 7,
+) -> ModelRunnerOutput:
+    """Fake ModelRunnerOutput for scheduler.update_from_output().
+
+    One sampled token per scheduled request that samples this step (see
+    sampling_req_ids); [] for partial prefills. Pass either sample_ids (captured
+    right after schedule()) or scheduler (then computed now; only valid for the
+    synchronous Scheduler before any further schedule()).
+    """
+    if sample_ids is None:
+        assert scheduler is not None, "pass sample_ids= or scheduler="
+        sample_ids = sampling_req_ids(scheduler, scheduler_output)
+    sample_ids = set(sample_ids)
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in req_ids:
+        if rid in sample_ids:
+            tok = token_id(rid) if callable(token_id) else token_id
+            sampled.append([tok])
+        else:
+            sampled.append([])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_connector_output,
+    )
+
+
+def run_worker_connector_step(
+    worker: KVConnectorBase_V1,
+    scheduler_output: SchedulerOutput,
+    vllm_config: VllmConfig | None = None,
+    forward: Callable[[], None] | None = None,
+) -> KVConnectorOutput:
+    """Mimic one execute_model() of the V1 GPU model runner on one worker:
+    gpu_model_runner.py:3968-3971 (handle_preemptions) then
+    kv_connector_model_runner_mixin.py:67-107 (bind, start_load_kv before or
+    after the forward depending on has_sync_kv_loads, wait_for_save,
+    get_transfer_results, load errors, stats, events, worker meta, clear).
+    A 0-token step goes through kv_connector_no_forward (same sequence)."""
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    meta = scheduler_output.kv_connector_metadata
+    assert meta is not None
+    worker.handle_preemptions(meta)
+    out = KVConnectorOutput()
+    with set_forward_context(None, vllm_config) if vllm_config is not None else _null():
+        fc = get_forward_context() if vllm_config is not None else None
+        worker.bind_connector_metadata(meta)
+        start_after_forward = not scheduler_output.has_sync_kv_loads
+        if not start_after_forward:
+            worker.start_load_kv(fc)
+        try:
+            if forward is not None and scheduler_output.total_num_scheduled_tokens:
+                forward()
+        finally:
+            if start_after_forward:
+                worker.start_load_kv(fc)
+            worker.wait_for_save()
+            res = worker.get_transfer_results(scheduler_output.finished_req_ids)
+            out.finished_sending = res.finished_sending
+            out.finished_recving = res.finished_recving
+            out.failed_recving = res.failed_recving
+            out.invalid_block_ids = worker.get_block_ids_with_load_errors()
+            out.kv_connector_stats = worker.get_kv_connector_stats()
+            out.kv_cache_events = worker.get_kv_connector_kv_cache_events()
+            out.kv_connector_worker_meta = worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+# --------------------------------------------------------------------------
+# engine loop emulation
+# --------------------------------------------------------------------------
+class EngineLoop:
+    """Emulates EngineCore.step() (sync) / step_with_batch_queue() (async,
+    batch_queue_size = vllm_config.max_concurrent_batches = 2).
+
+    worker_connectors: list of WORKER-role connectors (one per simulated worker)
+        run via run_worker_connector_step each step and merged with vLLM's
+        KVOutputAggregator when there is more than one (UniProcExecutor, i.e.
+        world_size 1, does NOT aggregate: the raw worker output is delivered).
+    kv_output_fn: alternatively, a callable(scheduler_output) ->
+        KVConnectorOutput | None producing the (already aggregated) output.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        worker_connectors: list[KVConnectorBase_V1] | None = None,
+        kv_output_fn: Callable[[SchedulerOutput], KVConnectorOutput | None] | None = None,
+        token_id: int | Callable[[str], int] = 7,
+        use_forward_context: bool = True,
+    ):
+        self.scheduler = scheduler
+        self.workers = worker_connectors or []
+        self.kv_output_fn = kv_output_fn
+        self.token_id = token_id
+        self.use_forward_context = use_forward_context
+        self.is_async = isinstance(scheduler, AsyncScheduler)
+        self.batch_queue_size = scheduler.vllm_config.max_concurrent_batches
+        self.batch_queue: deque = deque()
+        self.aggregator = None
+        if len(self.workers) > 1 and scheduler.connector is not None:
+            self.aggregator = KVOutputAggregator.from_connector(
+                scheduler.connector, len(self.workers)
+            )
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, Any] = {}
+        self.kv_transfer_params: dict[str, Any] = {}
+        self.history: list[SchedulerOutput] = []
+        self.num_steps = 0
+
+    # -- "execute_model" --
+    def _execute(self, so: SchedulerOutput, sample_ids: set[str]) -> ModelRunnerOutput:
+        kv_out: KVConnectorOutput | None = None
+        if self.workers:
+            vcfg = self.scheduler.vllm_config if self.use_forward_context else None
+            per_worker = [
+                run_worker_connector_step(w, so, vcfg) for w in self.workers
+            ]
+            if self.aggregator is not None:
+                mros = [
+                    make_model_runner_output(so, kv, sample_ids, token_id=self.token_id)
+                    for kv in per_worker
+                ]
+                return self.aggregator.aggregate(mros, output_rank=0)
+            kv_out = per_worker[0]
+        elif self.kv_output_fn is not None:
+            kv_out = self.kv_output_fn(so)
+        if so.total_num_scheduled_tokens == 0:
+            # kv_connector_no_forward -> with_kv_conn_output_only: an empty
+            # KVConnectorOutput collapses to EMPTY_MODEL_RUNNER_OUTPUT
+            # (kv_connector_output=None => update_connector_output NOT called).
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+        return make_model_runner_output(so, kv_out, sample_ids, token_id=self.token_id)
+
+    def _process(self, so: SchedulerOutput, mro: ModelRunnerOutput):
+        eco = self.scheduler.update_from_output(so, mro)
+        for outs in eco.values():
+            for o in outs.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.finish_reason
+                if o.kv_transfer_params is not None:
+                    self.kv_transfer_params[o.request_id] = o.kv_transfer_params
+        return eco
+
+    def step(self):
+        """One EngineCore step. Returns update_from_output's result or None."""
+        self.num_steps += 1
+        sched = self.scheduler
+        if not self.is_async or self.batch_queue_size <= 1:
+            if not sched.has_requests():
+                return None
+            so = sched.schedule()
+            self.history.append(so)
+            ids = sampling_req_ids(sched, so)
+            return self._process(so, self._execute(so, ids))
+
+        # step_with_batch_queue (core.py:698-800), without structured output.
+        model_executed = False
+        if sched.has_requests():
+            so = sched.schedule()
+            self.history.append(so)
+            ids = sampling_req_ids(sched, so)
+            # Execution is eager here; only the *delivery* is delayed, which is
+            # what the scheduler observes.
+            mro = self._execute(so, ids)
+            model_executed = so.total_num_scheduled_tokens > 0
+            self.batch_queue.appendleft((so, mro))
+            if len(self.batch_queue) < self.batch_queue_size and (
+                model_executed or sched.has_requests()
+            ):
+                return None
+        elif not self.batch_queue:
+            return None
+        so, mro = self.batch_queue.pop()
+        return self._process(so, mro)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def run_until_done(self, max_steps: int = 1000) -> int:
+        n = 0
+        while self.has_work():
+            self.step()
+            n += 1
+            if n >= max_steps:
+                raise RuntimeError(f"not done after {max_steps} steps")
+        return n
+
+
+def free_block_count(scheduler: Scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def assert_scheduler_empty(scheduler: Scheduler) -> None:
+    """No leaked requests/blocks (mirrors vLLM's tests/v1/kv_connector/unit/utils.py)."""
+    assert not scheduler.requests, list(scheduler.requests)
+    assert len(scheduler.waiting) == 0 and len(scheduler.kv_holding_waiting) == 0
+    assert not scheduler.running
+    assert not scheduler.finished_recving_kv_req_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # null block
+    for b in pool.blocks:
+        assert b.ref_cnt == 0, b
+
+
+# --------------------------------------------------------------------------
+# self-test: python tests/vllm_harness.py
+# --------------------------------------------------------------------------
+def _selftest() -> None:
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    mod, cls = "_dummy_connector", "DummyRecordingConnector"
+
+    # 1) sync Scheduler, 3 requests with a shared prefix, 1 worker connector
+    s = make_scheduler(64, 16, {}, mod, connector_class=cls)
+    w = make_worker_connector(s)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", list(range(32)) + [1000 + i] * 9, 4))
+    loop = EngineLoop(s, worker_connectors=[w])
+    loop.run_until_done()
+    assert all(len(v) == 4 for v in loop.outputs.values()) and len(loop.finished) == 3
+    assert_scheduler_empty(s)
+    print("sync ok", loop.num_steps, "steps")
+
+    # 2) AsyncScheduler (2 batches in flight)
+    s = make_scheduler(64, 16, {}, mod, connector_class=cls, async_scheduling=True)
+    assert isinstance(s, AsyncScheduler) and s.vllm_config.max_concurrent_batches == 2
+    loop = EngineLoop(s, worker_connectors=[make_worker_connector(s)])
+    for i in range(3):
+        s.add_request(make_request(f"a{i}", list(range(i, i + 40)), 5))
+    loop.run_until_done()
+    assert all(len(v) == 5 for v in loop.outputs.values()), loop.outputs
+    assert_scheduler_empty(s)
+    print("async ok", loop.num_steps, "steps")
+
+    # 3) async external load (WAITING_FOR_REMOTE_KVS) + delayed free, TP=2
+    #    workers aggregated by vLLM's KVOutputAggregator
+    s = make_scheduler(
+        64, 16, {"matched_tokens": 32, "is_async": True, "delay_free": True},
+        mod, connector_class=cls, tensor_parallel_size=2,
+    )
+    ws = [make_worker_connector(s) for _ in range(2)]
+    loop = EngineLoop(s, worker_connectors=ws)
+    s.add_request(make_request("x", list(range(40)), 3))
+    loop.step()
+    from vllm.v1.request import RequestStatus
+
+    assert s.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    loop.run_until_done()
+    assert len(loop.outputs["x"]) == 3
+    assert_scheduler_empty(s)
+    names = [c[0] for c in s.connector.calls]
+    assert names.count("update_state_after_alloc") == 2, names
+    print("async-load + delayed-free (2 workers) ok", loop.num_steps, "steps")
+
+
+if __name__ == "__main__":
+    _selftest()

@@ -1,0 +1,172 @@
+"""Connector configuration: parsed from ``kv_connector_extra_config``, validated key by key.
+
+tpu-inference's ``TPU_OFFLOAD_*`` environment variables are honoured as fallbacks, so an existing
+deployment can switch ``kv_connector_module_path`` and keep its settings. An explicit
+``kv_connector_extra_config`` key always wins over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_TIB = 1 << 40
+MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    # Host RAM per host for offloaded KV, in bytes (exact: whole chunks that fit, never more).
+    cpu_bytes_to_use: int | None = None
+    # Alternative to cpu_bytes_to_use, in chunks (tpu-inference's TPU_OFFLOAD_NUM_CPU_CHUNKS).
+    num_cpu_chunks: int | None = None
+    # False: save full blocks as they are computed. True: save a request's blocks only when it
+    # finishes or is preempted.
+    lazy_offload: bool = False
+    # Bytes of saves in flight (issued, not yet confirmed by every host) per host.
+    staging_bytes: int | None = None
+    # Alternative to staging_bytes, in blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS).
+    num_staging_blocks: int = 256
+    save_threads: int = 4
+    host_memory_kind: str = "pinned_host"
+    # Also save blocks filled by generated (decode) tokens, not only prompt blocks.
+    save_decode_blocks: bool = False
+    # A load waits at most this long for a local save of the same slot still in flight.
+    load_wait_timeout_s: float = 10.0
+    # A save not confirmed by every host within this time is dropped (never loadable).
+    save_timeout_s: float = 120.0
+    # Directory for per-host stats snapshots (None: off) and how often to write them.
+    stats_dir: str | None = None
+    stats_interval_s: float = 5.0
+
+    # ---- derived sizes (need the size of one chunk on one host) ----
+    def host_bytes(self, chunk_bytes: int) -> int:
+        if self.cpu_bytes_to_use is not None:
+            return self.cpu_bytes_to_use
+        return self.num_cpu_chunks * chunk_bytes
+
+    def staging_capacity(self, chunk_bytes: int) -> int:
+        if self.staging_bytes is not None:
+            return self.staging_bytes
+        return self.num_staging_blocks * chunk_bytes
+
+    def summary(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+# key -> environment variable honoured as a fallback
+_ENV_FALLBACKS = {
+    "num_cpu_chunks": "TPU_OFFLOAD_NUM_CPU_CHUNKS",
+    "num_staging_blocks": "TPU_OFFLOAD_NUM_STAGING_BLOCKS",
+    "save_threads": "TPU_OFFLOAD_SAVE_THREADS",
+    "save_decode_blocks": "TPU_OFFLOAD_DECODE_SAVE",
+    "host_memory_kind": "TPU_OFFLOAD_USE_UNPINNED_HOST",
+}
+KNOWN_KEYS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"kv_connector_extra_config[{key!r}] must be a boolean, got {value!r}")
+
+
+def _as_int(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]={value} is outside {low}..{high}")
+    return value
+
+
+def _as_float(key: str, value: Any, low: float, high: float) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not low < out <= high:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]={value!r} is outside ({low}, {high}]")
+    return out
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_in_ram(nbytes: int, what: str = "cpu_bytes_to_use") -> None:
+    ram = _physical_memory()
+    if ram is not None and nbytes > ram:
+        raise ValueError(f"{what}={nbytes} exceeds this host's physical memory ({ram} bytes)")
+
+
+def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> OffloadConfig:
+    """Build an OffloadConfig from ``kv_connector_extra_config`` (falling back to the environment).
+
+    Raises ValueError naming the offending key for unknown keys, wrong types, and values that are
+    zero, negative or absurd. (Whether the host really has that much RAM is checked by the worker
+    when it allocates, on the host concerned: see ``check_fits_in_ram``.)
+    """
+    extra = dict(extra or {})
+    environ = os.environ if environ is None else environ
+    unknown = sorted(set(extra) - set(KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known keys: {list(KNOWN_KEYS)}")
+    for key, env in _ENV_FALLBACKS.items():
+        if key not in extra and env in environ:
+            value = environ[env]
+            if key == "host_memory_kind":
+                value = "unpinned_host" if _as_bool(env, value) else "pinned_host"
+            extra[key] = value
+
+    out: dict[str, Any] = {}
+    ram = 64 * _TIB  # beyond any host
+    if extra.get("cpu_bytes_to_use") is not None:
+        out["cpu_bytes_to_use"] = _as_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"], 1, ram)
+    if extra.get("num_cpu_chunks") is not None:
+        out["num_cpu_chunks"] = _as_int("num_cpu_chunks", extra["num_cpu_chunks"], 1, 1 << 32)
+    if "cpu_bytes_to_use" not in out and "num_cpu_chunks" not in out:
+        raise ValueError(
+            "kv_connector_extra_config must set 'cpu_bytes_to_use' (host RAM per host, in bytes) "
+            "or 'num_cpu_chunks' (or the TPU_OFFLOAD_NUM_CPU_CHUNKS environment variable)"
+        )
+    if "cpu_bytes_to_use" in out and "num_cpu_chunks" in out:
+        out.pop("num_cpu_chunks")  # explicit bytes win; chunks may come from an old environment
+    if extra.get("staging_bytes") is not None:
+        out["staging_bytes"] = _as_int("staging_bytes", extra["staging_bytes"], 1, ram)
+    for key in ("num_staging_blocks",):
+        if key in extra:
+            out[key] = _as_int(key, extra[key], 1, 1 << 24)
+    if "save_threads" in extra:
+        out["save_threads"] = _as_int("save_threads", extra["save_threads"], 1, 256)
+    for key in ("lazy_offload", "save_decode_blocks"):
+        if key in extra:
+            out[key] = _as_bool(key, extra[key])
+    if "host_memory_kind" in extra:
+        if extra["host_memory_kind"] not in MEMORY_KINDS:
+            raise ValueError(
+                f"kv_connector_extra_config['host_memory_kind'] must be one of {MEMORY_KINDS}, "
+                f"got {extra['host_memory_kind']!r}"
+            )
+        out["host_memory_kind"] = extra["host_memory_kind"]
+    for key, high in (("load_wait_timeout_s", 3600.0), ("save_timeout_s", 86400.0), ("stats_interval_s", 3600.0)):
+        if key in extra:
+            out[key] = _as_float(key, extra[key], 0.0, high)
+    if extra.get("stats_dir") is not None:
+        if not isinstance(extra["stats_dir"], str) or not extra["stats_dir"]:
+            raise ValueError(f"kv_connector_extra_config['stats_dir'] must be a directory path, got {extra['stats_dir']!r}")
+        out["stats_dir"] = extra["stats_dir"]
+    return OffloadConfig(**out)

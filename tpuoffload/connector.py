@@ -1,0 +1,149 @@
+"""``TPUOffloadConnector``: the class vLLM loads. Thin: every hook delegates to the scheduler half
+(``OffloadScheduler``) or the worker half (``OffloadWorker``).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TPUOffloadConnector",
+                           "kv_connector_module_path": "tpuoffload.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 107374182400}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from tpuoffload.config import parse_config
+from tpuoffload.messages import OffloadMetadata
+from tpuoffload.scheduler import OffloadScheduler
+from tpuoffload.stats import OffloadStats
+from tpuoffload.worker.offload_worker import OffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def chunk_bytes_per_host(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one block across all layers, as one worker holds it (vLLM sizes pages per worker)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    return total
+
+
+def expected_reporters(connector: KVConnectorBase_V1, vllm_config: "VllmConfig") -> int:
+    """How many workers report each step: the count vLLM's KVOutputAggregator waits for
+    (``KVOutputAggregator.from_connector``: get_finished_count() or the executor's world size)."""
+    return connector.get_finished_count() or vllm_config.parallel_config.world_size
+
+
+class TPUOffloadConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.config = parse_config(extra)
+        self.scheduler: OffloadScheduler | None = None
+        self.worker: OffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if kv_cache_config is None:
+                raise ValueError("TPUOffloadConnector needs the KV cache config on the scheduler side")
+            self.scheduler = OffloadScheduler(
+                self.config,
+                block_size=vllm_config.cache_config.block_size,
+                chunk_bytes=chunk_bytes_per_host(kv_cache_config),
+                num_hosts=expected_reporters(self, vllm_config),
+            )
+            logger.info("tpuoffload scheduler: %d host slots, %d hosts confirm each chunk; %s",
+                        self.scheduler.index.num_slots, self.scheduler.ledger.num_hosts, self.config.summary())
+        else:
+            self.worker = OffloadWorker(self.config)
+            logger.info("tpuoffload worker (host %d): %s", self.worker.host_id, self.config.summary())
+
+    # ============================== worker side ==============================
+    def register_runner(self, runner: Any) -> None:
+        """Called by tpu-inference's runner once ``runner.kv_caches`` exists."""
+        self.worker.register_runner(runner)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # The JAX cache is replaced by every donating update, so the connector needs the runner
+        # that owns it (register_runner), not a snapshot of the arrays.
+        logger.debug("tpuoffload: register_kv_caches ignored; waiting for register_runner")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, OffloadMetadata)
+        self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self.worker.clear()
+        super().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        self.worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads land whole before the requests that need them are scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # saves are one batched gather per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.build_report()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is not None:
+            return self.worker.take_stats()
+        return self.scheduler.take_stats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    # ============================== scheduler side ==============================
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return OffloadStats(dict(data)) if data is not None else OffloadStats()

@@ -1,0 +1,157 @@
+"""An in-process engine: vLLM's real Scheduler (or AsyncScheduler), the connector, and one
+SyntheticRunner per simulated host, stepped the way vLLM's EngineCore steps them.
+
+Several hosts in one process each hold a full copy of the cache on their own devices; the
+multi-process pod slice (tpuoffload.sim.podslice) shards heads across processes instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from tpuoffload.connector import TPUOffloadConnector
+from tpuoffload.sim.runner import SyntheticRunner
+from tpuoffload.stats import OffloadStats
+from tpuoffload.sim.vllm_setup import make_scheduler, make_worker_connector
+from tpuoffload.worker.transfer_engine import Faults
+
+
+@dataclass
+class EngineSpec:
+    num_hosts: int = 1
+    devices_per_host: int = 2
+    num_blocks: int = 128
+    block_size: int = 16
+    num_layers: int = 2
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    async_scheduling: bool = False
+    extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
+    scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class InProcessEngine:
+    def __init__(self, spec: EngineSpec, faults: Sequence[Faults | None] | None = None) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.spec = spec
+        self.scheduler = make_scheduler(
+            num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=spec.extra_config,
+            async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens, num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads, head_size=spec.head_dim, tensor_parallel_size=spec.num_hosts,
+            **spec.scheduler_kwargs,
+        )
+        devices = jax.devices()
+        need = spec.num_hosts * spec.devices_per_host
+        if len(devices) < need:
+            raise ValueError(f"{spec.num_hosts} hosts x {spec.devices_per_host} devices need {need} devices; "
+                             f"JAX has {len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
+        faults = list(faults) if faults is not None else [None] * spec.num_hosts
+        self.runners: list[SyntheticRunner] = []
+        self.connectors = []
+        for host in range(spec.num_hosts):
+            mesh = Mesh(np.array(devices[host * spec.devices_per_host:(host + 1) * spec.devices_per_host]), ("model",))
+            runner = SyntheticRunner(mesh, num_blocks=spec.num_blocks, block_size=spec.block_size,
+                                     num_layers=spec.num_layers, num_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+            connector = make_worker_connector(self.scheduler)
+            connector.worker.host_id = host
+            connector.worker._faults = faults[host]
+            connector.register_runner(runner)
+            self.runners.append(runner)
+            self.connectors.append(connector)
+        self.aggregator = (KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
+                           if spec.num_hosts > 1 else None)
+        self._queue: deque = deque()
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.steps = 0
+        self.stats = OffloadStats()  # everything vLLM's stats path delivered, merged
+        self.drop_report = None  # test hook: callable(step, host) -> bool, drops that host's worker report
+
+    @property
+    def offload(self):
+        """The connector's scheduler half."""
+        return self.scheduler.connector.scheduler
+
+    def add_request(self, request) -> None:
+        self.scheduler.add_request(request)
+
+    def _execute(self, so):
+        outs = []
+        for host, (runner, conn) in enumerate(zip(self.runners, self.connectors)):
+            out = runner.execute(so, conn)
+            if self.drop_report is not None and out.kv_connector_output is not None and self.drop_report(self.steps, host):
+                out.kv_connector_output.kv_connector_worker_meta = None
+            outs.append(out)
+        if self.aggregator is None:
+            return outs[0]
+        return self.aggregator.aggregate(outs, output_rank=0)
+
+    def _process(self, so, out) -> None:
+        eco = self.scheduler.update_from_output(so, out)
+        for outs in eco.values():
+            sched_stats = outs.scheduler_stats
+            if sched_stats is not None and sched_stats.kv_connector_stats:
+                data = sched_stats.kv_connector_stats
+                self.stats = self.stats.aggregate(TPUOffloadConnector.build_kv_connector_stats(dict(data)))
+            for o in outs.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+
+    def step(self) -> None:
+        """One EngineCore step: step() for the Scheduler, step_with_batch_queue() (depth 2) for the
+        AsyncScheduler, where the next batch is scheduled before the previous output is processed."""
+        self.steps += 1
+        sched = self.scheduler
+        if not self.spec.async_scheduling:
+            if sched.has_requests():
+                so = sched.schedule()
+                self._process(so, self._execute(so))
+            return
+        if sched.has_requests():
+            so = sched.schedule()
+            self._queue.appendleft((so, self._execute(so)))
+            if len(self._queue) < 2 and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
+                return
+        if self._queue:
+            self._process(*self._queue.pop())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._queue)
+
+    def run(self, max_steps: int = 10_000, on_step=None) -> int:
+        n = 0
+        while self.has_work():
+            self.step()
+            n += 1
+            if on_step is not None:
+                on_step(self)
+            if n >= max_steps:
+                raise RuntimeError(f"engine not idle after {max_steps} steps")
+        return n
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait for every background save, then run empty steps until all reports reached the scheduler."""
+        for conn in self.connectors:
+            conn.worker.engine.wait_idle(timeout)
+        for _ in range(3):
+            so = self.scheduler.schedule()
+            self._process(so, self._execute(so))
+
+    def mismatches(self) -> int:
+        return sum(r.stats.mismatches for r in self.runners)
+
+    def close(self) -> None:
+        for conn in self.connectors:
+            conn.shutdown()

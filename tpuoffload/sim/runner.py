@@ -1,0 +1,205 @@
+"""A synthetic model runner: a real sharded JAX KV cache and a jitted step, no model weights.
+
+It stands in for tpu-inference's runner in tests and in the demo. For every scheduled token it
+writes into each layer and head a value determined by (layer, head, dim, hash of the token ids up to
+that position), so any block, whether computed, taken from vLLM's prefix cache or loaded from host
+RAM, can be checked exactly: on a request's first step after (re)admission the jitted step also
+reads its whole context back and counts every position whose KV is not what that prefix implies.
+The sampled token is a deterministic function of the prefix, so every host samples the same.
+
+It drives the connector's worker half in the order vLLM's KVConnectorModelRunnerMixin does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+_MASK = 0x7FFFFFFF
+
+
+def prefix_hashes(tokens: Sequence[int], start_hash: int = 0) -> list[int]:
+    """Rolling hash of the token ids up to and including each position."""
+    out, h = [], start_hash
+    for t in tokens:
+        h = (h * 1000003 + int(t) + 1) & _MASK
+        out.append(h)
+    return out
+
+
+def kv_values(hashes, num_layers: int, num_heads: int, head_dim: int):
+    """(layers, tokens, heads, head_dim) float32 values, exact in float32 (< 2**20)."""
+    x = jnp.asarray(hashes, jnp.uint32)[None, :, None, None] * jnp.uint32(2654435761)
+    x = x + (jnp.arange(num_layers, dtype=jnp.uint32)[:, None, None, None] * jnp.uint32(7919)
+             + jnp.arange(num_heads, dtype=jnp.uint32)[None, None, :, None] * jnp.uint32(131)
+             + jnp.arange(head_dim, dtype=jnp.uint32)[None, None, None, :])
+    return ((x >> 8) & 0xFFFFF).astype(jnp.float32)
+
+
+def sample(prefix_hash: int, vocab: int) -> int:
+    return (prefix_hash * 48271 + 11) % vocab
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    hashes: list[int]
+    block_ids: list[int]
+    verify_next: bool = True
+    num_computed: int = 0
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    tokens_written: int = 0
+    positions_verified: int = 0
+    mismatches: int = 0
+    mismatched_requests: set[str] = field(default_factory=set)
+
+
+class SyntheticRunner:
+    """One host's runner. ``kv_caches`` is replaced after every donating update, as in tpu-inference."""
+
+    def __init__(self, mesh: Mesh, *, num_blocks: int, block_size: int, num_layers: int, num_heads: int,
+                 head_dim: int, vocab: int = 32000, axis: str = "model") -> None:
+        self.mesh = mesh
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab = vocab
+        self._shape = (num_layers, num_heads, head_dim)
+        sharding = NamedSharding(mesh, PartitionSpec(None, None, axis, None))
+        zeros = jax.jit(lambda: jnp.zeros((num_blocks, block_size, num_heads, head_dim), jnp.float32),
+                        out_shardings=sharding)
+        self.kv_caches: list[jax.Array] = [zeros() for _ in range(num_layers)]
+        self._reqs: dict[str, _Req] = {}
+        self.stats = RunnerStats()
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self._step_fn = jax.jit(self._step, donate_argnums=0,
+                                out_shardings=(tuple(c.sharding for c in self.kv_caches), replicated))
+
+    def _step(self, caches, w_blk, w_off, w_hash, r_blk, r_off, r_hash):
+        L, H, D = self._shape
+        new_vals = kv_values(w_hash, L, H, D)
+        want = kv_values(r_hash, L, H, D)
+        bad = jnp.zeros(r_blk.shape[0], jnp.bool_)
+        out = []
+        for layer, cache in enumerate(caches):
+            # Write, then read: as in a real forward, where each layer's new KV is in the cache
+            # before attention reads it, so a request may read blocks another computes this step.
+            cache = cache.at[w_blk, w_off].set(new_vals[layer], mode="drop")
+            bad = bad | jnp.any(cache[r_blk, r_off] != want[layer], axis=(1, 2))
+            out.append(cache)
+        return tuple(out), bad
+
+    # ------------------------------------------------------------------ one engine step
+    def execute(self, scheduler_output, connector=None) -> ModelRunnerOutput:
+        """Run one step as KVConnectorModelRunnerMixin does around a forward."""
+        self._update_requests(scheduler_output)
+        kv_out = None
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            if scheduler_output.has_sync_kv_loads:
+                connector.start_load_kv(None)
+        sampled = self._forward(scheduler_output) if scheduler_output.total_num_scheduled_tokens else {}
+        if connector is not None:
+            if not scheduler_output.has_sync_kv_loads:
+                connector.start_load_kv(None)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
+            kv_out = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                kv_connector_stats=connector.get_kv_connector_stats(),
+                kv_connector_worker_meta=connector.build_connector_worker_meta(),
+            )
+            connector.clear_connector_metadata()
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+            kv_connector_output=kv_out,
+        )
+
+    def _update_requests(self, so) -> None:
+        for req_id in so.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            tokens = list(new.prompt_token_ids)
+            self._reqs[new.req_id] = _Req(tokens, prefix_hashes(tokens), list(new.block_ids[0]),
+                                          num_computed=new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs[req_id] if req_id in self._reqs else None
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tokens = list(cached.all_token_ids[req_id]) if req_id in cached.all_token_ids else req.tokens
+                req = self._reqs[req_id] = _Req(tokens, prefix_hashes(tokens), list(new_blocks[0]) if new_blocks else [])
+            elif new_blocks is not None:
+                req.block_ids.extend(new_blocks[0])
+            req.num_computed = cached.num_computed_tokens[i]
+
+    def _forward(self, so) -> dict[str, int]:
+        bs = self.block_size
+        w_blk, w_off, w_hash, r_blk, r_off, r_hash, r_req = [], [], [], [], [], [], []
+        sampled: dict[str, int] = {}
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self._reqs[req_id]
+            start = req.num_computed
+            if req.verify_next and start:
+                positions = range(start)
+                r_blk += [req.block_ids[p // bs] for p in positions]
+                r_off += [p % bs for p in positions]
+                r_hash += req.hashes[:start]
+                r_req += [req_id] * start
+            req.verify_next = False
+            end = start + n
+            for p in range(start, min(end, len(req.tokens))):
+                w_blk.append(req.block_ids[p // bs])
+                w_off.append(p % bs)
+                w_hash.append(req.hashes[p])
+            req.num_computed = end
+            if end >= len(req.tokens):  # prefill done: sample the next token from the whole prefix
+                tok = sample(req.hashes[-1], self.vocab)
+                req.tokens.append(tok)
+                req.hashes.append((req.hashes[-1] * 1000003 + tok + 1) & _MASK)
+                sampled[req_id] = tok
+        self.stats.steps += 1
+        self.stats.tokens_written += len(w_blk)
+        self.stats.positions_verified += len(r_blk)
+        w = _bucket(len(w_blk))
+        r = _bucket(len(r_blk))
+        pad_w = w - len(w_blk)
+        pad_r = r - len(r_blk)
+        caches, bad = self._step_fn(
+            tuple(self.kv_caches),
+            np.array(w_blk + [self.num_blocks] * pad_w, np.int32), np.array(w_off + [0] * pad_w, np.int32),
+            np.array(w_hash + [0] * pad_w, np.uint32),
+            np.array(r_blk + [0] * pad_r, np.int32), np.array(r_off + [0] * pad_r, np.int32),
+            np.array(r_hash + [0] * pad_r, np.uint32),
+        )
+        self.kv_caches = list(caches)
+        if r_blk:
+            bad = np.asarray(bad)[: len(r_blk)]
+            if bad.any():
+                self.stats.mismatches += int(bad.sum())
+                self.stats.mismatched_requests.update(r_req[i] for i in np.nonzero(bad)[0])
+        return sampled
+
+    def expected_block(self, tokens: Sequence[int], block_index: int) -> np.ndarray:
+        """What block ``block_index`` of a request with these token ids must hold: (L, block_size, H, D)."""
+        hashes = prefix_hashes(tokens)[block_index * self.block_size:(block_index + 1) * self.block_size]
+        return np.asarray(kv_values(np.array(hashes, np.uint32), *self._shape)).transpose(0, 1, 2, 3)

@@ -1,0 +1,67 @@
+"""Transfer statistics that merge by Counter union.
+
+Each report a process makes is keyed ``"<source>|<seq>|<name>"`` (source: a host id, or "sched"
+for the scheduler; seq: that source's report number). Merging takes the per-key maximum, so:
+
+* merging the same report twice counts it once (idempotent),
+* merge order does not matter (commutative, associative),
+* the same counter from two hosts stays two entries and ``reduce`` adds them.
+
+The payload is a plain ``dict[str, int | float]`` so it survives vLLM's serialization between
+processes and is rebuilt by ``build_kv_connector_stats``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = (
+    "chunks_saved", "bytes_saved", "save_failures", "save_seconds",
+    "chunks_loaded", "bytes_loaded", "load_errors", "load_seconds",
+    "lookup_tokens", "hit_tokens", "saves_issued",
+    "skipped_no_space", "skipped_staging", "dedup_batch", "dedup_index", "evicted",
+    "ledger_duplicate", "ledger_late", "ledger_early", "ledger_unknown", "ledger_expired",
+    "unknown_request",
+)
+
+
+def make_report(source: str | int, seq: int, values: Mapping[str, int | float]) -> dict[str, int | float]:
+    """One process's report: the non-zero ``values`` under keys unique to (source, seq)."""
+    return {f"{source}|{seq}|{name}": v for name, v in values.items() if v}
+
+
+@dataclass
+class OffloadStats(KVConnectorStats):
+    data: dict[str, int | float] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorStats) -> "OffloadStats":
+        merged = Counter(self.data) | Counter(other.data)  # per-key max: idempotent union
+        return OffloadStats(dict(merged))
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def totals(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for key, value in self.data.items():
+            out[key.rsplit("|", 1)[-1]] += value
+        return out
+
+    def reduce(self) -> dict[str, int | float]:
+        """The figures an operator logs for the interval."""
+        t = self.totals()
+        out: dict[str, int | float] = {name: t[name] for name in COUNTERS if t[name]}
+        if t["lookup_tokens"]:
+            out["hit_rate"] = round(t["hit_tokens"] / t["lookup_tokens"], 4)
+        if t["save_seconds"]:
+            out["save_GiB_per_s"] = round(t["bytes_saved"] / t["save_seconds"] / 2**30, 3)
+        if t["load_seconds"]:
+            out["load_GiB_per_s"] = round(t["bytes_loaded"] / t["load_seconds"] / 2**30, 3)
+        return out
