@@ -487,7 +487,10 @@ def test_bad_plans_raise_naming_argument(sharding, engines, op):
         (caches, [-1], [0], [1], "block_ids out of range"),
         (caches, [1], [NUM_SLOTS], [1], "slots out of range"),
         (caches, [1], [-1], [1], "slots out of range"),
-        (caches, [1, 2], [3, 3], [1, 2], "slots repeat"),
+        # A save must not put two chunks in one slot; a load must not put two chunks in one block
+        # (it may read one slot into several blocks: see test_load_one_slot_into_two_blocks).
+        (caches, [1, 2], [3, 3], [1, 2], "slots repeat") if op == "save" else
+        (caches, [1, 1], [3, 4], [1, 2], "block_ids repeat"),
         (caches[:2], [1], [0], [1], "kv_caches"),
         (bf16, [1], [0], [1], "kv_caches"),
         ([], [1], [0], [1], "kv_caches"),
@@ -499,3 +502,14 @@ def test_bad_plans_raise_naming_argument(sharding, engines, op):
             getattr(eng, op)(kv, blocks, slots, ids)
     assert eng.finish_step().ops == ()  # nothing dispatched
     assert eng.inflight() == (0, 0, None)
+
+
+def test_load_one_slot_into_two_blocks(sharding, engines):
+    caches = random_caches(sharding, 92)
+    src = host(caches)
+    eng = engines(caches)
+    save_ok(eng, caches, [6], [2], [1])
+    caches, failed = eng.load(caches, [40, 41], [2, 2], [1, 1])
+    assert failed == []
+    assert same_bytes(loaded_chunk(caches, 40), chunk_of(src, 6))
+    assert same_bytes(loaded_chunk(caches, 41), chunk_of(src, 6))

@@ -47,6 +47,9 @@ class Faults:
     def before_write(self, save_ids: Sequence[int]) -> None:
         pass
 
+    def before_load(self, backend: HostBackend, slots: Sequence[int]) -> None:
+        """Runs on the main thread before a load reads its slots; may invalidate some (local loss)."""
+
 
 HEADS_AXIS = 2  # KV cache layer layout: (num_blocks, block_size, heads, head_dim), sharded on heads
 STACKED_HEADS_AXIS = 3  # gathered layout: (blocks, layers, block_size, heads, head_dim)
@@ -299,6 +302,7 @@ class TransferEngine:
             return list(kv_caches), []
         t0 = time.monotonic()
         late = self._wait_for_writes(slots)
+        self._faults.before_load(self.backend, slots)
         rows, bad = self.backend.read(slots, save_ids, pad_to=_bucket(n))
         bad = sorted(set(bad) | late)
         if late:

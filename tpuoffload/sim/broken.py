@@ -1,0 +1,33 @@
+"""Deliberately broken engines, used only by the negative-control tests: they prove the pod-slice
+harness catches the bugs this project exists to prevent, so a green run means something."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from tpuoffload.worker.transfer_engine import TransferEngine
+
+
+def break_engine(engine: TransferEngine, how: str, host: int) -> None:
+    save = engine.save
+    if how == "host_order":
+        # Host 1 issues its gathers in a different block order (e.g. a host-local dict order).
+        if host == 1:
+            engine.save = lambda caches, b, s, i: save(caches, b[::-1], s[::-1], i[::-1])
+    elif how == "background_dispatch":
+        # The bug of the seed PR: gather + device_put dispatched from a background thread, at a
+        # moment that depends on each host's timing.
+        rng = random.Random(host)
+        engine._check_owner = lambda: None
+
+        def background_save(caches, b, s, i):
+            def run():
+                time.sleep(rng.uniform(0, 0.05))
+                save(caches, b, s, i)
+            threading.Thread(target=run, daemon=True).start()
+
+        engine.save = background_save
+    else:
+        raise ValueError(f"unknown broken variant {how!r}")
