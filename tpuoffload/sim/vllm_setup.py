@@ -1,18 +1,8 @@
-"""Drive vLLM 0.32's REAL v1 Scheduler / AsyncScheduler on CPU, with no model
+"""Build vLLM 0.32's REAL v1 Scheduler / AsyncScheduler on CPU, with no model
 and no accelerator, with a KV connector loaded via kv_connector_module_path.
 
-Typical use::
-
-    from vllm_harness import make_scheduler, make_request, EngineLoop
-
-    sched = make_scheduler(num_blocks=64, block_size=16,
-                           kv_connector_extra_config={...},
-                           connector_module_path="tpuoffload.connector")
-    sched.add_request(make_request("r0", list(range(40)), max_tokens=4))
-    loop = EngineLoop(sched)                   # optionally worker_connectors=[...]
-    loop.run_until_done()
-
-Pitfalls handled here (see tests/VLLM_API_NOTES.md):
+Used by tpuoffload.sim.engine (in-process hosts) and tpuoffload.sim.podslice (one process per
+host). Pitfalls handled here (docs/vllm-integration-notes.md has the details):
   * VLLM_TARGET_DEVICE=cpu must be set before vllm.platforms.current_platform is
     first touched, otherwise the platform is "UnspecifiedPlatform" (device_type
     "") on a machine without GPU/TPU.
@@ -20,12 +10,8 @@ Pitfalls handled here (see tests/VLLM_API_NOTES.md):
     ModelConfig never touches the network or a tokenizer.
   * Request block hashes must be computed with the same hash fn + NONE_HASH as
     the scheduler's prefix cache (engine core: get_hash_fn_by_name(
-    cache_config.prefix_caching_hash_algo) -> init_none_hash -> 
+    cache_config.prefix_caching_hash_algo) -> init_none_hash ->
     get_request_block_hasher(hash_block_size, fn)).
-  * For partial-prefill chunks the real model runner returns NO sampled token;
-    giving one would corrupt the request. We decide "samples this step" right
-    after schedule() (request.is_prefill_chunk), which is also correct under
-    async scheduling where several batches are in flight.
 """
 
 from __future__ import annotations
@@ -33,8 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -57,9 +42,6 @@ from vllm.config import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
     KVConnectorFactory,
 )
-from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
-    KVOutputAggregator,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -70,14 +52,12 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -373,226 +353,6 @@ def make_request(
 # --------------------------------------------------------------------------
 # fake model runner
 # --------------------------------------------------------------------------
-def sampling_req_ids(scheduler: Scheduler, scheduler_output: SchedulerOutput) -> set[str]:
-    """Req ids that sample a token in this step. MUST be called right after
-    scheduler.schedule() (before the next schedule()): a request whose scheduled
-    chunk does not reach the end of its known tokens is a partial prefill and the
-    real model runner returns no token for it."""
-    out = set()
-    for req_id in scheduler_output.num_scheduled_tokens:
-        req = scheduler.requests.get(req_id)
-        if req is not None and not req.is_prefill_chunk:
-            out.add(req_id)
-    return out
-
-
-def make_model_runner_output(
-    scheduler_output: SchedulerOutput,
-    kv_connector_output: KVConnectorOutput | None = None,
-    sample_ids: Iterable[str] | None = None,
-    scheduler: Scheduler | None = None,
-    token_id: int | Callable[[str], int] = 7,
-) -> ModelRunnerOutput:
-    """Fake ModelRunnerOutput for scheduler.update_from_output().
-
-    One sampled token per scheduled request that samples this step (see
-    sampling_req_ids); [] for partial prefills. Pass either sample_ids (captured
-    right after schedule()) or scheduler (then computed now; only valid for the
-    synchronous Scheduler before any further schedule()).
-    """
-    if sample_ids is None:
-        assert scheduler is not None, "pass sample_ids= or scheduler="
-        sample_ids = sampling_req_ids(scheduler, scheduler_output)
-    sample_ids = set(sample_ids)
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for rid in req_ids:
-        if rid in sample_ids:
-            tok = token_id(rid) if callable(token_id) else token_id
-            sampled.append([tok])
-        else:
-            sampled.append([])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=kv_connector_output,
-    )
-
-
-def run_worker_connector_step(
-    worker: KVConnectorBase_V1,
-    scheduler_output: SchedulerOutput,
-    vllm_config: VllmConfig | None = None,
-    forward: Callable[[], None] | None = None,
-) -> KVConnectorOutput:
-    """Mimic one execute_model() of the V1 GPU model runner on one worker:
-    gpu_model_runner.py:3968-3971 (handle_preemptions) then
-    kv_connector_model_runner_mixin.py:67-107 (bind, start_load_kv before or
-    after the forward depending on has_sync_kv_loads, wait_for_save,
-    get_transfer_results, load errors, stats, events, worker meta, clear).
-    A 0-token step goes through kv_connector_no_forward (same sequence)."""
-    from vllm.forward_context import get_forward_context, set_forward_context
-
-    meta = scheduler_output.kv_connector_metadata
-    assert meta is not None
-    worker.handle_preemptions(meta)
-    out = KVConnectorOutput()
-    with set_forward_context(None, vllm_config) if vllm_config is not None else _null():
-        fc = get_forward_context() if vllm_config is not None else None
-        worker.bind_connector_metadata(meta)
-        start_after_forward = not scheduler_output.has_sync_kv_loads
-        if not start_after_forward:
-            worker.start_load_kv(fc)
-        try:
-            if forward is not None and scheduler_output.total_num_scheduled_tokens:
-                forward()
-        finally:
-            if start_after_forward:
-                worker.start_load_kv(fc)
-            worker.wait_for_save()
-            res = worker.get_transfer_results(scheduler_output.finished_req_ids)
-            out.finished_sending = res.finished_sending
-            out.finished_recving = res.finished_recving
-            out.failed_recving = res.failed_recving
-            out.invalid_block_ids = worker.get_block_ids_with_load_errors()
-            out.kv_connector_stats = worker.get_kv_connector_stats()
-            out.kv_cache_events = worker.get_kv_connector_kv_cache_events()
-            out.kv_connector_worker_meta = worker.build_connector_worker_meta()
-            worker.clear_connector_metadata()
-    return out
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-# --------------------------------------------------------------------------
-# engine loop emulation
-# --------------------------------------------------------------------------
-class EngineLoop:
-    """Emulates EngineCore.step() (sync) / step_with_batch_queue() (async,
-    batch_queue_size = vllm_config.max_concurrent_batches = 2).
-
-    worker_connectors: list of WORKER-role connectors (one per simulated worker)
-        run via run_worker_connector_step each step and merged with vLLM's
-        KVOutputAggregator when there is more than one (UniProcExecutor, i.e.
-        world_size 1, does NOT aggregate: the raw worker output is delivered).
-    kv_output_fn: alternatively, a callable(scheduler_output) ->
-        KVConnectorOutput | None producing the (already aggregated) output.
-    """
-
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        worker_connectors: list[KVConnectorBase_V1] | None = None,
-        kv_output_fn: Callable[[SchedulerOutput], KVConnectorOutput | None] | None = None,
-        token_id: int | Callable[[str], int] = 7,
-        use_forward_context: bool = True,
-    ):
-        self.scheduler = scheduler
-        self.workers = worker_connectors or []
-        self.kv_output_fn = kv_output_fn
-        self.token_id = token_id
-        self.use_forward_context = use_forward_context
-        self.is_async = isinstance(scheduler, AsyncScheduler)
-        self.batch_queue_size = scheduler.vllm_config.max_concurrent_batches
-        self.batch_queue: deque = deque()
-        self.aggregator = None
-        if len(self.workers) > 1 and scheduler.connector is not None:
-            self.aggregator = KVOutputAggregator.from_connector(
-                scheduler.connector, len(self.workers)
-            )
-        self.outputs: dict[str, list[int]] = {}
-        self.finished: dict[str, Any] = {}
-        self.kv_transfer_params: dict[str, Any] = {}
-        self.history: list[SchedulerOutput] = []
-        self.num_steps = 0
-
-    # -- "execute_model" --
-    def _execute(self, so: SchedulerOutput, sample_ids: set[str]) -> ModelRunnerOutput:
-        kv_out: KVConnectorOutput | None = None
-        if self.workers:
-            vcfg = self.scheduler.vllm_config if self.use_forward_context else None
-            per_worker = [
-                run_worker_connector_step(w, so, vcfg) for w in self.workers
-            ]
-            if self.aggregator is not None:
-                mros = [
-                    make_model_runner_output(so, kv, sample_ids, token_id=self.token_id)
-                    for kv in per_worker
-                ]
-                return self.aggregator.aggregate(mros, output_rank=0)
-            kv_out = per_worker[0]
-        elif self.kv_output_fn is not None:
-            kv_out = self.kv_output_fn(so)
-        if so.total_num_scheduled_tokens == 0:
-            # kv_connector_no_forward -> with_kv_conn_output_only: an empty
-            # KVConnectorOutput collapses to EMPTY_MODEL_RUNNER_OUTPUT
-            # (kv_connector_output=None => update_connector_output NOT called).
-            return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
-        return make_model_runner_output(so, kv_out, sample_ids, token_id=self.token_id)
-
-    def _process(self, so: SchedulerOutput, mro: ModelRunnerOutput):
-        eco = self.scheduler.update_from_output(so, mro)
-        for outs in eco.values():
-            for o in outs.outputs:
-                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.finished[o.request_id] = o.finish_reason
-                if o.kv_transfer_params is not None:
-                    self.kv_transfer_params[o.request_id] = o.kv_transfer_params
-        return eco
-
-    def step(self):
-        """One EngineCore step. Returns update_from_output's result or None."""
-        self.num_steps += 1
-        sched = self.scheduler
-        if not self.is_async or self.batch_queue_size <= 1:
-            if not sched.has_requests():
-                return None
-            so = sched.schedule()
-            self.history.append(so)
-            ids = sampling_req_ids(sched, so)
-            return self._process(so, self._execute(so, ids))
-
-        # step_with_batch_queue (core.py:698-800), without structured output.
-        model_executed = False
-        if sched.has_requests():
-            so = sched.schedule()
-            self.history.append(so)
-            ids = sampling_req_ids(sched, so)
-            # Execution is eager here; only the *delivery* is delayed, which is
-            # what the scheduler observes.
-            mro = self._execute(so, ids)
-            model_executed = so.total_num_scheduled_tokens > 0
-            self.batch_queue.appendleft((so, mro))
-            if len(self.batch_queue) < self.batch_queue_size and (
-                model_executed or sched.has_requests()
-            ):
-                return None
-        elif not self.batch_queue:
-            return None
-        so, mro = self.batch_queue.pop()
-        return self._process(so, mro)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self.batch_queue)
-
-    def run_until_done(self, max_steps: int = 1000) -> int:
-        n = 0
-        while self.has_work():
-            self.step()
-            n += 1
-            if n >= max_steps:
-                raise RuntimeError(f"not done after {max_steps} steps")
-        return n
-
-
 def free_block_count(scheduler: Scheduler) -> int:
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
@@ -612,56 +372,3 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
 # --------------------------------------------------------------------------
 # self-test: python tests/vllm_harness.py
 # --------------------------------------------------------------------------
-def _selftest() -> None:
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    mod, cls = "_dummy_connector", "DummyRecordingConnector"
-
-    # 1) sync Scheduler, 3 requests with a shared prefix, 1 worker connector
-    s = make_scheduler(64, 16, {}, mod, connector_class=cls)
-    w = make_worker_connector(s)
-    for i in range(3):
-        s.add_request(make_request(f"r{i}", list(range(32)) + [1000 + i] * 9, 4))
-    loop = EngineLoop(s, worker_connectors=[w])
-    loop.run_until_done()
-    assert all(len(v) == 4 for v in loop.outputs.values()) and len(loop.finished) == 3
-    assert_scheduler_empty(s)
-    print("sync ok", loop.num_steps, "steps")
-
-    # 2) AsyncScheduler (2 batches in flight)
-    s = make_scheduler(64, 16, {}, mod, connector_class=cls, async_scheduling=True)
-    assert isinstance(s, AsyncScheduler) and s.vllm_config.max_concurrent_batches == 2
-    loop = EngineLoop(s, worker_connectors=[make_worker_connector(s)])
-    for i in range(3):
-        s.add_request(make_request(f"a{i}", list(range(i, i + 40)), 5))
-    loop.run_until_done()
-    assert all(len(v) == 5 for v in loop.outputs.values()), loop.outputs
-    assert_scheduler_empty(s)
-    print("async ok", loop.num_steps, "steps")
-
-    # 3) async external load (WAITING_FOR_REMOTE_KVS) + delayed free, TP=2
-    #    workers aggregated by vLLM's KVOutputAggregator
-    s = make_scheduler(
-        64, 16, {"matched_tokens": 32, "is_async": True, "delay_free": True},
-        mod, connector_class=cls, tensor_parallel_size=2,
-    )
-    ws = [make_worker_connector(s) for _ in range(2)]
-    loop = EngineLoop(s, worker_connectors=ws)
-    s.add_request(make_request("x", list(range(40)), 3))
-    loop.step()
-    from vllm.v1.request import RequestStatus
-
-    assert s.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    loop.run_until_done()
-    assert len(loop.outputs["x"]) == 3
-    assert_scheduler_empty(s)
-    names = [c[0] for c in s.connector.calls]
-    assert names.count("update_state_after_alloc") == 2, names
-    print("async-load + delayed-free (2 workers) ok", loop.num_steps, "steps")
-
-
-if __name__ == "__main__":
-    _selftest()
