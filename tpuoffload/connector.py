@@ -76,6 +76,11 @@ class TPUOffloadConnector(KVConnectorBase_V1):
             self.worker = OffloadWorker(self.config)
             logger.info("tpuoffload worker (host %d): %s", self.worker.host_id, self.config.summary())
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to preemption is a future miss, never a correctness issue.
+        return False
+
     # ============================== worker side ==============================
     def register_runner(self, runner: Any) -> None:
         """Called by tpu-inference's runner once ``runner.kv_caches`` exists."""
@@ -143,6 +148,12 @@ class TPUOffloadConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from tpuoffload.prom import OffloadPromMetrics
+
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

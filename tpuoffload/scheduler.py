@@ -17,6 +17,7 @@ from tpuoffload.config import OffloadConfig
 from tpuoffload.manager import ChunkIndex, CompletionLedger, Resolution, StagingBudget
 from tpuoffload.manager.chunk_index import Chunk
 from tpuoffload.messages import LoadRequest, OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class OffloadScheduler:
         self._step = 0
         self._stats_seq = 0
         self.counters: Counter[str] = Counter()
+        self.totals: Counter[str] = Counter()  # since start, for snapshots
+        self._snapshot = (SnapshotWriter(config.stats_dir, "scheduler.json", config.stats_interval_s, self.snapshot)
+                          if config.stats_dir else None)
 
     # ------------------------------------------------------------------ wiring
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -146,6 +150,8 @@ class OffloadScheduler:
         release, self._release_queue = tuple(self._release_queue), []
         meta = OffloadMetadata(self._step, self.index.num_slots, flush, save, tuple(loads), release)
         self._step += 1
+        if self._snapshot is not None:
+            self._snapshot.maybe_write()
         return meta
 
     def _plan_step_saves(self, scheduler_output: "SchedulerOutput") -> SaveBatch:
@@ -306,10 +312,28 @@ class OffloadScheduler:
         self.counters.clear()
         self.index.counters.clear()
         self.ledger.counters.clear()
+        self.totals.update(values)
         if not any(values.values()):
             return None
         self._stats_seq += 1
         return OffloadStats(make_report("sched", self._stats_seq, values))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The scheduler half's view, for ``scheduler.json``."""
+        totals = self.totals + self.counters + self.index.counters
+        return {
+            "kind": "scheduler",
+            "step": self._step - 1,
+            "num_hosts": self.ledger.num_hosts,
+            "totals": dict(totals),
+            "slots_total": self.index.num_slots,
+            "slots_used": len(self.index),
+            "saving_chunks": self.index.num_saving(),
+            "staging_bytes": self.staging.in_use,
+            "staging_capacity": self.staging.capacity,
+            "ledger_pending": len(self.ledger),
+            "requests": len(self._requests),
+        }
 
     def leak_report(self) -> dict[str, int]:
         """What is still held; all zero when the engine is idle and every save resolved."""

@@ -99,6 +99,11 @@ class HostBackend:
             data[bad] = 0
         return data, bad
 
+    def num_used(self) -> int:
+        """Slots holding a committed chunk."""
+        with self._lock:
+            return int(np.count_nonzero(self._tags != EMPTY))
+
     def tag(self, slot: int) -> int:
         self._check_slots([slot])
         with self._lock:

@@ -48,7 +48,8 @@ class InProcessEngine:
             num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=spec.extra_config,
             async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens, num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads, head_size=spec.head_dim, tensor_parallel_size=spec.num_hosts,
+            # The cache's heads axis holds K and V together: vLLM's page (K and V) is one host slot.
+            num_kv_heads=max(1, spec.num_kv_heads // 2), head_size=spec.head_dim, tensor_parallel_size=spec.num_hosts,
             **spec.scheduler_kwargs,
         )
         devices = jax.devices()

@@ -131,8 +131,9 @@ class PodSlice:
             num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=spec.extra_config,
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
             num_layers=spec.num_layers,
-            # vLLM sizes KV pages per worker: each host holds its share of the heads.
-            num_kv_heads=spec.num_kv_heads // spec.num_hosts, head_size=spec.head_dim,
+            # The cache's heads axis holds K and V heads together (as tpu-inference's does) and each
+            # host holds its share; vLLM's per-worker page (K and V) then covers exactly one host slot.
+            num_kv_heads=max(1, spec.num_kv_heads // (2 * spec.num_hosts)), head_size=spec.head_dim,
             tensor_parallel_size=spec.num_hosts,
         )
         self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)

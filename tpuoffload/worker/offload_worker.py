@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Protocol
@@ -25,6 +26,7 @@ import jax
 
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
 from tpuoffload.messages import LoadRequest, OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.transfer_engine import Faults, TransferEngine, host_slot_shape
@@ -53,6 +55,9 @@ class OffloadWorker:
         self._load_errors: set[int] = set()
         self._report_failures: list[int] = []
         self._stats_seq = 0
+        self.totals: Counter[str] = Counter()  # since start, for snapshots
+        self._unreported: Counter[str] = Counter()  # since the last take_stats
+        self._snapshot: SnapshotWriter | None = None
         self.digests: deque[StepDigest] = deque(maxlen=digest_history)
 
     # ------------------------------------------------------------------ setup
@@ -73,6 +78,9 @@ class OffloadWorker:
             load_wait_timeout_s=self.config.load_wait_timeout_s,
             faults=self._faults,
         )
+        if self.config.stats_dir:
+            self._snapshot = SnapshotWriter(self.config.stats_dir, f"host-{self.host_id}.json",
+                                            self.config.stats_interval_s, self.snapshot)
         logger.info("tpuoffload worker %d: %d host slots of %d bytes (%d bytes)", self.host_id,
                     self.engine.backend.num_slots, self.engine.backend.slot_bytes, self.engine.backend.nbytes)
 
@@ -85,6 +93,9 @@ class OffloadWorker:
                 f"the scheduler plans {meta.num_slots} host slots but this host (host {self.host_id}) has "
                 f"{self.engine.backend.num_slots}: the scheduler and workers disagree on the chunk size"
             )
+        if meta.step == 0 and meta.num_slots < self.engine.backend.num_slots:
+            logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "
+                           "the two halves computed differ", self.host_id, meta.num_slots, self.engine.backend.num_slots)
         self._meta = meta
         self._loaded = self._saved = False
         self.engine.log.record("step", n=meta.step)
@@ -142,13 +153,19 @@ class OffloadWorker:
         self._report_failures = []
         return OffloadWorkerReport(results) if results else None
 
+    def _collect_counters(self) -> None:
+        delta = self.engine.take_counters()
+        self.totals.update(delta)
+        self._unreported.update(delta)
+
     def take_stats(self) -> OffloadStats | None:
         if self.engine is None:
             return None
-        values = self.engine.take_counters()
-        if not values:
+        self._collect_counters()
+        if not self._unreported:
             return None
         self._stats_seq += 1
+        values, self._unreported = self._unreported, Counter()
         return OffloadStats(make_report(self.host_id, self._stats_seq, values))
 
     def clear(self) -> StepDigest | None:
@@ -157,11 +174,35 @@ class OffloadWorker:
         self._meta = None
         digest = self.engine.finish_step()
         self.digests.append(digest)
+        if self._snapshot is not None:
+            self._snapshot.maybe_write()
         return digest
+
+    def snapshot(self) -> dict:
+        """What this host has done and holds, for the per-host stats file."""
+        self._collect_counters()
+        chunks, staging, oldest = self.engine.inflight()
+        last = self.digests[-1] if self.digests else None
+        return {
+            "kind": "host",
+            "host": self.host_id,
+            "step": last.step if last else -1,
+            "digest": last.digest if last else "",
+            "recent_digests": [[d.step, d.digest] for d in list(self.digests)[-16:]],
+            "totals": dict(self.totals),
+            "slots_total": self.engine.backend.num_slots,
+            "slots_used": self.engine.backend.num_used(),
+            "backend_bytes": self.engine.backend.nbytes,
+            "staging_bytes": staging,
+            "inflight_chunks": chunks,
+            "oldest_inflight_age_s": (time.monotonic() - oldest) if oldest is not None else 0.0,
+        }
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+            if self._snapshot is not None:
+                self._snapshot.maybe_write(force=True)
 
 
 def _concat_loads(loads: Iterable[LoadRequest]) -> tuple[list[int], list[int], list[int]]:

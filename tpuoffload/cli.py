@@ -1,0 +1,204 @@
+"""``tpuoffload stats``: read per-host snapshots, print a per-host table and the slice total, and
+flag hosts that diverge, stall or stopped reporting.
+
+    tpuoffload stats /var/run/tpuoffload [more dirs or files] [--watch 2] [--json]
+
+Exit status: 0 healthy, 1 some host flagged, 2 unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = float(1 << 30)
+
+
+class StatsInputError(Exception):
+    pass
+
+
+@dataclass
+class Snapshot:
+    path: str
+    data: dict[str, Any]
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"host {self.data['host']}" if self.data.get("kind") == "host" else "scheduler"
+
+
+def _load(path: str) -> Snapshot:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise StatsInputError(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise StatsInputError(f"{path}: not a readable tpuoffload snapshot ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") not in ("host", "scheduler") or "time" not in data:
+        raise StatsInputError(f"{path}: not a tpuoffload snapshot (missing 'kind' or 'time')")
+    if data["kind"] == "host" and not isinstance(data.get("host"), int):
+        raise StatsInputError(f"{path}: host snapshot without an integer 'host'")
+    return Snapshot(path, data)
+
+
+def load_snapshots(paths: list[str]) -> list[Snapshot]:
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(glob.glob(os.path.join(p, "host-*.json")) + glob.glob(os.path.join(p, "scheduler.json")))
+            if not found:
+                raise StatsInputError(f"{p}: no host-*.json or scheduler.json snapshots in this directory")
+            files += found
+        elif os.path.exists(p):
+            files.append(p)
+        else:
+            raise StatsInputError(f"{p}: no such file or directory")
+    return [_load(f) for f in files]
+
+
+def analyse(snaps: list[Snapshot], *, now: float, stale_after_s: float | None, inflight_age_s: float,
+            max_step_lag: int) -> None:
+    """Attach flags: STOPPED (no snapshot lately), STUCK (old in-flight save), LAGGING (far behind
+    the leading host's step), DIVERGED (different dispatch digest at a step another host also ran)."""
+    hosts = [s for s in snaps if s.data["kind"] == "host"]
+    for s in snaps:
+        limit = stale_after_s if stale_after_s is not None else 3 * float(s.data.get("interval_s", 5.0)) + 5
+        age = now - float(s.data["time"])
+        if age > limit:
+            s.flags.append(f"STOPPED (last report {age:.0f}s ago)")
+    for s in hosts:
+        age = float(s.data.get("oldest_inflight_age_s", 0.0))
+        if age > inflight_age_s:
+            s.flags.append(f"STUCK (save in flight for {age:.0f}s)")
+    if not hosts:
+        return
+    lead = max(int(s.data.get("step", -1)) for s in hosts)
+    for s in hosts:
+        lag = lead - int(s.data.get("step", -1))
+        if lag > max_step_lag:
+            s.flags.append(f"LAGGING ({lag} steps behind)")
+    by_step: dict[int, dict[str, list[Snapshot]]] = {}
+    for s in hosts:
+        for step, digest in s.data.get("recent_digests", []):
+            by_step.setdefault(int(step), {}).setdefault(digest, []).append(s)
+    for step in sorted(by_step):
+        groups = by_step[step]
+        if len(groups) > 1:
+            majority = max(groups.values(), key=len)
+            for members in groups.values():
+                if members is not majority:
+                    for s in members:
+                        if not any(f.startswith("DIVERGED") for f in s.flags):
+                            s.flags.append(f"DIVERGED (dispatch digest differs at step {step})")
+
+
+def _row(s: Snapshot, now: float) -> dict[str, Any]:
+    d, t = s.data, s.data.get("totals", {})
+    return {
+        "name": s.name,
+        "step": d.get("step", -1),
+        "digest": (d.get("digest") or "")[:8],
+        "saved": int(t.get("chunks_saved", t.get("saves_issued", 0))),
+        "saved_GiB": t.get("bytes_saved", 0) / GiB,
+        "loaded": int(t.get("chunks_loaded", 0)),
+        "loaded_GiB": t.get("bytes_loaded", 0) / GiB,
+        "failed": int(t.get("save_failures", 0) + t.get("load_errors", 0)),
+        "skipped": int(t.get("skipped_no_space", 0) + t.get("skipped_staging", 0)),
+        "slots": f"{d.get('slots_used', 0)}/{d.get('slots_total', 0)}",
+        "staging_MiB": d.get("staging_bytes", 0) / (1 << 20),
+        "inflight": int(d.get("inflight_chunks", d.get("saving_chunks", 0))),
+        "oldest_s": float(d.get("oldest_inflight_age_s", 0.0)),
+        "save_GiBps": t.get("bytes_saved", 0) / GiB / t["save_seconds"] if t.get("save_seconds") else 0.0,
+        "load_GiBps": t.get("bytes_loaded", 0) / GiB / t["load_seconds"] if t.get("load_seconds") else 0.0,
+        "age_s": now - float(d["time"]),
+        "flags": s.flags,
+    }
+
+
+_COLUMNS = [("name", "{:<10}"), ("step", "{:>7}"), ("digest", "{:>9}"), ("saved", "{:>8}"), ("saved_GiB", "{:>10.3f}"),
+            ("loaded", "{:>8}"), ("loaded_GiB", "{:>11.3f}"), ("failed", "{:>7}"), ("skipped", "{:>8}"),
+            ("slots", "{:>13}"), ("staging_MiB", "{:>12.1f}"), ("inflight", "{:>9}"), ("oldest_s", "{:>9.1f}"),
+            ("save_GiBps", "{:>11.2f}"), ("load_GiBps", "{:>11.2f}"), ("age_s", "{:>6.0f}")]
+
+
+def report(snaps: list[Snapshot], now: float) -> dict[str, Any]:
+    rows = [_row(s, now) for s in snaps]
+    hosts = [r for r, s in zip(rows, snaps) if s.data["kind"] == "host"]
+    total = {k: sum(r[k] for r in hosts) for k in ("saved", "saved_GiB", "loaded", "loaded_GiB", "failed", "inflight")}
+    sched = next((s.data for s in snaps if s.data["kind"] == "scheduler"), None)
+    if sched is not None:
+        t = sched.get("totals", {})
+        if t.get("lookup_tokens"):
+            total["hit_rate"] = t.get("hit_tokens", 0) / t["lookup_tokens"]
+    return {"hosts": rows, "total": total, "flagged": [r["name"] for r in rows if r["flags"]]}
+
+
+def render(rep: dict[str, Any]) -> str:
+    head = "".join(fmt.replace(".3f", "").replace(".2f", "").replace(".1f", "").replace(".0f", "").format(name)
+                   for name, fmt in _COLUMNS)
+    lines = [head, "-" * len(head)]
+    for r in rep["hosts"]:
+        lines.append("".join(fmt.format(r[name]) for name, fmt in _COLUMNS))
+        lines += [f"    ! {flag}" for flag in r["flags"]]
+    t = rep["total"]
+    lines.append("-" * len(head))
+    summary = (f"slice total: {t['saved']} chunks saved ({t['saved_GiB']:.3f} GiB), {t['loaded']} loaded "
+               f"({t['loaded_GiB']:.3f} GiB), {t['failed']} failures, {t['inflight']} in flight")
+    if "hit_rate" in t:
+        summary += f", host-RAM hit rate {t['hit_rate']:.1%}"
+    lines.append(summary)
+    lines.append("flagged: " + (", ".join(rep["flagged"]) if rep["flagged"] else "none"))
+    return "\n".join(lines)
+
+
+def stats_main(args: argparse.Namespace) -> int:
+    while True:
+        try:
+            snaps = load_snapshots(args.paths)
+        except StatsInputError as e:
+            print(f"tpuoffload stats: {e}", file=sys.stderr)
+            return 2
+        now = time.time()
+        analyse(snaps, now=now, stale_after_s=args.stale_after, inflight_age_s=args.inflight_age,
+                max_step_lag=args.max_step_lag)
+        rep = report(snaps, now)
+        out = json.dumps(rep, indent=2) if args.json else render(rep)
+        if args.watch:
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out + "\n")
+            sys.stdout.flush()
+            time.sleep(args.watch)
+            continue
+        print(out)
+        return 1 if rep["flagged"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tpuoffload")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("stats", help="per-host table of the offload engine's snapshots")
+    st.add_argument("paths", nargs="+", help="stats directories (kv_connector_extra_config stats_dir) or files")
+    st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh in place every SECONDS")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--stale-after", type=float, metavar="SECONDS",
+                    help="flag a host whose snapshot is older (default: 3 x its interval + 5 s)")
+    st.add_argument("--inflight-age", type=float, default=60.0, metavar="SECONDS",
+                    help="flag saves in flight for longer (default 60)")
+    st.add_argument("--max-step-lag", type=int, default=50, help="flag hosts this many steps behind (default 50)")
+    args = parser.parse_args(argv)
+    try:
+        return stats_main(args)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
