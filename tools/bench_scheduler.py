@@ -1,0 +1,532 @@
+#!/usr/bin/env python
+"""Scheduler-side cost per engine step of a KV connector, on vLLM's real Scheduler (CPU, no model).
+
+Three configurations of the same vLLM 0.32 ``Scheduler`` run the same requests, stepped
+round-robin (one step of each in turn, so drift in machine speed hits all of them alike):
+
+  (a) none        no KV connector
+  (b) offloading  vLLM's own OffloadingConnector, CPUOffloadingSpec backend
+  (c) tpuoffload  tpuoffload.connector.TPUOffloadConnector
+
+Timed per step: ``scheduler.schedule()`` + ``scheduler.update_from_output()`` (perf_counter_ns),
+which covers every connector hook vLLM calls on the scheduler side (lookups, allocation hooks,
+build_connector_meta, update_connector_output, request_finished, stats, events). No worker runs:
+a fake runner samples one token for every request that samples (nothing for a partial prefill)
+and acknowledges everything the connector asked for in that same step (the fastest possible
+worker):
+
+  * TPUOffloadConnector: an OffloadWorkerReport confirming every save id of ``meta.save`` and
+    ``meta.flush`` from every host, ``finished_recving`` = the req ids of ``meta.loads``,
+    ``finished_sending`` = ``meta.release_req_ids``, ``invalid_block_ids`` = the loads'
+    ``unavailable_block_ids`` (what OffloadWorker reports as load errors).
+  * OffloadingConnector: what its worker (offloading/worker.py) sends: an OffloadingWorkerMetadata
+    with ``completed_jobs[job_id] = num_workers`` for every load and store job of the step's
+    metadata, ``finished_recving`` = the req ids of the load jobs; it never sends finished_sending.
+    (The real worker defers a store to the next step; completing it at once only makes the
+    in-flight job table smaller.)
+
+Workload (same prompts, token for token, in every configuration):
+
+  wave 0 (untimed warm-up)   R requests, fresh prompts, 2 output tokens each: fills host RAM
+  -- vLLM's own prefix cache is reset, host RAM is kept --
+  wave 1 "prefill+hits"      R requests; --hit-fraction of them share the first half of a wave-0
+                             prompt, which only host RAM holds now (loads); 2 output tokens each,
+                             timed from admission until all finished
+  -- prefix cache reset again --
+  wave 2 "prefill cold"      R fresh prompts with long max_tokens, timed until every request
+                             sampled its first token (saves of every prompt block, lookups that miss)
+  wave 2 "decode"            --warmup untimed steps, then --steps timed steps: R requests running,
+                             one token each per step
+
+Second measurement: the same workload for the no-connector scheduler and TPUOffloadConnector
+with its host index pre-filled with N READY chunks (allocate_for_save + mark_ready on
+``connector.scheduler.index``; all configs get the same slot count, so the largest fill runs with
+a full index that evicts on every save).
+
+GC: by default the collector is disabled inside every timed phase (gc.collect() just before), so
+numbers are free of collection pauses; --gc on keeps it enabled (then p90/max show the pauses,
+which grow with the number of live Python objects, e.g. chunks held).
+
+    python tools/bench_scheduler.py                       # defaults, well under 3 minutes
+    python tools/bench_scheduler.py --requests 512 --steps 500 --prompt-len 2048 --fills 0,1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=256, help="concurrent requests (max_num_seqs)")
+    p.add_argument("--steps", type=int, default=300, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=50, help="untimed decode steps before the timed ones")
+    p.add_argument("--prompt-len", type=int, default=1024, help="tokens per prompt")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
+    p.add_argument("--hit-fraction", type=float, default=0.5,
+                   help="fraction of wave-1 requests whose first half prompt is in host RAM")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="reporting workers (world size); each confirms every save")
+    p.add_argument("--cpu-chunks", type=int, default=1 << 17,
+                   help="host RAM capacity in chunks (one block each) for the main comparison")
+    p.add_argument("--fills", default="0,100000,1000000",
+                   help="comma-separated READY chunk counts for the index-size measurement ('' to skip)")
+    p.add_argument("--gc", choices=("off", "on"), default="off", help="garbage collector during timed phases")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="also cProfile TPUOffloadConnector's hooks during the main run, dump stats to FILE")
+    args = p.parse_args(argv)
+    for name in ("requests", "steps", "prompt_len", "block_size", "max_batched_tokens", "hosts", "cpu_chunks"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0.0 <= args.hit_fraction <= 1.0:
+        p.error("--hit-fraction must be in [0, 1]")
+    if args.prompt_len < 2 * args.block_size:
+        p.error("--prompt-len must be at least two blocks")
+    args.fill_list = [int(x) for x in args.fills.split(",") if x.strip()] if args.fills else []
+    return args
+
+
+# ---------------------------------------------------------------------------------------- configs
+@dataclass
+class Sim:
+    name: str
+    kind: str  # "none" | "offloading" | "tpu"
+    sched: object = None
+    hosts: int = 1
+    fill: int = 0
+    times: dict = field(default_factory=dict)  # phase -> list[(sched_ns, update_ns)]
+    acked: Counter = field(default_factory=Counter)  # saves / loads / releases acknowledged
+    wave: list = field(default_factory=list)  # Request objects of the current wave
+    token: int = 100
+    counter: int = 0
+
+    # ---- the fake worker ----
+    def emulate(self, so):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        reqs = self.sched.requests
+        req_ids = list(so.num_scheduled_tokens)
+        self.token = self.token + 1 if self.token < 30000 else 100
+        tok = [self.token]
+        sampled = []
+        for r in req_ids:
+            req = reqs[r]
+            # schedule() already advanced num_computed_tokens by the scheduled tokens: a request
+            # samples iff that reaches its length (decode, or the last prefill chunk).
+            sampled.append(tok if req.num_computed_tokens >= req.num_tokens else [])
+        kv_out = None
+        if self.kind == "tpu":
+            kv_out = self._ack_tpu(so.kv_connector_metadata)
+        elif self.kind == "offloading":
+            kv_out = self._ack_offloading(so.kv_connector_metadata)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+
+    def _ack_tpu(self, meta):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from tpuoffload.messages import OffloadWorkerReport
+
+        save_ids = meta.save.save_ids + meta.flush.save_ids
+        report = None
+        if save_ids:
+            report = OffloadWorkerReport(Counter({(h, sid, True): 1 for sid in save_ids for h in range(self.hosts)}))
+        invalid = {b for load in meta.loads for b in load.unavailable_block_ids}
+        self.acked["saves"] += len(save_ids)
+        self.acked["loads"] += len(meta.loads)
+        self.acked["load_blocks"] += sum(len(load.block_ids) for load in meta.loads)
+        self.acked["releases"] += len(meta.release_req_ids)
+        return KVConnectorOutput(
+            finished_sending=set(meta.release_req_ids) or None,
+            finished_recving={load.req_id for load in meta.loads} or None,
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=report,
+        )
+
+    def _ack_offloading(self, meta):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        jobs = {jid: self.hosts for jid in meta.load_jobs}
+        jobs.update({jid: self.hosts for jid in meta.store_jobs})
+        self.acked["saves"] += sum(len(j.src_spec.block_ids) for j in meta.store_jobs.values())
+        self.acked["loads"] += len(meta.load_jobs)
+        self.acked["load_blocks"] += sum(len(j.dst_spec.block_ids) for j in meta.load_jobs.values())
+        return KVConnectorOutput(
+            finished_sending=None,
+            finished_recving={j.req_id for j in meta.load_jobs.values()} or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=jobs) if jobs else None,
+        )
+
+    # ---- one engine step ----
+    def step(self, phase: str | None) -> None:
+        sched = self.sched
+        t0 = time.perf_counter_ns()
+        so = sched.schedule()
+        t1 = time.perf_counter_ns()
+        mro = self.emulate(so)
+        t2 = time.perf_counter_ns()
+        sched.update_from_output(so, mro)
+        t3 = time.perf_counter_ns()
+        if phase is not None:
+            self.times.setdefault(phase, []).append((t1 - t0, t3 - t2))
+
+
+def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
+    from tpuoffload.connector import chunk_bytes_per_host
+    from tpuoffload.sim.vllm_setup import make_kv_cache_config, make_scheduler
+
+    chunk_bytes = chunk_bytes_per_host(make_kv_cache_config(1, args.block_size))
+    sims = []
+    for name, kind, cpu_chunks, fill in specs:
+        common = dict(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.requests,
+                      max_num_batched_tokens=args.max_batched_tokens, max_model_len=max_model_len,
+                      tensor_parallel_size=args.hosts)
+        if kind == "none":
+            sched = make_scheduler(connector_module_path=None, connector_class="", **common)
+        elif kind == "offloading":
+            # CPUOffloadingSpec: cpu_bytes_to_use is the total over all workers (each chunk holds
+            # every worker's shard); one block per chunk (blocks_per_chunk=1, the default) like
+            # TPUOffloadConnector; prompt-only (offload_prompt_only=True, the default) likewise.
+            sched = make_scheduler(
+                connector_module_path=None, connector_class="OffloadingConnector",
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_chunks * chunk_bytes * args.hosts,
+                                           "eviction_policy": "lru"},
+                **common)
+        else:
+            # Staging is raised above one full step of saves so that, like OffloadingConnector,
+            # every prompt block is saved (the default, 256 chunks, would skip part of a prefill
+            # step's saves and so do less work).
+            staging = max(256, 2 * args.max_batched_tokens // args.block_size)
+            sched = make_scheduler(
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_chunks * chunk_bytes,
+                                           "num_staging_blocks": staging},
+                **common)
+        sims.append(Sim(name=name, kind=kind, sched=sched, hosts=args.hosts, fill=fill))
+    return sims
+
+
+def capacity(sim: Sim) -> int:
+    if sim.kind == "tpu":
+        return sim.sched.connector.scheduler.index.num_slots
+    if sim.kind == "offloading":
+        return sim.sched.connector.scheduler.manager._num_chunks
+    return 0
+
+
+def held(sim: Sim) -> str:
+    if sim.kind == "tpu":
+        s = sim.sched.connector.scheduler
+        return f"{len(s.index)} chunks held, {s.index.num_saving()} saving, ledger {len(s.ledger)}"
+    if sim.kind == "offloading":
+        s = sim.sched.connector.scheduler
+        m = s.manager
+        return f"{m._num_allocated_chunks - len(m._free_list)} chunks held, {len(s._jobs)} jobs pending"
+    return "-"
+
+
+def prefill_index(sim: Sim, n: int, seed: int) -> float:
+    """Fill TPUOffloadConnector's host index with n READY chunks of random hashes."""
+    index = sim.sched.connector.scheduler.index
+    rnd = random.Random(seed)
+    t = time.perf_counter()
+    batch = 65536
+    done = 0
+    while done < n:
+        k = min(batch, n - done)
+        allocs = index.allocate_for_save([rnd.randbytes(32) for _ in range(k)])
+        for a in allocs:
+            index.mark_ready(a.save_id)
+        done += k
+    assert len(index) == n, (len(index), n)
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------------------------- workload
+class Workload:
+    def __init__(self, args):
+        self.args = args
+        rnd = random.Random(args.seed)
+        R, P, bs = args.requests, args.prompt_len, args.block_size
+
+        def fresh(n):
+            return [rnd.randrange(10, 31000) for _ in range(n)]
+
+        self.wave0 = [fresh(P) for _ in range(R)]
+        shared = (P // 2) // bs * bs
+        n_hit = round(R * args.hit_fraction)
+        self.wave1 = [self.wave0[i][:shared] + fresh(P - shared) if i < n_hit else fresh(P) for i in range(R)]
+        self.wave2 = [fresh(P) for _ in range(R)]
+        prefill_steps = -(-R * P // args.max_batched_tokens) + 8
+        self.decode_tokens = prefill_steps + args.warmup + args.steps + 16
+        self.max_model_len = P + self.decode_tokens + bs
+        if self.max_model_len > 8192:
+            raise SystemExit(f"prompt + decode = {self.max_model_len} tokens exceeds the tiny model's 8192")
+        self.num_blocks = R * (-(-self.max_model_len // bs)) + 4 * R + 16
+
+
+def add_wave(sim: Sim, prompts, tag: str, max_tokens: int) -> None:
+    from tpuoffload.sim.vllm_setup import make_request
+
+    sim.wave = []
+    for i, p in enumerate(prompts):
+        req = make_request(f"{tag}-{i}", p, max_tokens=max_tokens, block_size=sim.sched.block_size)
+        sim.sched.add_request(req)
+        sim.wave.append(req)
+
+
+def reset_prefix_cache(sim: Sim) -> None:
+    assert not sim.sched.has_requests(), f"{sim.name}: requests left"
+    ok = sim.sched.reset_prefix_cache()
+    assert ok, f"{sim.name}: prefix cache reset failed"
+
+
+def round_robin(sims, phase, done, max_steps=100_000) -> None:
+    """Step each sim in turn until done(sim); timing recorded under ``phase`` (None: untimed)."""
+    active = list(sims)
+    n = 0
+    while active:
+        for sim in list(active):
+            if done(sim):
+                active.remove(sim)
+                continue
+            sim.step(phase)
+        n += 1
+        if n > max_steps:
+            raise RuntimeError(f"phase {phase}: not done after {max_steps} steps")
+
+
+class gc_window:
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __enter__(self):
+        gc.collect()
+        if self.mode == "off":
+            gc.disable()
+
+    def __exit__(self, *exc):
+        gc.enable()
+
+
+def run_workload(sims, wl: Workload, args, log) -> None:
+    R = args.requests
+    all_finished = lambda s: not s.sched.has_requests()  # noqa: E731
+
+    t = time.perf_counter()
+    for s in sims:
+        add_wave(s, wl.wave0, "w0", max_tokens=2)
+    round_robin(sims, None, all_finished)
+    for s in sims:
+        reset_prefix_cache(s)
+    log(f"  wave 0 (warm-up) done in {time.perf_counter() - t:.1f}s")
+
+    t = time.perf_counter()
+    for s in sims:
+        add_wave(s, wl.wave1, "w1", max_tokens=2)
+    with gc_window(args.gc):
+        round_robin(sims, "prefill+hits", all_finished)
+    for s in sims:
+        reset_prefix_cache(s)
+    log(f"  wave 1 (prefill with host hits) done in {time.perf_counter() - t:.1f}s")
+
+    t = time.perf_counter()
+    for s in sims:
+        add_wave(s, wl.wave2, "w2", max_tokens=wl.decode_tokens)
+    with gc_window(args.gc):
+        round_robin(sims, "prefill cold", lambda s: all(r.num_output_tokens >= 1 for r in s.wave))
+    for s in sims:
+        assert len(s.sched.running) == R, (s.name, len(s.sched.running))
+        s.counter = 0
+    round_robin(sims, None, lambda s: _count(s, args.warmup))
+    for s in sims:
+        s.counter = 0
+    with gc_window(args.gc):
+        round_robin(sims, "decode", lambda s: _count(s, args.steps))
+    for s in sims:
+        assert len(s.sched.running) == R and not s.sched.waiting, (s.name, len(s.sched.running))
+        assert all(not r.is_finished() for r in s.wave), s.name
+    log(f"  wave 2 (cold prefill + decode) done in {time.perf_counter() - t:.1f}s")
+
+
+def _count(sim: Sim, n: int) -> bool:
+    """Done after n steps since sim.counter was reset."""
+    if sim.counter >= n:
+        return True
+    sim.counter += 1
+    return False
+
+
+# ---------------------------------------------------------------------------------------- report
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(sim: Sim, phase: str):
+    rec = sim.times.get(phase, [])
+    tot = [(a + b) / 1000 for a, b in rec]
+    sch = [a / 1000 for a, _ in rec]
+    upd = [b / 1000 for _, b in rec]
+    return {
+        "n": len(tot),
+        "med": statistics.median(tot) if tot else float("nan"),
+        "p90": pct(tot, 0.9),
+        "mean": statistics.fmean(tot) if tot else float("nan"),
+        "sched_med": statistics.median(sch) if sch else float("nan"),
+        "upd_med": statistics.median(upd) if upd else float("nan"),
+        "total_ms": sum(tot) / 1000,
+    }
+
+
+def print_table(sims, phases, base_name, ratio_pair=None, out=print) -> None:
+    hdr = (f"{'phase':<14} {'config':<22} {'steps':>5} {'median':>9} {'p90':>9} {'mean':>9} "
+           f"{'sched()':>9} {'update()':>9} {'added med':>10} {'added mean':>10} {'phase ms':>9}")
+    out(hdr)
+    out("-" * len(hdr))
+    for phase in phases:
+        stats = {s.name: summarize(s, phase) for s in sims}
+        base = stats[base_name]
+        for s in sims:
+            st = stats[s.name]
+            if s.name == base_name:
+                add_med = add_mean = "-"
+            else:
+                add_med = f"{st['med'] - base['med']:+10.1f}"
+                add_mean = f"{st['mean'] - base['mean']:+10.1f}"
+            out(f"{phase:<14} {s.name:<22} {st['n']:>5} {st['med']:>9.1f} {st['p90']:>9.1f} {st['mean']:>9.1f} "
+                f"{st['sched_med']:>9.1f} {st['upd_med']:>9.1f} {add_med:>10} {add_mean:>10} {st['total_ms']:>9.1f}")
+        if ratio_pair is not None:
+            num, den = ratio_pair
+            a_med = stats[num]["med"] - base["med"]
+            b_med = stats[den]["med"] - base["med"]
+            a_mean = stats[num]["mean"] - base["mean"]
+            b_mean = stats[den]["mean"] - base["mean"]
+            r_med = a_med / b_med if b_med > 0 else float("nan")
+            r_mean = a_mean / b_mean if b_mean > 0 else float("nan")
+            out(f"{'':<14} added({num}) / added({den}): {r_med:.1%} (medians), {r_mean:.1%} (means)")
+        out("")
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    import logging
+
+    import tpuoffload.sim.vllm_setup  # noqa: F401  (sets VLLM_TARGET_DEVICE before vllm is imported)
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    logging.getLogger("tpuoffload").setLevel(logging.WARNING)
+
+    wl = Workload(args)
+    log(f"workload: {args.requests} requests x {args.prompt_len}-token prompts, block {args.block_size}, "
+        f"max_num_batched_tokens {args.max_batched_tokens}, {args.hosts} host(s), {wl.num_blocks} GPU blocks, "
+        f"decode {args.warmup} warm-up + {args.steps} timed steps, gc {args.gc} in timed phases")
+
+    # ---- measurement 1: none vs OffloadingConnector vs TPUOffloadConnector ----
+    log("measurement 1: building schedulers")
+    sims = build_sims(args, [("(a) none", "none", 0, 0),
+                             ("(b) OffloadingConnector", "offloading", args.cpu_chunks, 0),
+                             ("(c) TPUOffloadConnector", "tpu", args.cpu_chunks, 0)],
+                      wl.num_blocks, wl.max_model_len)
+    prof = None
+    if args.profile:
+        prof = _install_profiler(sims[2])
+    run_workload(sims, wl, args, log)
+    if prof is not None:
+        prof.dump_stats(args.profile)
+        log(f"  cProfile of TPUOffloadConnector hooks written to {args.profile}")
+
+    print()
+    print(f"Scheduler-side cost per engine step, microseconds (schedule() + update_from_output()); "
+          f"{args.requests} requests, prompt {args.prompt_len}, block {args.block_size}, "
+          f"{args.hosts} host(s), gc {args.gc} in timed phases")
+    print(f"host RAM capacity: (b) {capacity(sims[1])} chunks, (c) {capacity(sims[2])} chunks")
+    print()
+    phases = ["decode", "prefill cold", "prefill+hits"]
+    print_table(sims, phases, "(a) none", ratio_pair=("(c) TPUOffloadConnector", "(b) OffloadingConnector"))
+    print("work acknowledged by the fake worker over the whole run (both connectors must match):")
+    for s in sims[1:]:
+        print(f"  {s.name:<24} saved blocks {s.acked['saves']}, loads {s.acked['loads']} "
+              f"({s.acked['load_blocks']} blocks); end state: {held(s)}")
+    print("  'prefill+hits': (a) has no host RAM, so it recomputes the hit prefixes and runs a different")
+    print("  number of steps; compare (b) with (c) there, or the phase totals.")
+    print()
+    sys.stdout.flush()
+    del sims
+    gc.collect()
+
+    # ---- measurement 2: TPUOffloadConnector with N chunks already held ----
+    if args.fill_list:
+        max_fill = max(args.fill_list)
+        slots = max_fill + args.cpu_chunks // 8
+        log(f"measurement 2: building schedulers (index capacity {slots} chunks, fills {args.fill_list})")
+        specs = [("(a) none", "none", 0, 0)]
+        specs += [(f"(c) tpu, {n} held", "tpu", slots, n) for n in args.fill_list]
+        sims2 = build_sims(args, specs, wl.num_blocks, wl.max_model_len)
+        for s in sims2:
+            if s.kind == "tpu" and s.fill:
+                dt = prefill_index(s, s.fill, seed=args.seed + s.fill)
+                log(f"  {s.name}: filled {s.fill} READY chunks in {dt:.1f}s")
+        gc.collect()
+        run_workload(sims2, wl, args, log)
+        print(f"TPUOffloadConnector vs chunks already held in the host index (index capacity {slots} "
+              f"chunks for every fill; the largest fill is full and evicts LRU chunks for every save)")
+        print()
+        print_table(sims2, ["decode", "prefill cold", "prefill+hits"], "(a) none")
+        for s in sims2[1:]:
+            print(f"  {s.name:<24} saved blocks {s.acked['saves']}, loads {s.acked['loads']} "
+                  f"({s.acked['load_blocks']} blocks); end state: {held(s)}")
+        print()
+    log(f"total wall time {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
+def _install_profiler(sim: Sim):
+    """cProfile only inside TPUOffloadConnector's scheduler-side hooks (adds overhead to (c))."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    conn = sim.sched.connector
+    for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                 "update_connector_output", "request_finished", "get_kv_connector_stats"):
+        orig = getattr(conn, name)
+
+        def wrapped(*a, _orig=orig, **k):
+            prof.enable()
+            try:
+                return _orig(*a, **k)
+            finally:
+                prof.disable()
+
+        setattr(conn, name, wrapped)
+    return prof
+
+
+if __name__ == "__main__":
+    sys.exit(main())
