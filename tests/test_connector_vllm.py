@@ -217,3 +217,135 @@ def test_shared_prefix_second_wave_loads_from_host_ram(hosts, async_sched):
     loaded_reqs = {r for _, r, *_ in h.loaded}
     assert loaded_reqs and all(r.startswith("b") for r in loaded_reqs)
     assert h.eng.finished >= set(h.prompts)
+
+
+# ============================================================================ 2. parallel sampling
+@pytest.mark.parametrize("hosts,async_sched", VARIANTS)
+def test_parallel_sampling_n8_saves_each_chunk_once(hosts, async_sched):
+    """n=8 reaches the scheduler as 8 requests with one prompt (vLLM's frontend fans it out)."""
+    h = Harness(hosts, async_sched)
+    prompt = rand_tokens(random.Random(2), 4 * BS + 7)  # 4 full blocks
+    for k in range(8):
+        h.add(f"s{k}", prompt, max_tokens=6)
+    h.run()
+    h.eng.settle()
+    t = h.totals()
+    assert t["saves_issued"] == 4
+    assert t["chunks_saved"] == 4 * hosts
+    assert "save_failures" not in t
+    save_ids = [s for m in h.metas() for s in m.save.save_ids + m.flush.save_ids]
+    assert len(save_ids) == len(set(save_ids)) == 4
+    index = h.eng.offload.index
+    assert len(index) == 4
+    hashes = make_request("x", prompt).block_hashes[:4]
+    assert [index.get(hh).state for hh in hashes] == [ChunkState.READY] * 4
+
+    # All 8 siblings of a second batch read the same 4 host slots, concurrently.
+    h.new_wave()
+    for k in range(8):
+        h.add(f"t{k}", prompt, max_tokens=6)
+    h.run()
+    h.check_idle()
+    t = h.totals()
+    assert t["saves_issued"] == 4  # nothing new to save
+    assert t["chunks_loaded"] >= 4 * hosts and t["hit_tokens"] >= 4 * BS
+    assert t["chunks_loaded"] == hosts * t["hit_tokens"] // BS
+    h.check_loaded_bytes(min_blocks=4 * hosts)
+    assert h.eng.finished == set(h.prompts)
+    outs = {tuple(h.eng.outputs[r]) for r in h.prompts}
+    assert len(outs) == 1 and len(next(iter(outs))) == 6  # same prefix, same deterministic samples
+
+
+# ============================================================================ 3. preemption
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("hosts,async_sched", VARIANTS)
+def test_preemption_resumed_requests_load_back(hosts, async_sched, lazy):
+    h = Harness(hosts, async_sched, num_blocks=20, extra={"cpu_bytes_to_use": 1 << 22, "lazy_offload": lazy})
+    rng = random.Random(3)
+    held_after_finish: set[str] = set()
+
+    def watch(eng):
+        held_after_finish.update(r for r in eng.finished if r in eng.scheduler.requests)
+
+    # 6 requests x (40 prompt + 40 generated) tokens need 30 blocks; the pool has 19.
+    for i in range(6):
+        h.add(f"p{i}", rand_tokens(rng, 40), max_tokens=40)
+    h.run(on_step=watch)
+    preempted = set(h.preempted())
+    assert preempted, "the small pool must force vLLM to preempt"
+    assert sum(h.eng.scheduler.requests.get(r) is None for r in preempted) == len(preempted)
+    t = h.totals()
+    resumed_loads = {r for _, r, *_ in h.loaded} & preempted
+    assert resumed_loads, "a resumed request must load back what was saved"
+    assert t["chunks_loaded"] > 0 and t["hit_tokens"] > 0
+    assert t["saves_issued"] == 6 * 2  # 2 full prompt blocks per request, each saved once
+    h.check_loaded_bytes(min_blocks=hosts)
+    assert h.eng.finished == set(h.prompts)
+    assert all(len(h.eng.outputs[r]) == 40 for r in h.prompts)
+
+    metas = h.metas()
+    if lazy:
+        assert all(len(m.save) == 0 for m in metas)  # nothing saved while running
+        # Preempted requests are flushed in the very step that preempted them.
+        flushed_at_preemption = [so for so in h.outputs if so.preempted_req_ids and len(so.kv_connector_metadata.flush)]
+        assert flushed_at_preemption
+        delayed = {r for r, d in h.finished_answers.items() if d}
+        assert delayed, "finished requests with unsaved blocks are held"
+        assert delayed <= held_after_finish
+        released = [m for m in metas if m.release_req_ids]
+        assert {r for m in released for r in m.release_req_ids} == delayed
+        assert all(len(m.flush) > 0 for m in released)  # released in the step whose flush saves them
+    else:
+        assert not any(h.finished_answers.values())
+        assert all(len(m.flush) == 0 for m in metas)
+
+    # Wave 2: the same prompts after vLLM forgot its prefix cache still hit host RAM.
+    h.new_wave()
+    loaded_before = h.totals().get("chunks_loaded", 0)
+    for i in range(3):
+        h.add(f"q{i}", h.prompts[f"p{i}"], max_tokens=2)
+    h.run(on_step=watch)
+    h.check_idle()
+    assert h.totals()["chunks_loaded"] - loaded_before == 3 * 2 * hosts
+    h.check_loaded_bytes()
+
+
+# ============================================================================ 4. chunked prefill
+@pytest.mark.parametrize("hosts,async_sched", VARIANTS)
+def test_chunked_prefill_saves_as_blocks_fill(hosts, async_sched):
+    h = Harness(hosts, async_sched, max_num_batched_tokens=32, num_blocks=48)
+    rng = random.Random(4)
+    prompts = [rand_tokens(rng, 5 * BS + 3) for _ in range(2)]  # 5 full blocks; 3 steps of 32 each
+    for i, p in enumerate(prompts):
+        h.add(f"c{i}", p, max_tokens=3)
+    h.run()
+    h.eng.settle()
+    steps_with_saves = [len(m.save) for m in h.metas() if len(m.save)]
+    assert sum(steps_with_saves) == 10
+    assert len(steps_with_saves) >= 5 and max(steps_with_saves) <= 2  # a block saved as soon as it is full
+    # Each save is planned in exactly the step whose forward fills the block (mirror vLLM's
+    # per-request block tables from the SchedulerOutputs, as a model runner does).
+    blocks: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    for so in h.outputs:
+        for new in so.scheduled_new_reqs:
+            blocks[new.req_id] = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, r in enumerate(cached.req_ids):
+            if cached.new_block_ids[i] is not None:
+                blocks[r].extend(cached.new_block_ids[i][0])
+            computed[r] = cached.num_computed_tokens[i]
+        filled = set()
+        for r, n in so.num_scheduled_tokens.items():
+            filled.update(blocks[r][computed[r] // BS:min((computed[r] + n) // BS, 5)])
+        assert set(so.kv_connector_metadata.save.block_ids) == filled
+    h.new_wave()
+    for i, p in enumerate(prompts):
+        h.add(f"d{i}", p + rand_tokens(rng, 40), max_tokens=3)  # loads 5 blocks, then 3 chunks
+    h.run()
+    h.check_idle()
+    t = h.totals()
+    assert t["chunks_loaded"] == 2 * 5 * hosts and t["hit_tokens"] == 2 * 5 * BS
+    h.check_loaded_bytes(min_blocks=10 * hosts)
+    assert h.eng.finished == set(h.prompts)

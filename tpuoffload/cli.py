@@ -45,9 +45,43 @@ def _load(path: str) -> Snapshot:
         raise StatsInputError(f"{path}: not a readable tpuoffload snapshot ({e})") from None
     if not isinstance(data, dict) or data.get("kind") not in ("host", "scheduler") or "time" not in data:
         raise StatsInputError(f"{path}: not a tpuoffload snapshot (missing 'kind' or 'time')")
-    if data["kind"] == "host" and not isinstance(data.get("host"), int):
+    if data["kind"] == "host" and not _is_int(data.get("host")):
         raise StatsInputError(f"{path}: host snapshot without an integer 'host'")
+    problem = _check_fields(data)
+    if problem:
+        raise StatsInputError(f"{path}: not a readable tpuoffload snapshot ({problem})")
     return Snapshot(path, data)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_fields(data: dict[str, Any]) -> str | None:
+    """What is wrong with the fields the table and the checks read (None: nothing), so a damaged
+    or foreign file is reported by name instead of ending in a traceback."""
+    if not _is_num(data["time"]):
+        return f"'time' is {data['time']!r}, not a number"
+    if "step" in data and not _is_int(data["step"]):
+        return f"'step' is {data['step']!r}, not an integer"
+    totals = data.get("totals", {})
+    if not isinstance(totals, dict) or not all(_is_num(v) for v in totals.values()):
+        return "'totals' is not a mapping of counter names to numbers"
+    for key in ("interval_s", "oldest_inflight_age_s", "slots_used", "slots_total", "staging_bytes",
+                "inflight_chunks", "saving_chunks"):
+        if key in data and not _is_num(data[key]):
+            return f"{key!r} is {data[key]!r}, not a number"
+    digests = data.get("recent_digests", [])
+    if not isinstance(digests, list) or not all(
+            isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and isinstance(e[1], str) for e in digests):
+        return "'recent_digests' is not a list of [step, digest] pairs"
+    if "digest" in data and not isinstance(data["digest"], str):
+        return "'digest' is not a string"
+    return None
 
 
 def load_snapshots(paths: list[str]) -> list[Snapshot]:
@@ -62,7 +96,19 @@ def load_snapshots(paths: list[str]) -> list[Snapshot]:
             files.append(p)
         else:
             raise StatsInputError(f"{p}: no such file or directory")
-    return [_load(f) for f in files]
+    # The same file named twice (a directory and a file in it) counts once.
+    seen: set[str] = set()
+    files = [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+    snaps = [_load(f) for f in files]
+    # Two files for one host (or two scheduler files) would be added twice into the slice total:
+    # most likely directories of two different runs or slices.
+    owner: dict[str, str] = {}
+    for s in snaps:
+        if s.name in owner:
+            raise StatsInputError(f"{s.path}: {s.name} is also reported by {owner[s.name]}; "
+                                  "pass the snapshots of one slice only")
+        owner[s.name] = s.path
+    return snaps
 
 
 def analyse(snaps: list[Snapshot], *, now: float, stale_after_s: float | None, inflight_age_s: float,
@@ -93,16 +139,24 @@ def analyse(snaps: list[Snapshot], *, now: float, stale_after_s: float | None, i
     for step in sorted(by_step):
         groups = by_step[step]
         if len(groups) > 1:
-            majority = max(groups.values(), key=len)
+            sizes = sorted((len(m) for m in groups.values()), reverse=True)
+            # Without a strict majority (two hosts that disagree) nothing says which host is right:
+            # every host is flagged rather than an arbitrary one.
+            majority = max(groups.values(), key=len) if sizes[0] > sizes[1] else None
+            note = "" if majority is not None else ", no majority"
             for members in groups.values():
                 if members is not majority:
                     for s in members:
                         if not any(f.startswith("DIVERGED") for f in s.flags):
-                            s.flags.append(f"DIVERGED (dispatch digest differs at step {step})")
+                            s.flags.append(f"DIVERGED (dispatch digest differs at step {step}{note})")
 
 
 def _row(s: Snapshot, now: float) -> dict[str, Any]:
     d, t = s.data, s.data.get("totals", {})
+    if d["kind"] == "host":
+        failed = t.get("save_failures", 0) + t.get("load_errors", 0)
+    else:  # saves the scheduler dropped: failed on some host, or not confirmed in time
+        failed = t.get("ledger_failed", 0) + t.get("ledger_expired", 0)
     return {
         "name": s.name,
         "step": d.get("step", -1),
@@ -111,7 +165,7 @@ def _row(s: Snapshot, now: float) -> dict[str, Any]:
         "saved_GiB": t.get("bytes_saved", 0) / GiB,
         "loaded": int(t.get("chunks_loaded", 0)),
         "loaded_GiB": t.get("bytes_loaded", 0) / GiB,
-        "failed": int(t.get("save_failures", 0) + t.get("load_errors", 0)),
+        "failed": int(failed),
         "skipped": int(t.get("skipped_no_space", 0) + t.get("skipped_staging", 0)),
         "slots": f"{d.get('slots_used', 0)}/{d.get('slots_total', 0)}",
         "staging_MiB": d.get("staging_bytes", 0) / (1 << 20),
@@ -165,19 +219,28 @@ def stats_main(args: argparse.Namespace) -> int:
         try:
             snaps = load_snapshots(args.paths)
         except StatsInputError as e:
-            print(f"tpuoffload stats: {e}", file=sys.stderr)
-            return 2
-        now = time.time()
-        analyse(snaps, now=now, stale_after_s=args.stale_after, inflight_age_s=args.inflight_age,
-                max_step_lag=args.max_step_lag)
-        rep = report(snaps, now)
-        out = json.dumps(rep, indent=2) if args.json else render(rep)
+            if not args.watch:
+                print(f"tpuoffload stats: {e}", file=sys.stderr)
+                return 2
+            # Watching: a host that has not written its first snapshot yet (or a file being
+            # replaced by a restarted host) is shown and retried, not the end of the watch.
+            rep, snaps = {"error": str(e)}, None
+        if snaps is not None:
+            now = time.time()
+            analyse(snaps, now=now, stale_after_s=args.stale_after, inflight_age_s=args.inflight_age,
+                    max_step_lag=args.max_step_lag)
+            rep = report(snaps, now)
         if args.watch:
-            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out + "\n")
+            if args.json:  # one JSON document per line, no terminal control codes
+                rep["time"] = time.time()
+                sys.stdout.write(json.dumps(rep) + "\n")
+            else:
+                out = render(rep) if snaps is not None else f"tpuoffload stats: {rep['error']}"
+                sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out + "\n")
             sys.stdout.flush()
             time.sleep(args.watch)
             continue
-        print(out)
+        print(json.dumps(rep, indent=2) if args.json else render(rep))
         return 1 if rep["flagged"] else 0
 
 
@@ -186,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stats", help="per-host table of the offload engine's snapshots")
     st.add_argument("paths", nargs="+", help="stats directories (kv_connector_extra_config stats_dir) or files")
-    st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh in place every SECONDS")
+    st.add_argument("--watch", type=float, metavar="SECONDS",
+                    help="refresh in place every SECONDS (with --json: one JSON document per line)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--stale-after", type=float, metavar="SECONDS",
                     help="flag a host whose snapshot is older (default: 3 x its interval + 5 s)")
@@ -194,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="flag saves in flight for longer (default 60)")
     st.add_argument("--max-step-lag", type=int, default=50, help="flag hosts this many steps behind (default 50)")
     args = parser.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        parser.error("--watch needs a positive number of seconds")
     try:
         return stats_main(args)
     except KeyboardInterrupt:

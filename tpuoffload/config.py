@@ -90,13 +90,13 @@ def _as_int(key: str, value: Any, low: int, high: int) -> int:
     return value
 
 
-def _as_float(key: str, value: Any, low: float, high: float) -> float:
+def _as_float(key: str, value: Any, low: float, high: float, low_ok: bool = False) -> float:
     try:
         out = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not low < out <= high:
-        raise ValueError(f"kv_connector_extra_config[{key!r}]={value!r} is outside ({low}, {high}]")
+    if isinstance(value, bool) or not (low <= out if low_ok else low < out) or not out <= high:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]={value!r} is outside {'[' if low_ok else '('}{low}, {high}]")
     return out
 
 
@@ -164,7 +164,8 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
         out["host_memory_kind"] = extra["host_memory_kind"]
     for key, high in (("load_wait_timeout_s", 3600.0), ("save_timeout_s", 86400.0), ("stats_interval_s", 3600.0)):
         if key in extra:
-            out[key] = _as_float(key, extra[key], 0.0, high)
+            # stats_interval_s=0: a snapshot at every step
+            out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "stats_interval_s")
     if extra.get("stats_dir") is not None:
         if not isinstance(extra["stats_dir"], str) or not extra["stats_dir"]:
             raise ValueError(f"kv_connector_extra_config['stats_dir'] must be a directory path, got {extra['stats_dir']!r}")

@@ -36,6 +36,10 @@ _DOCS = {
     "ledger_unknown": "Completion reports never matched to a save (dropped)",
     "ledger_expired": "Saves not confirmed by every host in time (dropped)",
     "unknown_request": "Transfer completions for requests the connector did not know",
+    "ledger_confirmed": "Save confirmations received from hosts",
+    "ledger_failed": "Saves dropped because a host reported the save failed",
+    "ledger_unknown_host": "Completion reports from a host id outside the slice (dropped)",
+    "discarded": "Chunks dropped from the index after a load of them failed on a host",
 }
 
 
@@ -56,10 +60,15 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         self._children: dict[tuple[int, str, str], Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        # Runs in vLLM's stats logger: anything it cannot use is skipped, never raised.
         for key, value in transfer_stats_data.items():
-            source, _, name = key.split("|", 2)
+            parts = key.split("|", 2) if isinstance(key, str) else ()
+            if len(parts) != 3:
+                continue
+            source, _, name = parts
             counter = self._counters.get(name)
-            if counter is None or not value:
+            if (counter is None or isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not value > 0):
                 continue
             child = self._children.get((engine_idx, name, source))
             if child is None:

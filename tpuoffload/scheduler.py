@@ -36,6 +36,9 @@ class _RequestState:
     watermark: int = 0
     pending_load: LoadRequest | None = None
     pinned: list[Chunk] = field(default_factory=list)
+    # Lazy mode: ids of the full blocks computed so far (up to the save limit). A preemption frees
+    # them and zeroes num_computed_tokens before the connector hears of it, so remember them here.
+    computed_block_ids: list[int] = field(default_factory=list)
 
 
 class OffloadScheduler:
@@ -62,7 +65,7 @@ class OffloadScheduler:
         # Loads planned but not yet reported: block id -> (hash, save_id), and req_id -> block ids.
         self._loading_blocks: dict[int, tuple[bytes, int]] = {}
         self._loading_reqs: dict[str, list[int]] = {}
-        self._flush_queue: list[tuple[str, int]] = []  # (req_id, block count) to save before forward
+        self._flush_queue: list[tuple[str, list[int]]] = []  # (req_id, its first full block ids) to save before forward
         self._release_queue: list[str] = []
         self._awaiting_release: set[str] = set()
         self._step = 0
@@ -135,7 +138,11 @@ class OffloadScheduler:
         self._pending_loads = []
 
         flush = self._plan_flush()
-        save = self._plan_step_saves(scheduler_output) if not self.config.lazy_offload else SaveBatch()
+        if self.config.lazy_offload:
+            save = SaveBatch()
+            self._track_computed(scheduler_output)
+        else:
+            save = self._plan_step_saves(scheduler_output)
 
         # The workers copy the loaded slots out during this step, before any later step can write
         # to them, so the pins only have to outlive this step's allocations (done above).
@@ -176,6 +183,25 @@ class OffloadScheduler:
         self._saving.difference_update(done)
         return self._allocate(candidates)
 
+    def _track_computed(self, scheduler_output: "SchedulerOutput") -> None:
+        """Lazy mode: remember the ids of the full blocks each scheduled request has computed
+        (including this step's), for a flush at finish or preemption."""
+        done = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in self._saving:
+            n_sched = scheduled.get(req_id)
+            if n_sched is None:
+                continue
+            state = self._requests[req_id]
+            req = state.request
+            limit = self._save_limit(req)
+            full = min((req.num_computed_tokens + n_sched) // self.block_size, limit, len(req.block_hashes))
+            if full > len(state.computed_block_ids):
+                state.computed_block_ids = self._block_ids(req_id)[:full]
+            if full >= limit:
+                done.append(req_id)
+        self._saving.difference_update(done)
+
     def _save_limit(self, req: "Request") -> int:
         if self.config.save_decode_blocks:
             return 1 << 62
@@ -183,13 +209,12 @@ class OffloadScheduler:
 
     def _plan_flush(self) -> SaveBatch:
         candidates = []
-        for req_id, full in self._flush_queue:
+        for req_id, block_ids in self._flush_queue:
             state = self._requests.get(req_id)
+            full = len(block_ids)
             if state is None or full <= state.watermark:
                 continue
             req = state.request
-            full = min(full, len(req.block_hashes))
-            block_ids = self._block_ids(req_id)
             candidates.extend(zip(block_ids[state.watermark:full], req.block_hashes[state.watermark:full]))
             state.watermark = full
         self._flush_queue = []
@@ -232,13 +257,13 @@ class OffloadScheduler:
             state.pinned = []
             state.pending_load = None
         if self.config.lazy_offload:
-            full = self._computed_full_blocks(state)
-            if full > state.watermark:
-                self._flush_queue.append((req_id, full))
-
-    def _computed_full_blocks(self, state: _RequestState) -> int:
-        req = state.request
-        return min(req.num_computed_tokens // self.block_size, self._save_limit(req), len(req.block_hashes))
+            # vLLM already freed the blocks, but nothing overwrites them before this step's
+            # forward, and the flush is gathered before it. The request recomputes (or loads)
+            # into new blocks when it resumes.
+            if len(state.computed_block_ids) > state.watermark:
+                self._flush_queue.append((req_id, state.computed_block_ids))
+            state.computed_block_ids = []
+            self._saving.add(req_id)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Returns (delay_free, params). Blocks are held only when a save of them has not been
@@ -254,9 +279,10 @@ class OffloadScheduler:
             state.pinned = []
         delay = False
         if self.config.lazy_offload:
-            full = self._computed_full_blocks(state)
-            if full > state.watermark:
-                self._flush_queue.append((req_id, full))
+            # Only blocks a scheduled forward computed (a load not yet verified by a forward, e.g.
+            # a request aborted while its load was in flight, may have failed: never save it).
+            if len(state.computed_block_ids) > state.watermark:
+                self._flush_queue.append((req_id, state.computed_block_ids))
                 self._release_queue.append(req_id)
                 self._awaiting_release.add(req_id)
                 delay = True

@@ -9,6 +9,7 @@ sees the previous snapshot or the new one, never a torn file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -16,17 +17,32 @@ from collections.abc import Callable
 from typing import Any
 
 SCHEMA = 1
+# mkstemp creates 0600 files; snapshots are meant for whoever runs ``tpuoffload stats`` (often a
+# monitoring user other than the serving one), like any log file.
+FILE_MODE = 0o644
+
+logger = logging.getLogger(__name__)
 
 
 def write_atomic(path: str, payload: dict[str, Any]) -> None:
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
     try:
-        with os.fdopen(fd, "w") as f:
+        f = os.fdopen(fd, "w")
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    try:
+        with f:
+            os.fchmod(f.fileno(), FILE_MODE)
             json.dump(payload, f, separators=(",", ":"))
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         raise
 
 
@@ -42,13 +58,24 @@ class SnapshotWriter:
         self._build = build
         self._clock = clock
         self._due = 0.0
+        self.failures = 0
 
     def maybe_write(self, force: bool = False) -> bool:
+        """Write a snapshot if one is due; True if one was written. Never raises: this runs on the
+        engine's step path, and a full disk or a removed stats directory must not stop serving
+        (the snapshot goes stale and ``tpuoffload stats`` reports the host STOPPED instead)."""
         now = self._clock()
         if not force and now < self._due:
             return False
         self._due = now + self._interval
-        payload = self._build()
-        payload.update(schema=SCHEMA, time=time.time(), pid=os.getpid(), interval_s=self._interval)
-        write_atomic(self.path, payload)
+        try:
+            payload = self._build()
+            payload.update(schema=SCHEMA, time=time.time(), pid=os.getpid(), interval_s=self._interval)
+            write_atomic(self.path, payload)
+        except Exception as e:  # noqa: BLE001 - observability must never take the engine down
+            self.failures += 1
+            if self.failures == 1 or self.failures % 1000 == 0:
+                logger.warning("tpuoffload: cannot write stats snapshot %s (%d failures so far): %s",
+                               self.path, self.failures, e)
+            return False
         return True

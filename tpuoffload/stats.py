@@ -25,7 +25,7 @@ COUNTERS = (
     "lookup_tokens", "hit_tokens", "saves_issued",
     "skipped_no_space", "skipped_staging", "dedup_batch", "dedup_index", "evicted",
     "ledger_duplicate", "ledger_late", "ledger_early", "ledger_unknown", "ledger_expired",
-    "unknown_request",
+    "unknown_request", "ledger_confirmed", "ledger_failed", "ledger_unknown_host", "discarded",
 )
 
 

@@ -3,11 +3,20 @@
 The workers are joined by ``jax.distributed`` (CPU devices, gloo collectives) into one mesh whose
 heads axis spans every process, so each worker holds only its own heads of every block, as a host
 of a TPU pod slice does. Every step the scheduler sends the same SchedulerOutput to every worker,
-merges their outputs with vLLM's KVOutputAggregator, and compares the per-host dispatch digests;
-the first divergence stops the run with each host's op list.
+merges their outputs with vLLM's KVOutputAggregator, and compares, across hosts, the per-host
+dispatch digests and the sampled tokens; the first divergence stops the run with each host's op
+list (DigestMismatch).
 
-No run can hang: every receive has a deadline, the JAX heartbeat brings the others down when one
-dies, and ``close`` kills each worker's process group.
+No run can hang and no process outlives the slice:
+
+* every send and every receive has a deadline (``SliceSpec.step_timeout_s`` per step); all hosts
+  are awaited together, so a host that dies is noticed at once (its pipe closes), not after the
+  others time out waiting for it in a collective;
+* every worker runs in its own process group; ``close`` (also run when the constructor fails, on
+  ``__exit__`` and at interpreter exit) SIGKILLs each group and reaps it;
+* a worker whose parent disappears (its stdin closes, or it is re-parented) exits by itself;
+* each host's stderr goes to ``<log_dir>/host<i>.log`` (a temp dir unless given), and every
+  SliceError ends with the last lines of the logs of the hosts concerned.
 """
 
 from __future__ import annotations
@@ -15,13 +24,17 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
@@ -29,11 +42,11 @@ from tpuoffload.worker.transfer_engine import Faults
 
 
 class SliceError(RuntimeError):
-    """The slice stopped: a worker died, timed out, or the hosts diverged."""
+    """The slice stopped: a worker died, timed out, raised, or the hosts diverged."""
 
 
 class DigestMismatch(SliceError):
-    pass
+    """The hosts dispatched different JAX work (or sampled different tokens) in the same step."""
 
 
 @dataclass
@@ -52,6 +65,18 @@ class Chaos:
     drop_report_rate: float = 0.0  # a worker's completion report is dropped on the way
     duplicate_report_rate: float = 0.0  # a worker's output is delivered twice to the aggregator
     broken: str | None = None  # negative controls: "host_order" or "background_dispatch"
+    abort_rate: float = 0.0  # per step: probability of aborting one random live request
+
+    @classmethod
+    def storm(cls, num_hosts: int, seed: int = 0) -> "Chaos":
+        """Everything at once, spread over the hosts: the chaos the pod-slice tests run."""
+        return cls(
+            seed=seed, write_delay_s=0.02, step_delay_s=0.01,
+            slow_host=num_hosts - 1, slow_host_delay_s=0.05,
+            fail_d2h_host=0, fail_d2h_rate=0.1,
+            lose_slot_host=1 % num_hosts, lose_slot_rate=0.3,
+            drop_report_rate=0.05, duplicate_report_rate=0.1, abort_rate=0.05,
+        )
 
 
 class ChaosFaults(Faults):
@@ -59,42 +84,104 @@ class ChaosFaults(Faults):
         self.chaos = chaos
         self.host = host
         self.rng = random.Random(chaos.seed * 1000 + host)
+        self._lock = threading.Lock()  # before_write runs on several save threads
 
     def before_write(self, save_ids: Sequence[int]) -> None:
         c = self.chaos
-        delay = self.rng.uniform(0, c.write_delay_s) if c.write_delay_s else 0.0
+        with self._lock:
+            delay = self.rng.uniform(0, c.write_delay_s) if c.write_delay_s else 0.0
+            fail = c.fail_d2h_host == self.host and self.rng.random() < c.fail_d2h_rate
         if c.slow_host == self.host:
             delay += c.slow_host_delay_s
         if delay:
             time.sleep(delay)
-        if c.fail_d2h_host == self.host and self.rng.random() < c.fail_d2h_rate:
+        if fail:
             raise RuntimeError("chaos: device-to-host copy failed")
 
     def before_load(self, backend, slots: Sequence[int]) -> None:
         c = self.chaos
-        if c.lose_slot_host == self.host and slots and self.rng.random() < c.lose_slot_rate:
-            backend.invalidate([self.rng.choice(list(slots))])
+        if c.lose_slot_host == self.host and slots:
+            with self._lock:
+                lose = self.rng.random() < c.lose_slot_rate
+                slot = self.rng.choice(list(slots))
+            if lose:
+                backend.invalidate([slot])
 
 
 # ---------------------------------------------------------------- framing over pipes
+_HEAD = struct.Struct("<Q")
+
+
 def _send(stream: BinaryIO, obj: Any) -> None:
+    """Blocking send (worker side)."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.write(_HEAD.pack(len(data)) + data)
     stream.flush()
 
 
+def _read_exact(stream: BinaryIO, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            raise EOFError("peer closed the pipe")
+        buf += chunk
+    return buf
+
+
 def _recv(stream: BinaryIO) -> Any:
-    head = stream.read(8)
-    if len(head) < 8:
-        raise EOFError("peer closed the pipe")
-    (n,) = struct.unpack("<Q", head)
-    return pickle.loads(stream.read(n))
+    """Blocking receive (worker side)."""
+    (n,) = _HEAD.unpack(_read_exact(stream, _HEAD.size))
+    return pickle.loads(_read_exact(stream, n))
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _HostPipe:
+    """The scheduler's end of one worker's pipes: non-blocking, framed, deadline-driven."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.rfd = proc.stdout.fileno()
+        self.wfd = proc.stdin.fileno()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.inbuf = bytearray()
+        self.out = memoryview(b"")
+        self.eof = False
+
+    def take_frame(self) -> tuple[bool, Any]:
+        if len(self.inbuf) < _HEAD.size:
+            return False, None
+        (n,) = _HEAD.unpack_from(self.inbuf)
+        if len(self.inbuf) < _HEAD.size + n:
+            return False, None
+        data = bytes(self.inbuf[_HEAD.size:_HEAD.size + n])
+        del self.inbuf[:_HEAD.size + n]
+        return True, pickle.loads(data)
+
+    def fill(self) -> None:
+        try:
+            while True:
+                chunk = os.read(self.rfd, 1 << 20)
+                if not chunk:
+                    self.eof = True
+                    return
+                self.inbuf += chunk
+        except BlockingIOError:
+            pass
+
+    def flush(self) -> None:
+        while self.out:
+            try:
+                n = os.write(self.wfd, self.out)
+            except BlockingIOError:
+                return
+            self.out = self.out[n:]
 
 
 @dataclass
@@ -109,17 +196,45 @@ class SliceSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
-    step_timeout_s: float = 60.0
+    step_timeout_s: float = 60.0  # one step (or one control message), all hosts together
     start_timeout_s: float = 120.0
+    log_tail_lines: int = 25  # lines of each concerned host's log quoted in a SliceError
+
+
+def _kill_groups(procs: Iterable[subprocess.Popen]) -> None:
+    procs = list(procs)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            pass
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
 
 
 class PodSlice:
-    """Start with ``PodSlice(spec, chaos)``; use as a context manager so the workers always die."""
+    """Start with ``PodSlice(spec, chaos)``; use as a context manager so the workers always die.
+
+    After every step: ``steps``, ``digests`` (per step, per host), ``outputs``/``finished`` (per
+    request), ``aborted`` (requests aborted by chaos or ``abort``), ``stats`` (an OffloadStats: the
+    union of every stats report that reached vLLM's stats path, scheduler and all hosts),
+    ``mismatches`` (per host: context positions whose KV was wrong, so far).
+    """
 
     def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         from tpuoffload.sim.vllm_setup import make_scheduler
+        from tpuoffload.stats import OffloadStats
 
         self.spec = spec
         self.chaos = chaos or Chaos()
@@ -137,18 +252,34 @@ class PodSlice:
             tensor_parallel_size=spec.num_hosts,
         )
         self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
-        self.procs: list[subprocess.Popen] = []
-        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []  # kept after close, so callers can check they are gone
+        self._pipes: list[_HostPipe] = []
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="podslice-")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.steps = 0
         self.digests: list[list[str]] = []  # per step, per host
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
+        self.aborted: set[str] = set()
+        self.stats = OffloadStats()
+        self.mismatches: list[int] = [0] * spec.num_hosts
+        self.first_mismatch_step: int | None = None
         self.final: list[dict] = []
-        self._start()
+        self.start_state: list[dict] = []
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _kill_groups, self.procs)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def offload(self):
         return self.scheduler.connector.scheduler
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"host{rank}.log")
 
     # ---------------------------------------------------------------- processes
     def _start(self) -> None:
@@ -159,40 +290,100 @@ class PodSlice:
         init = {"spec": asdict(self.spec), "chaos": asdict(self.chaos),
                 "vllm_config": self.scheduler.vllm_config, "kv_cache_config": self.scheduler.kv_cache_config}
         for rank in range(self.spec.num_hosts):
-            log = open(os.path.join(self.log_dir, f"host{rank}.log"), "wb") if self.log_dir else subprocess.DEVNULL
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tpuoffload.sim.podslice", str(rank), str(self.spec.num_hosts), str(port)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
-            )
+            with open(self.log_path(rank), "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tpuoffload.sim.podslice", str(rank), str(self.spec.num_hosts), str(port)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+                )
             self.procs.append(proc)
-            _send(proc.stdin, init)
-        for rank, proc in enumerate(self.procs):
-            msg = self._recv(rank, self.spec.start_timeout_s)
+            self._pipes.append(_HostPipe(proc))
+        replies = self._exchange(init, self.spec.start_timeout_s, "start")
+        for rank, msg in enumerate(replies):
             if msg != "ready":
-                raise SliceError(f"host {rank} failed to start: {msg!r}")
+                raise self._error(f"host {rank} failed to start: {msg!r}", [rank])
+        self.start_state = self.worker_state()
 
-    def _recv(self, rank: int, timeout: float) -> Any:
-        import select
-
-        proc = self.procs[rank]
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            raise SliceError(f"host {rank} did not answer within {timeout:.0f} s (hang?)")
+    def _tail(self, rank: int) -> str:
         try:
-            return _recv(proc.stdout)
-        except EOFError:
-            raise SliceError(f"host {rank} died (exit code {proc.poll()})") from None
+            with open(self.log_path(rank), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(lines[-self.spec.log_tail_lines:])
+
+    def _error(self, message: str, ranks: Iterable[int], cls: type[SliceError] = SliceError) -> SliceError:
+        parts = [message]
+        for rank in sorted(set(ranks)):
+            parts.append(f"--- host {rank}: last {self.spec.log_tail_lines} lines of {self.log_path(rank)} ---")
+            parts.append(self._tail(rank))
+        return cls("\n".join(parts))
+
+    def _exit_status(self, rank: int) -> str:
+        proc = self.procs[rank]
+        try:
+            code = proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return "pipe closed, process still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def _exchange(self, msg: Any, timeout: float, what: str) -> list[Any]:
+        """Send ``msg`` to every host and collect one reply from each, all under one deadline.
+        A host that dies or whose pipe closes fails the exchange at once."""
+        if self.closed:
+            raise SliceError(f"{what}: the slice is closed")
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = memoryview(_HEAD.pack(len(data)) + data)
+        for pipe in self._pipes:
+            pipe.out = frame
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(self._pipes):
+            for rank, pipe in enumerate(self._pipes):
+                if rank in replies:
+                    continue
+                try:
+                    pipe.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    raise self._error(f"{what} {self.steps}: host {rank} died ({self._exit_status(rank)})",
+                                      [rank]) from None
+                got, reply = pipe.take_frame()
+                if got:
+                    replies[rank] = reply
+                elif pipe.eof:
+                    raise self._error(f"{what} {self.steps}: host {rank} died ({self._exit_status(rank)})", [rank])
+            if len(replies) == len(self._pipes):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [r for r in range(len(self._pipes)) if r not in replies]
+                raise self._error(
+                    f"{what} {self.steps}: host(s) {waiting} did not answer within {timeout:.0f} s (hang?); "
+                    f"host(s) {sorted(replies)} did", waiting)
+            rlist = [p.rfd for r, p in enumerate(self._pipes) if r not in replies]
+            wlist = [p.wfd for r, p in enumerate(self._pipes) if r not in replies and p.out]
+            readable, _, _ = select.select(rlist, wlist, [], min(left, 1.0))
+            for rank, pipe in enumerate(self._pipes):
+                if pipe.rfd in readable:
+                    pipe.fill()
+        out = []
+        for rank in range(len(self._pipes)):
+            reply = replies[rank]
+            if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
+                raise self._error(f"{what} {self.steps}: host {rank} raised:\n{reply[1]}", [rank])
+            out.append(reply)
+        return out
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            proc.wait(timeout=30)
-        self.procs = []
+        """Kill every worker's process group and reap it; safe to call more than once."""
+        self.closed = True
+        _kill_groups(self.procs)
 
     def __enter__(self) -> "PodSlice":
         return self
@@ -204,26 +395,49 @@ class PodSlice:
     def add_request(self, request) -> None:
         self.scheduler.add_request(request)
 
+    def abort(self, req_ids: Iterable[str]) -> list[str]:
+        """Abort requests as the API server does when a client disconnects."""
+        from vllm.v1.request import RequestStatus
+
+        req_ids = [r for r in req_ids if r in self.scheduler.requests]
+        if not req_ids:
+            return []
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        self.aborted.update(req_ids)
+        return req_ids
+
     def step(self) -> None:
+        c = self.chaos
+        if c.abort_rate and self._rng.random() < c.abort_rate:
+            live = sorted(r for r, req in self.scheduler.requests.items() if not req.is_finished())
+            if live:
+                self.abort([self._rng.choice(live)])
         so = self.scheduler.schedule()
-        for proc in self.procs:
-            _send(proc.stdin, ("step", so))
-        replies = [self._recv(rank, self.spec.step_timeout_s) for rank in range(len(self.procs))]
-        for rank, reply in enumerate(replies):
-            if isinstance(reply, tuple) and reply[0] == "error":
-                raise SliceError(f"host {rank} raised:\n{reply[1]}")
+        replies = self._exchange(("step", so), self.spec.step_timeout_s, "step")
+        outputs = [r[0] for r in replies]
         self._check_digests([r[1] for r in replies])
-        outputs = [self._mangle(r[0]) for r in replies]
-        if self.chaos.duplicate_report_rate and self._rng.random() < self.chaos.duplicate_report_rate:
+        self._check_outputs(outputs)
+        self._note_mismatches([r[2] for r in replies])
+        outputs = [self._mangle(o) for o in outputs]
+        if c.duplicate_report_rate and self._rng.random() < c.duplicate_report_rate:
             outputs.append(outputs[self._rng.randrange(len(outputs))])  # one host's output twice
         merged = self.aggregator.aggregate(outputs, output_rank=0)
         eco = self.scheduler.update_from_output(so, merged)
+        self._collect(eco)
+        self.steps += 1
+
+    def _collect(self, eco) -> None:
+        from tpuoffload.connector import TPUOffloadConnector
+
         for outs in eco.values():
+            sched_stats = outs.scheduler_stats
+            if sched_stats is not None and sched_stats.kv_connector_stats:
+                data = sched_stats.kv_connector_stats
+                self.stats = self.stats.aggregate(TPUOffloadConnector.build_kv_connector_stats(dict(data)))
             for o in outs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
-        self.steps += 1
 
     def _mangle(self, output):
         kv = output.kv_connector_output
@@ -233,15 +447,36 @@ class PodSlice:
 
     def _check_digests(self, digests) -> None:
         self.digests.append([d.digest for d in digests])
-        if len({d.digest for d in digests}) > 1:
-            lines = [f"dispatch digests diverge at step {digests[0].step}:"]
-            for rank, d in enumerate(digests):
-                lines.append(f"  host {rank}: {d.digest}")
-                lines += [f"    {op}" for op in d.ops]
-            raise DigestMismatch("\n".join(lines))
+        if len({d.digest for d in digests}) == 1 and len({d.step for d in digests}) == 1:
+            return
+        ops = [list(d.ops) for d in digests]
+        first = next((i for i in range(max(map(len, ops)))
+                      if len({o[i] if i < len(o) else None for o in ops}) > 1), None)
+        lines = [f"dispatch digests diverge at step {self.steps} (connector step "
+                 f"{sorted({d.step for d in digests})}); first differing op: #{first}"]
+        for rank, d in enumerate(digests):
+            lines.append(f"  host {rank}: step {d.step} digest {d.digest}, {len(d.ops)} ops")
+            lines += [f"  {'>>' if i == first else '  '} {i:3d} {op}" for i, op in enumerate(d.ops)]
+        raise DigestMismatch("\n".join(lines))
 
-    def run(self, max_steps: int = 5000, on_step=None) -> int:
+    def _check_outputs(self, outputs) -> None:
+        first = outputs[0]
+        for rank, out in enumerate(outputs[1:], 1):
+            if out.req_ids != first.req_ids or out.sampled_token_ids != first.sampled_token_ids:
+                raise DigestMismatch(
+                    f"sampled tokens diverge at step {self.steps}:\n"
+                    f"  host 0: {dict(zip(first.req_ids, first.sampled_token_ids))}\n"
+                    f"  host {rank}: {dict(zip(out.req_ids, out.sampled_token_ids))}")
+
+    def _note_mismatches(self, counts) -> None:
+        if counts != self.mismatches and self.first_mismatch_step is None:
+            self.first_mismatch_step = self.steps
+        self.mismatches = list(counts)
+
+    def run(self, max_steps: int = 5000, on_step=None, timeout_s: float | None = None) -> int:
+        """Step until the scheduler has no requests; returns the number of steps."""
         n = 0
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self.scheduler.has_requests():
             self.step()
             n += 1
@@ -249,22 +484,36 @@ class PodSlice:
                 on_step(self)
             if n >= max_steps:
                 raise SliceError(f"not idle after {max_steps} steps")
+            if deadline is not None and time.monotonic() > deadline:
+                raise SliceError(f"not idle after {timeout_s} s ({n} steps)")
         return n
 
-    def settle(self, timeout: float = 60.0) -> None:
-        """Run empty steps until every save is resolved (confirmed, failed or expired)."""
+    def settle(self, timeout: float = 60.0) -> bool:
+        """Run empty steps until every save is resolved (confirmed, failed or expired), then wait
+        for every host's background writes and deliver their last reports. True if settled."""
         deadline = time.monotonic() + timeout
         while self.offload.leak_report()["ledger_pending"] and time.monotonic() < deadline:
             self.step()
             time.sleep(0.05)
+        idle = self._exchange(("idle", max(1.0, deadline - time.monotonic())), self.spec.step_timeout_s + timeout,
+                              "idle")
+        self.step()  # deliver what the writes that just finished reported
+        return not self.offload.leak_report()["ledger_pending"] and all(idle)
 
     def worker_state(self) -> list[dict]:
-        for proc in self.procs:
-            _send(proc.stdin, ("state",))
-        return [self._recv(rank, self.spec.step_timeout_s) for rank in range(len(self.procs))]
+        """Per host: mismatches, positions_verified, inflight_chunks, staging_bytes, backend_bytes,
+        backend_slots_used, steps (after waiting up to 30 s for background writes)."""
+        return self._exchange(("state",), self.spec.step_timeout_s + 30, "state")
 
 
 # ---------------------------------------------------------------- worker process
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
 def _worker_main(rank: int, num_hosts: int, port: int) -> None:
     import traceback
 
@@ -272,50 +521,70 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
     stdout = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     stdin = sys.stdin.buffer
-    init = _recv(stdin)
-    spec, chaos = SliceSpec(**init["spec"]), Chaos(**init["chaos"])
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
 
-    import jax
+    def receive():
+        try:
+            return _recv(stdin)
+        except EOFError:  # the scheduler is gone: do not linger in jax.distributed's shutdown
+            os._exit(0)
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_hosts, rank, initialization_timeout=int(spec.start_timeout_s),
-                               heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
-    import numpy as np
-    from jax.sharding import Mesh
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    init = receive()
+    try:
+        spec, chaos = SliceSpec(**init["spec"]), Chaos(**init["chaos"])
 
-    from tpuoffload.connector import TPUOffloadConnector
-    from tpuoffload.sim.runner import SyntheticRunner
+        import jax
 
-    mesh = Mesh(np.array(jax.devices()), ("model",))  # ordered by process: each host owns its heads
-    runner = SyntheticRunner(mesh, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                             num_layers=spec.num_layers, num_heads=spec.num_kv_heads, head_dim=spec.head_dim)
-    connector = TPUOffloadConnector(init["vllm_config"], KVConnectorRole.WORKER, init["kv_cache_config"])
-    connector.worker.host_id = rank
-    connector.worker._faults = ChaosFaults(chaos, rank)
-    connector.register_runner(runner)
-    if chaos.broken:
-        from tpuoffload.sim.broken import break_engine
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_hosts, rank,
+                                   initialization_timeout=int(spec.start_timeout_s),
+                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+        import numpy as np
+        from jax.sharding import Mesh
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        break_engine(connector.worker.engine, chaos.broken, rank)
+        from tpuoffload.connector import TPUOffloadConnector
+        from tpuoffload.sim.runner import SyntheticRunner
+
+        mesh = Mesh(np.array(jax.devices()), ("model",))  # ordered by process: each host owns its heads
+        runner = SyntheticRunner(mesh, num_blocks=spec.num_blocks, block_size=spec.block_size,
+                                 num_layers=spec.num_layers, num_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+        connector = TPUOffloadConnector(init["vllm_config"], KVConnectorRole.WORKER, init["kv_cache_config"])
+        connector.worker.host_id = rank
+        connector.worker._faults = ChaosFaults(chaos, rank)
+        connector.register_runner(runner)
+        if chaos.broken:
+            from tpuoffload.sim.broken import break_engine
+
+            break_engine(connector.worker.engine, chaos.broken, rank)
+    except Exception:
+        _send(stdout, ("error", traceback.format_exc()))
+        os._exit(1)
     rng = random.Random(chaos.seed * 7 + rank)
     _send(stdout, "ready")
     while True:
-        msg = _recv(stdin)
+        msg = receive()
         try:
             if msg[0] == "step":
                 if chaos.step_delay_s:
                     time.sleep(rng.uniform(0, chaos.step_delay_s))
                 out = runner.execute(msg[1], connector)
-                _send(stdout, (out, connector.worker.digests[-1]))
+                _send(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches))
+            elif msg[0] == "idle":
+                _send(stdout, connector.worker.engine.wait_idle(msg[1]))
             elif msg[0] == "state":
                 eng = connector.worker.engine
-                eng.wait_idle(30)
+                idle = eng.wait_idle(30)
                 chunks, staging, _ = eng.inflight()
                 _send(stdout, {"host": rank, "mismatches": runner.stats.mismatches,
+                               "mismatched_requests": sorted(runner.stats.mismatched_requests),
                                "positions_verified": runner.stats.positions_verified,
-                               "inflight_chunks": chunks, "staging_bytes": staging,
-                               "backend_bytes": eng.backend.nbytes, "steps": runner.stats.steps})
+                               "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
+                               "backend_bytes": eng.backend.nbytes,
+                               "backend_slots_used": eng.backend.num_used(),
+                               "steps": runner.stats.steps})
+            else:
+                raise ValueError(f"unknown message {msg[0]!r}")
         except Exception:
             _send(stdout, ("error", traceback.format_exc()))
 

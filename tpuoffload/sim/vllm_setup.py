@@ -130,7 +130,9 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     tensor_parallel_size: int = 1,
 ) -> VllmConfig:
-    model_dir = tiny_model_dir(num_layers, num_kv_heads, head_size)
+    # num_kv_heads is per worker (as in the KV cache spec); the model holds them all, so that
+    # vLLM's check "attention heads divisible by tensor_parallel_size" holds for any size.
+    model_dir = tiny_model_dir(num_layers, num_kv_heads * tensor_parallel_size, head_size)
     model_config = ModelConfig(
         model=model_dir,
         tokenizer=model_dir,
