@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import time
 from collections import Counter
 
 import jax
@@ -39,8 +38,7 @@ VARIANTS = [
     pytest.param(1, True, id="1host-async"),
     pytest.param(2, True, id="2host-async"),
 ]
-HOST_CHUNK = 2 * BS * 4 * 16 * 4  # one worker slot: layers x block x heads x head_dim x f32
-SCHED_CHUNK = 2 * HOST_CHUNK  # the scheduler sizes chunks by vLLM's page size (K and V)
+CHUNK = 2 * BS * 4 * 16 * 4  # one host slot: layers x block x heads (K and V) x head_dim x f32
 
 
 # ============================================================================ helpers
@@ -57,6 +55,9 @@ class Harness:
                        extra_config=extra, **SHAPE),
             faults=faults,
         )
+        # The scheduler plans in units of one host slot: both halves must agree on its size.
+        assert self.eng.offload.chunk_bytes == CHUNK
+        assert all(c.worker.engine.backend.slot_bytes == CHUNK for c in self.eng.connectors)
         self.prompts: dict[str, list[int]] = {}
         self.outputs: list = []  # SchedulerOutputs, in schedule order
         self.finished_answers: dict[str, bool] = {}  # req_id -> delay_free returned to vLLM
@@ -140,7 +141,8 @@ class Harness:
         """Every block snapshotted right after a load equals what the synthetic model computes."""
         runner = self.eng.runners[0]
         for host, req_id, idx, block_id, data in self.loaded:
-            want = runner.expected_block(self.prompts[req_id], idx)
+            tokens = self.prompts[req_id] + self.eng.outputs.get(req_id, [])  # a resumed request's context
+            want = runner.expected_block(tokens, idx)
             assert want.shape == (SHAPE["num_layers"], BS, SHAPE["num_kv_heads"], SHAPE["head_dim"])
             assert data.shape == want.shape
             np.testing.assert_array_equal(data, want, err_msg=f"host {host} {req_id} block #{idx} (id {block_id})")
@@ -349,3 +351,358 @@ def test_chunked_prefill_saves_as_blocks_fill(hosts, async_sched):
     assert t["chunks_loaded"] == 2 * 5 * hosts and t["hit_tokens"] == 2 * 5 * BS
     h.check_loaded_bytes(min_blocks=10 * hosts)
     assert h.eng.finished == set(h.prompts)
+
+
+# ============================================================================ 5. aborts
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("hosts,async_sched", VARIANTS)
+def test_aborts_mid_flight_leak_nothing(hosts, async_sched, lazy):
+    h = Harness(hosts, async_sched, max_num_batched_tokens=64,
+                extra={"cpu_bytes_to_use": 1 << 22, "lazy_offload": lazy})
+    rng = random.Random(5)
+    prefixes = [rand_tokens(rng, 3 * BS) for _ in range(4)]
+    for i, p in enumerate(prefixes):
+        h.add(f"w{i}", p + rand_tokens(rng, 4), max_tokens=2)
+    h.run()
+    h.new_wave()
+
+    # Wave 2: requests that load a prefix, long ones in chunked prefill, and one never scheduled.
+    for i, p in enumerate(prefixes):
+        h.add(f"load{i}", p + rand_tokens(rng, 20), max_tokens=8)
+    for i in range(3):
+        h.add(f"long{i}", rand_tokens(rng, 6 * BS + 2), max_tokens=8)
+    h.add("never", rand_tokens(rng, 40), max_tokens=8)
+    aborted: dict[str, str] = {}  # req_id -> status when aborted
+
+    def abort(eng, req_id):
+        status = eng.scheduler.requests[req_id].status
+        assert eng.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        aborted[req_id] = status.name
+
+    abort(h.eng, "never")
+
+    def on_step(eng):
+        reqs = eng.scheduler.requests
+        loading = [r for r, q in reqs.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in aborted]
+        if loading and not any(s == "WAITING_FOR_REMOTE_KVS" for s in aborted.values()):
+            abort(eng, loading[0])
+        for r, q in list(reqs.items()):
+            if r in aborted or q.is_finished() or q.status != RequestStatus.RUNNING:
+                continue
+            if r == "long0" and 0 < q.num_computed_tokens < q.num_prompt_tokens:
+                abort(eng, r)  # mid chunked prefill
+            elif r in ("long1", "load1") and q.num_output_tokens >= 2:
+                abort(eng, r)  # mid decode
+
+    h.run(on_step=on_step)
+    assert {"never", "long0", "long1", "load1"} <= set(aborted)
+    assert "WAITING_FOR_REMOTE_KVS" in aborted.values(), aborted
+    assert not (set(aborted) & h.eng.finished)
+    assert h.eng.finished == set(h.prompts) - set(aborted)
+    assert h.totals()["chunks_loaded"] > 0
+    h.check_loaded_bytes()
+    if lazy:  # an aborted running request is flushed like a finished one
+        assert h.finished_answers["long1"] is True
+    h.check_idle()
+
+
+# ============================================================================ 6. host RAM pressure
+@pytest.mark.parametrize("limit", ["ram", "staging"])
+@pytest.mark.parametrize("hosts,async_sched", [VARIANTS[0], VARIANTS[3]])
+def test_host_ram_pressure_skips_and_evicts(hosts, async_sched, limit):
+    if limit == "ram":  # 4 chunks of host RAM for 24 distinct chunks
+        extra = {"cpu_bytes_to_use": 4 * CHUNK}
+    else:  # plenty of RAM, but only 2 chunks may be in flight
+        extra = {"cpu_bytes_to_use": 1 << 22, "staging_bytes": 2 * CHUNK}
+    h = Harness(hosts, async_sched, extra=extra)
+    rng = random.Random(6)
+    prefixes = [rand_tokens(rng, 3 * BS) for _ in range(8)]
+    max_chunks = []
+    for wave in range(2):
+        for i, p in enumerate(prefixes):
+            h.add(f"r{wave}{i}", p + rand_tokens(rng, 5), max_tokens=2)
+        h.run(on_step=lambda eng: max_chunks.append(len(eng.offload.index)))
+        if wave == 0:
+            h.new_wave()
+    h.check_idle()
+    t = h.totals()
+    if limit == "ram":
+        assert h.eng.offload.index.num_slots == 4
+        assert max(max_chunks) <= 4
+        assert t.get("skipped_no_space", 0) + t.get("evicted", 0) > 0
+        assert t["evicted"] > 0
+    else:
+        assert t["skipped_staging"] > 0
+        assert h.eng.offload.staging.capacity == 2 * CHUNK
+    assert t["chunks_saved"] == t["saves_issued"] * hosts and "save_failures" not in t
+    assert "load_errors" not in t
+    h.check_loaded_bytes(min_blocks=0)
+    assert h.eng.finished == set(h.prompts)
+
+
+def test_staging_budget_is_not_spent_on_sibling_duplicates():
+    """8 siblings are scheduled in one step and share the 4 prompt blocks (vLLM hands s1..s7 the
+    blocks s0 is computing): 32 save candidates, 4 distinct. Dedup happens before the staging cut,
+    so the 2 chunks that fit are 2 distinct ones, and only the 2 distinct chunks left out are
+    counted as skipped (never the duplicate copies)."""
+    h = Harness(1, False, extra={"cpu_bytes_to_use": 1 << 22, "staging_bytes": 2 * CHUNK})
+    prompt = rand_tokens(random.Random(66), 4 * BS + 7)
+    for k in range(8):
+        h.add(f"s{k}", prompt, max_tokens=2)
+    h.run()
+    h.check_idle()
+    first = h.metas()[0]
+    assert len(first.save) == 2 and len(set(first.save.save_ids)) == 2
+    hashes = make_request("x", prompt).block_hashes[:4]
+    index = h.eng.offload.index
+    assert [index.get(x) is not None for x in hashes] == [True, True, False, False]
+    t = h.totals()
+    assert t["saves_issued"] == 2 and t["skipped_staging"] == 2 and t["dedup_index"] == 32 - 4
+
+
+# ============================================================================ 7. failed loads
+class LoseSlots(Faults):
+    """Local loss on one host: the host's copy of some slots vanishes just before a load reads it."""
+
+    def __init__(self, times: int, pick=lambda slots: slots[1:2] or slots[:1]):
+        self.times = times
+        self.pick = pick
+        self.lost: list[int] = []
+
+    def before_load(self, backend, slots):
+        if self.times > 0:
+            self.times -= 1
+            victims = list(self.pick(list(slots)))
+            backend.invalidate(victims)
+            self.lost.extend(victims)
+
+
+@pytest.mark.parametrize("hosts,async_sched", VARIANTS)
+def test_failed_load_on_one_host_recomputes(hosts, async_sched):
+    fault = LoseSlots(times=1)
+    h = Harness(hosts, async_sched, faults=[None] * (hosts - 1) + [fault])
+    rng = random.Random(7)
+    prefixes = [rand_tokens(rng, 4 * BS) for _ in range(2)]
+    for i, p in enumerate(prefixes):
+        h.add(f"a{i}", p + rand_tokens(rng, 3), max_tokens=5)
+    h.run()
+    h.new_wave()
+    for i, p in enumerate(prefixes):
+        h.add(f"b{i}", h.prompts[f"a{i}"], max_tokens=5)
+    h.run(max_steps=200)
+    h.check_idle()
+    t = h.totals()
+    assert fault.lost and t["load_errors"] == len(fault.lost) == 1
+    assert h.eng.stats.totals()["discarded"] == 1
+    assert len(h.load_failed) == 1 and h.load_failed[0][0] == hosts - 1
+    # vLLM recomputed: every request finished with the outputs the model gives without offload.
+    assert h.eng.finished == set(h.prompts)
+    for i in range(2):
+        assert h.eng.outputs[f"b{i}"] == h.eng.outputs[f"a{i}"]
+    # The lost chunk (slot, save_id) is never offered again.
+    lost_slot = fault.lost[0]
+    loads = [(step, s, sid) for step, m in enumerate(h.metas()) for ld in m.loads for s, sid in zip(ld.slots, ld.save_ids)]
+    lost_step, _, lost_sid = next(x for x in loads if x[1] == lost_slot)
+    assert not [x for x in loads if x[2] == lost_sid and x[0] != lost_step]
+    h.check_loaded_bytes(min_blocks=hosts)
+
+
+@pytest.mark.parametrize("hosts,async_sched", [VARIANTS[1], VARIANTS[3]])
+def test_persistent_load_failures_do_not_loop(hosts, async_sched):
+    """Host 1 loses every slot it is asked to load: each attempt fails, the chunk is dropped, vLLM
+    recomputes, the recomputed chunk is saved again, and the requests still finish."""
+    fault = LoseSlots(times=10**9, pick=lambda slots: slots)
+    h = Harness(hosts, async_sched, faults=[None, fault])
+    rng = random.Random(8)
+    prompt = rand_tokens(rng, 3 * BS + 4)
+    h.add("a", prompt, max_tokens=3)
+    h.run()
+    for wave in range(3):
+        h.new_wave()
+        for k in range(2):
+            h.add(f"b{wave}{k}", prompt, max_tokens=3)
+        h.run(max_steps=100)
+    h.check_idle()
+    t = h.totals()
+    assert t["load_errors"] == len(fault.lost) > 0
+    attempts = Counter(ld.req_id for m in h.metas() for ld in m.loads)
+    assert attempts and max(attempts.values()) <= 2
+    # a failed chunk is offered to the requests of one scheduling step at most
+    for sid in {sid for m in h.metas() for ld in m.loads for sid in ld.save_ids}:
+        steps = {i for i, m in enumerate(h.metas()) for ld in m.loads if sid in ld.save_ids}
+        assert len(steps) == 1, (sid, steps)
+    assert h.eng.finished == set(h.prompts)
+    assert all(h.eng.outputs[r] == h.eng.outputs["a"] for r in h.prompts)
+
+
+# ============================================================================ 8. seed hazards
+def report(*entries) -> KVConnectorOutput:
+    """A KVConnectorOutput as vLLM hands it to update_connector_output, carrying worker reports
+    (host, save_id, ok) already merged the way KVOutputAggregator merges them."""
+    return KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerReport(Counter({e: 1 for e in entries})))
+
+
+def test_odd_completion_signals_are_tolerated_and_counted_once():
+    h = Harness(2, False)
+    eng, off = h.eng, h.eng.offload
+    rng = random.Random(9)
+    # Every worker report is lost: 3 saves stay pending (staged, not loadable).
+    eng.drop_report = lambda step, host: True
+    h.add("a", rand_tokens(rng, 3 * BS + 2), max_tokens=2)
+    h.run()
+    eng.settle()
+    s0, s1, s2 = [sid for m in h.metas() for sid in m.save.save_ids]
+    assert len(off.ledger) == 3 and off.index.num_saving() == 3 and off.staging.in_use == 3 * CHUNK
+    chunk = {sid: off.index._by_save_id[sid] for sid in (s0, s1, s2)}
+    led = off.ledger.counters
+    led.clear()
+
+    off.update_connector_output(report((0, s0, True)))
+    assert chunk[s0].state is ChunkState.SAVING  # one host of two
+    off.update_connector_output(report((0, s0, True)))  # duplicate
+    assert led["duplicate"] == 1 and chunk[s0].state is ChunkState.SAVING
+    assert off.staging.in_use == 3 * CHUNK
+    off.update_connector_output(report((1, s0, True)))
+    assert chunk[s0].state is ChunkState.READY and off.staging.in_use == 2 * CHUNK
+    off.update_connector_output(report((1, s0, True), (0, s0, True)))  # late: already resolved
+    assert led["late"] == 2 and chunk[s0].state is ChunkState.READY and off.staging.in_use == 2 * CHUNK
+    assert led["confirmed"] == 1
+
+    # Both hosts in one merged report; then the same merged report again (all late).
+    off.update_connector_output(report((0, s1, True), (1, s1, True)))
+    off.update_connector_output(report((0, s1, True), (1, s1, True)))
+    assert chunk[s1].state is ChunkState.READY and led["confirmed"] == 2 and led["late"] == 4
+    # A failure from one host drops the chunk at once; the other host's success is then late.
+    off.update_connector_output(report((1, s2, False)))
+    off.update_connector_output(report((0, s2, True)))
+    assert off.index.get(chunk[s2].hash) is None and led["failed"] == 1 and led["late"] == 5
+    assert off.staging.in_use == 0 and len(off.ledger) == 0 and off.index.num_saving() == 0
+    # Unknown hosts, unknown requests, blocks that were never loading: counted, never raised.
+    off.update_connector_output(report((7, s0, True)))
+    assert led["unknown_host"] == 1
+    before = off.counters["unknown_request"]
+    off.update_connector_output(KVConnectorOutput(finished_sending={"never-seen"}, finished_recving={"nor-this"},
+                                                  invalid_block_ids={1, 2, 3}))
+    assert off.counters["unknown_request"] == before + 1
+    assert chunk[s0].state is ChunkState.READY and chunk[s1].state is ChunkState.READY
+
+    # Early: host 1's confirmation of a save id the scheduler has not handed out yet is staged,
+    # then resolves that save when it is registered (host 1's real report is lost).
+    nxt = off.index._next_save_id
+    off.update_connector_output(report((1, nxt, True)))
+    assert led["early"] == 1 and off.index.num_saving() == 0
+    eng.drop_report = lambda step, host: host == 1
+    h.add("b", rand_tokens(rng, BS + 3), max_tokens=2)  # exactly one full block: one save, id nxt
+    h.run()
+    eng.settle()
+    assert [sid for m in h.metas() for sid in m.save.save_ids][-1] == nxt
+    assert off.index._by_save_id.get(nxt) is None and off.index.count_ready_prefix(
+        make_request("x", h.prompts["b"]).block_hashes[:1]) == 1
+    assert len(off.ledger) == 0 and off.staging.in_use == 0
+
+    # The confirmed chunks really load, byte for byte, on both hosts.
+    eng.drop_report = None
+    h.new_wave()
+    h.add("a2", h.prompts["a"], max_tokens=2)
+    h.add("b2", h.prompts["b"] + rand_tokens(rng, 20), max_tokens=2)
+    h.run()
+    h.check_idle()
+    assert {(r, i) for _, r, i, _, _ in h.loaded} == {("a2", 0), ("a2", 1), ("b2", 0)}
+    h.check_loaded_bytes(min_blocks=2 * 3)
+
+
+@pytest.mark.parametrize("hosts,async_sched", [VARIANTS[0], VARIANTS[3]])
+def test_dropped_reports_expire_and_release_staging(hosts, async_sched):
+    h = Harness(hosts, async_sched, extra={"cpu_bytes_to_use": 1 << 22, "save_timeout_s": 1.0})
+    eng, off = h.eng, h.eng.offload
+    now = [100.0]
+    off._clock = lambda: now[0]  # the scheduler's monotonic clock, under the test's control
+    eng.drop_report = lambda step, host: host == hosts - 1  # one host's reports never arrive
+    prompt = rand_tokens(random.Random(10), 2 * BS + 1)
+    h.add("a", prompt, max_tokens=2)
+    h.run()
+    eng.settle()
+    sids = [sid for m in h.metas() for sid in m.save.save_ids]
+    assert len(sids) == 2 and off.staging.in_use == 2 * CHUNK and len(off.ledger) == 2
+    now[0] += 0.9
+    eng.settle()
+    assert len(off.ledger) == 2  # not yet
+    now[0] += 0.2
+    eng.settle()  # the next plan expires them
+    assert off.staging.in_use == 0 and len(off.ledger) == 0 and len(off.index) == 0
+    assert eng.stats.totals()["ledger_expired"] == 2
+    # A report that shows up after all is late, never resurrects the chunk.
+    off.update_connector_output(report(*[(hosts - 1, sid, True) for sid in sids]))
+    assert off.ledger.counters["late"] == 2 and len(off.index) == 0
+    # Never loadable: the same prompt is recomputed (and saved again, this time confirmed).
+    eng.drop_report = None
+    h.new_wave()
+    h.add("b", prompt, max_tokens=2)
+    h.run()
+    h.check_idle()
+    assert not h.loaded and "chunks_loaded" not in h.totals()
+    assert h.totals()["saves_issued"] == 4 and len(off.index) == 2
+    assert h.eng.outputs["b"] == h.eng.outputs["a"]
+
+
+# ============================================================================ 9. stats
+def test_stats_survive_vllm_serialization_and_merge_by_union():
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: F401
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from tpuoffload.stats import make_report
+
+    # Real stats, from a 2-host run with saves and loads.
+    h = Harness(2, False)
+    rng = random.Random(11)
+    prompt = rand_tokens(rng, 2 * BS + 3)
+    h.add("a", prompt, max_tokens=2)
+    h.run()
+    h.new_wave()
+    h.add("b", prompt, max_tokens=2)
+    h.run()
+    h.check_idle()
+    stats = h.eng.stats
+    want = stats.reduce()
+    assert want["chunks_saved"] == 4 and want["chunks_loaded"] == 4 and want["saves_issued"] == 2
+    assert want["hit_tokens"] == 2 * BS
+
+    # Engine core -> frontend: vLLM's msgpack encoder, inside the real EngineCoreOutputs.
+    out = EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=stats.to_dict()))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(out))
+    data = decoded.scheduler_stats.kv_connector_stats
+    assert data == stats.data
+    rebuilt = TPUOffloadConnector.build_kv_connector_stats(data)
+    assert isinstance(rebuilt, OffloadStats) and rebuilt.reduce() == want
+    # ... and pickle (the multiprocessing executors and Ray).
+    assert pickle.loads(pickle.dumps(stats)).reduce() == want
+    assert TPUOffloadConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(stats.to_dict()))).reduce() == want
+    assert TPUOffloadConnector.build_kv_connector_stats(None).is_empty()
+
+    # The frontend's accumulator, fed the same dict twice (a re-delivered interval), counts it once.
+    kv_logging = KVConnectorLogging(h.eng.scheduler.vllm_config.kv_transfer_config)
+    kv_logging.observe(data)
+    kv_logging.observe(dict(data))
+    assert kv_logging.transfer_stats_accumulator.reduce() == want
+
+    # Counter-union algebra.
+    a = OffloadStats(make_report(0, 1, {"chunks_saved": 5, "bytes_saved": 50, "save_seconds": 0.5}))
+    b = OffloadStats(make_report(1, 1, {"chunks_saved": 5, "bytes_saved": 50, "save_seconds": 0.5}))
+    c = OffloadStats(make_report("sched", 1, {"saves_issued": 5, "lookup_tokens": 100, "hit_tokens": 25}))
+    d = OffloadStats(make_report(0, 2, {"chunks_loaded": 3}))
+    assert a.aggregate(a).data == a.data  # idempotent
+    assert a.aggregate(b).data == b.aggregate(a).data  # order-free
+    assert a.aggregate(b).aggregate(c).data == a.aggregate(b.aggregate(c)).data  # associative
+    merged = d.aggregate(c).aggregate(b).aggregate(a).aggregate(b)
+    r = merged.reduce()
+    assert r["chunks_saved"] == 10 and r["bytes_saved"] == 100  # two hosts' identical counters add up
+    assert r["saves_issued"] == 5 and r["chunks_loaded"] == 3 and r["hit_rate"] == 0.25
+    # Through vLLM's own per-step merge of the workers' outputs.
+    agg = KVOutputAggregator(expected_finished_count=2)
+    outs = [h.eng.runners[0].execute(h.eng.scheduler.schedule(), None) for _ in range(2)]
+    outs[0].kv_connector_output = KVConnectorOutput(kv_connector_stats=a)
+    outs[1].kv_connector_output = KVConnectorOutput(kv_connector_stats=b)
+    assert agg.aggregate(outs).kv_connector_output.kv_connector_stats.reduce()["chunks_saved"] == 10

@@ -3,7 +3,9 @@ flag hosts that diverge, stall or stopped reporting.
 
     tpuoffload stats /var/run/tpuoffload [more dirs or files] [--watch 2] [--json]
 
-Exit status: 0 healthy, 1 some host flagged, 2 unreadable input.
+Exit status: 0 healthy, 1 some host flagged, 2 unreadable input (a file named in the message).
+With --watch it runs until interrupted; unreadable input is shown and retried at each refresh, and
+--json prints one JSON document per line.
 """
 
 from __future__ import annotations

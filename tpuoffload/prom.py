@@ -36,7 +36,7 @@ _DOCS = {
     "ledger_unknown": "Completion reports never matched to a save (dropped)",
     "ledger_expired": "Saves not confirmed by every host in time (dropped)",
     "unknown_request": "Transfer completions for requests the connector did not know",
-    "ledger_confirmed": "Save confirmations received from hosts",
+    "ledger_confirmed": "Saves confirmed by every host (loadable from then on)",
     "ledger_failed": "Saves dropped because a host reported the save failed",
     "ledger_unknown_host": "Completion reports from a host id outside the slice (dropped)",
     "discarded": "Chunks dropped from the index after a load of them failed on a host",

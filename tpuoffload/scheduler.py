@@ -224,8 +224,15 @@ class OffloadScheduler:
         if not candidates:
             return SaveBatch()
         fits = (self.staging.capacity - self.staging.in_use) // self.chunk_bytes
-        # Deduplicate against the index first so staging is only spent on real saves.
-        fresh = [(b, h) for b, h in candidates if not self.index.contains(h)]
+        # Deduplicate (against the index and within the batch: parallel-sampling siblings compute
+        # the same blocks in one step) first, so staging is only spent and counted on real saves.
+        contains = self.index.contains
+        fresh, seen = [], set()
+        for b, h in candidates:
+            if h in seen or contains(h):
+                continue
+            seen.add(h)
+            fresh.append((b, h))
         self.counters["dedup_index"] += len(candidates) - len(fresh)
         if len(fresh) > fits:
             self.counters["skipped_staging"] += len(fresh) - fits
@@ -237,14 +244,20 @@ class OffloadScheduler:
         if not allocs:
             return SaveBatch()
         deadline = self._clock() + self.config.save_timeout_s
+        # len(allocs) <= fits: one reservation for all of them always succeeds.
+        self.staging.try_reserve(self.chunk_bytes * len(allocs))
+        register = self.ledger.register
+        save_ids = []
         for a in allocs:
-            self.staging.try_reserve(self.chunk_bytes)
-            self._resolve([(a.save_id, res) for _, res in self.ledger.register(a.save_id, deadline)])
+            save_ids.append(a.save_id)
+            early = register(a.save_id, deadline)
+            if early:
+                self._resolve([(a.save_id, res) for _, res in early])
         self.counters["saves_issued"] += len(allocs)
         return SaveBatch(
-            block_ids=tuple(first_block[a.hash] for a in allocs),
-            slots=tuple(a.slot for a in allocs),
-            save_ids=tuple(a.save_id for a in allocs),
+            block_ids=tuple([first_block[a.hash] for a in allocs]),
+            slots=tuple([a.slot for a in allocs]),
+            save_ids=tuple(save_ids),
         )
 
     # ------------------------------------------------------------------ request lifecycle
@@ -299,8 +312,9 @@ class OffloadScheduler:
         report = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(report, OffloadWorkerReport):
             resolutions = []
+            ledger_report = self.ledger.report
             for (host, save_id, ok) in report.results:
-                res = self.ledger.report(host, save_id, ok)
+                res = ledger_report(host, save_id, ok)
                 if res is not None:
                     resolutions.append((save_id, res))
             self._resolve(resolutions)
@@ -320,19 +334,20 @@ class OffloadScheduler:
                 self.counters["unknown_request"] += 1
 
     def _resolve(self, resolutions) -> None:
+        mark_ready, drop_save = self.index.mark_ready, self.index.drop_save
+        resolved = 0
         for save_id, res in resolutions:
-            if res is Resolution.READY:
-                chunk = self.index.mark_ready(save_id)
-            else:
-                chunk = self.index.drop_save(save_id)
+            chunk = mark_ready(save_id) if res is Resolution.READY else drop_save(save_id)
             if chunk is not None:
-                self.staging.release(self.chunk_bytes)
+                resolved += 1
+        if resolved:
+            self.staging.release(self.chunk_bytes * resolved)
 
     # ------------------------------------------------------------------ observability
     def take_stats(self) -> OffloadStats | None:
         values = dict(self.counters)
         for name, v in self.index.counters.items():
-            values[name] = v
+            values[name] = values.get(name, 0) + v  # dedup_index is counted by both: add, never overwrite
         for name, v in self.ledger.counters.items():
             values[f"ledger_{name}"] = v
         self.counters.clear()

@@ -28,7 +28,7 @@ class ChunkState(enum.Enum):
     READY = "ready"
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     hash: ChunkHash
     slot: int
@@ -37,7 +37,7 @@ class Chunk:
     pins: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SaveAllocation:
     """One unique chunk to save: the hash, the host slot every host writes it to, and its save id."""
 
@@ -109,27 +109,27 @@ class ChunkIndex:
         out: list[SaveAllocation] = []
         seen: set[ChunkHash] = set()
         hashes = list(hashes)
+        chunks, by_save_id, allocate = self._chunks, self._by_save_id, self._pool.allocate
         for i, h in enumerate(hashes):
             if h in seen:
                 self.counters["dedup_batch"] += 1
                 continue
             seen.add(h)
-            if h in self._chunks:
+            if h in chunks:
                 self.counters["dedup_index"] += 1
                 continue
-            slot = self._pool.allocate()
+            slot = allocate()
             if slot is None and self._evict_one():
-                slot = self._pool.allocate()
+                slot = allocate()
             if slot is None:
                 earlier = seen - {h}
                 rest = {x for x in hashes[i:] if x not in self._chunks and x not in earlier}
                 self.counters["skipped_no_space"] += len(rest)
                 break
-            chunk = Chunk(hash=h, slot=slot, save_id=self._next_save_id)
-            self._next_save_id += 1
-            self._chunks[h] = chunk
-            self._by_save_id[chunk.save_id] = chunk
-            out.append(SaveAllocation(h, slot, chunk.save_id))
+            save_id = self._next_save_id
+            self._next_save_id = save_id + 1
+            chunks[h] = by_save_id[save_id] = Chunk(h, slot, save_id)
+            out.append(SaveAllocation(h, slot, save_id))
         return out
 
     def mark_ready(self, save_id: int) -> Chunk | None:

@@ -26,7 +26,7 @@ class Resolution(enum.Enum):
     EXPIRED = "expired"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     deadline: float
     confirmed: set[int] = field(default_factory=set)
@@ -53,6 +53,8 @@ class CompletionLedger:
             raise ValueError(f"save ids must be registered in increasing order: {save_id} <= {self._highest_registered}")
         self._highest_registered = save_id
         self._pending[save_id] = _Pending(deadline)
+        if not self._early:
+            return []
         out = []
         for host, ok in self._early.pop(save_id, ()):
             res = self.report(host, save_id, ok)

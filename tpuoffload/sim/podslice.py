@@ -49,6 +49,12 @@ class DigestMismatch(SliceError):
     """The hosts dispatched different JAX work (or sampled different tokens) in the same step."""
 
 
+class MisplacedDispatch(DigestMismatch):
+    """A host dispatched JAX work outside the connector hooks that may dispatch (bind, start_load,
+    wait_for_save): from a background thread, or during the forward. Even when every host happens
+    to do it at the same moment (so the digests agree), the order is a matter of timing."""
+
+
 @dataclass
 class Chaos:
     """What can go wrong on which host. Everything is seeded, per host."""
@@ -227,7 +233,7 @@ class PodSlice:
     After every step: ``steps``, ``digests`` (per step, per host), ``outputs``/``finished`` (per
     request), ``aborted`` (requests aborted by chaos or ``abort``), ``stats`` (an OffloadStats: the
     union of every stats report that reached vLLM's stats path, scheduler and all hosts),
-    ``mismatches`` (per host: context positions whose KV was wrong, so far).
+    ``mismatches`` (per host: context positions whose KV was wrong, so far), ``preemptions``.
     """
 
     def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None) -> None:
@@ -264,6 +270,7 @@ class PodSlice:
         self.stats = OffloadStats()
         self.mismatches: list[int] = [0] * spec.num_hosts
         self.first_mismatch_step: int | None = None
+        self.preemptions = 0  # requests vLLM preempted (SchedulerOutput.preempted_req_ids), all steps
         self.final: list[dict] = []
         self.start_state: list[dict] = []
         self.closed = False
@@ -413,6 +420,7 @@ class PodSlice:
             if live:
                 self.abort([self._rng.choice(live)])
         so = self.scheduler.schedule()
+        self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
         replies = self._exchange(("step", so), self.spec.step_timeout_s, "step")
         outputs = [r[0] for r in replies]
         self._check_digests([r[1] for r in replies])
@@ -448,6 +456,14 @@ class PodSlice:
     def _check_digests(self, digests) -> None:
         self.digests.append([d.digest for d in digests])
         if len({d.digest for d in digests}) == 1 and len({d.step for d in digests}) == 1:
+            for rank, d in enumerate(digests):
+                bad = _misplaced_op(d.ops)
+                if bad is not None:
+                    lines = [f"host {rank} dispatched outside the connector's dispatching hooks at step "
+                             f"{self.steps} (connector step {d.step}), op #{bad}: a background thread or the "
+                             f"forward issued JAX work (invariant 1); every host: {len(digests)} identical digests"]
+                    lines += [f"  {'>>' if i == bad else '  '} {i:3d} {op}" for i, op in enumerate(d.ops)]
+                    raise MisplacedDispatch("\n".join(lines))
             return
         ops = [list(d.ops) for d in digests]
         first = next((i for i in range(max(map(len, ops)))
@@ -507,6 +523,52 @@ class PodSlice:
 
 
 # ---------------------------------------------------------------- worker process
+_MARKED_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+                 "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
+                 "clear_connector_metadata")
+
+
+_DISPATCHING_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save")
+
+
+def _misplaced_op(ops: Sequence[str]) -> int | None:
+    """Index of the first op (not a hook marker) recorded outside a dispatching hook, or None."""
+    open_hook = None
+    for i, op in enumerate(ops):
+        if op.startswith("> "):
+            open_hook = op[2:].strip()
+        elif op.startswith("< "):
+            open_hook = None
+        elif open_hook not in _DISPATCHING_HOOKS:
+            return i
+    return None
+
+
+def _mark_hooks(connector, runner) -> None:
+    """Interleave the connector hooks vLLM calls (and the forward) with the dispatched ops in the
+    step's digest. The hooks run on the main thread in an order fixed by the SchedulerOutput, so
+    the markers are identical on every host; what they add is *where* each dispatch happened. A
+    dispatch issued from a background thread lands between different markers on different hosts
+    (its timing is local), so the digests diverge even when the ops themselves are the same."""
+    log = lambda: connector.worker.engine.log  # noqa: E731  (the engine exists after register_runner)
+
+    def wrap(obj, name, label):
+        fn = getattr(obj, name)
+
+        def marked(*args, **kwargs):
+            log().record(f"> {label}")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if name != "clear_connector_metadata":  # the step's digest is closed by then
+                    log().record(f"< {label}")
+        setattr(obj, name, marked)
+
+    for name in _MARKED_HOOKS:
+        wrap(connector, name, name)
+    wrap(runner, "_forward", "forward")
+
+
 def _watch_parent(parent: int) -> None:
     while True:
         time.sleep(1.0)
@@ -553,6 +615,7 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         connector.worker.host_id = rank
         connector.worker._faults = ChaosFaults(chaos, rank)
         connector.register_runner(runner)
+        _mark_hooks(connector, runner)
         if chaos.broken:
             from tpuoffload.sim.broken import break_engine
 

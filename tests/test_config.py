@@ -1,0 +1,191 @@
+"""parse_config: kv_connector_extra_config validated key by key, TPU_OFFLOAD_* environment fallbacks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tpuoffload.config import KNOWN_KEYS, OffloadConfig, parse_config
+
+BASE = {"cpu_bytes_to_use": 1 << 30}
+NO_ENV: dict[str, str] = {}
+
+
+def parse(extra, environ=NO_ENV):
+    return parse_config(extra, environ=environ)
+
+
+# ---------------------------------------------------------------- good values
+def test_defaults_with_only_host_ram():
+    cfg = parse(BASE)
+    assert cfg == OffloadConfig(cpu_bytes_to_use=1 << 30)
+    assert cfg.lazy_offload is False and cfg.save_decode_blocks is False
+    assert cfg.host_memory_kind == "pinned_host"
+    assert cfg.host_bytes(4096) == 1 << 30
+    assert cfg.staging_capacity(4096) == 256 * 4096  # num_staging_blocks default
+    assert "cpu_bytes_to_use=1073741824" in cfg.summary()
+
+
+def test_every_key_accepts_a_good_value():
+    extra = {
+        "cpu_bytes_to_use": 123456789, "num_cpu_chunks": 7, "lazy_offload": True, "staging_bytes": 1 << 20,
+        "num_staging_blocks": 9, "save_threads": 3, "host_memory_kind": "unpinned_host",
+        "save_decode_blocks": "yes", "load_wait_timeout_s": 2.5, "save_timeout_s": "30", "stats_dir": "/tmp/x",
+        "stats_interval_s": 0,
+    }
+    assert set(extra) == set(KNOWN_KEYS)  # this test covers every key there is
+    cfg = parse(extra)
+    assert cfg.cpu_bytes_to_use == 123456789
+    assert cfg.num_cpu_chunks is None  # explicit bytes win over chunks
+    assert cfg.lazy_offload is True and cfg.save_decode_blocks is True
+    assert cfg.staging_bytes == 1 << 20 and cfg.staging_capacity(4096) == 1 << 20
+    assert cfg.num_staging_blocks == 9 and cfg.save_threads == 3
+    assert cfg.host_memory_kind == "unpinned_host"
+    assert cfg.load_wait_timeout_s == 2.5 and cfg.save_timeout_s == 30.0
+    assert cfg.stats_dir == "/tmp/x" and cfg.stats_interval_s == 0.0
+
+
+def test_chunks_instead_of_bytes():
+    cfg = parse({"num_cpu_chunks": "16"})
+    assert cfg.cpu_bytes_to_use is None and cfg.num_cpu_chunks == 16
+    assert cfg.host_bytes(4096) == 16 * 4096
+
+
+@pytest.mark.parametrize("value,want", [(True, True), (False, False), (1, True), (0, False), ("on", True),
+                                        ("OFF", False), (" true ", True), ("0", False)])
+def test_boolean_spellings(value, want):
+    assert parse({**BASE, "lazy_offload": value}).lazy_offload is want
+
+
+def test_integral_floats_and_digit_strings_are_integers():
+    cfg = parse({"cpu_bytes_to_use": 1e9, "save_threads": " 8 "})
+    assert cfg.cpu_bytes_to_use == 10**9 and isinstance(cfg.cpu_bytes_to_use, int)
+    assert cfg.save_threads == 8
+
+
+def test_none_extra_config_needs_the_environment():
+    with pytest.raises(ValueError, match="cpu_bytes_to_use.*num_cpu_chunks"):
+        parse(None)
+    assert parse(None, {"TPU_OFFLOAD_NUM_CPU_CHUNKS": "4"}).num_cpu_chunks == 4
+
+
+# ---------------------------------------------------------------- environment fallbacks
+ENV = {
+    "TPU_OFFLOAD_NUM_CPU_CHUNKS": "64",
+    "TPU_OFFLOAD_NUM_STAGING_BLOCKS": "32",
+    "TPU_OFFLOAD_SAVE_THREADS": "2",
+    "TPU_OFFLOAD_DECODE_SAVE": "1",
+    "TPU_OFFLOAD_USE_UNPINNED_HOST": "true",
+}
+
+
+def test_environment_fallbacks():
+    cfg = parse({}, ENV)
+    assert cfg.num_cpu_chunks == 64 and cfg.cpu_bytes_to_use is None
+    assert cfg.num_staging_blocks == 32 and cfg.save_threads == 2
+    assert cfg.save_decode_blocks is True and cfg.host_memory_kind == "unpinned_host"
+    assert parse({}, {**ENV, "TPU_OFFLOAD_USE_UNPINNED_HOST": "0"}).host_memory_kind == "pinned_host"
+
+
+def test_explicit_keys_win_over_the_environment():
+    cfg = parse({"num_cpu_chunks": 8, "num_staging_blocks": 4, "save_threads": 1, "save_decode_blocks": False,
+                 "host_memory_kind": "pinned_host"}, ENV)
+    assert (cfg.num_cpu_chunks, cfg.num_staging_blocks, cfg.save_threads) == (8, 4, 1)
+    assert cfg.save_decode_blocks is False and cfg.host_memory_kind == "pinned_host"
+    # explicit bytes win over chunks from the environment
+    cfg = parse({"cpu_bytes_to_use": 1 << 20}, ENV)
+    assert cfg.cpu_bytes_to_use == 1 << 20 and cfg.num_cpu_chunks is None
+    # an explicit good value hides a bad environment value entirely
+    assert parse({**BASE, "save_threads": 4}, {"TPU_OFFLOAD_SAVE_THREADS": "lots"}).save_threads == 4
+
+
+def test_environment_is_read_from_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("TPU_OFFLOAD_SAVE_THREADS", "5")
+    assert parse_config(BASE).save_threads == 5
+    assert parse_config(BASE, environ={}).save_threads == 4  # an explicit environ replaces os.environ
+
+
+@pytest.mark.parametrize("env,value,names", [
+    ("TPU_OFFLOAD_NUM_CPU_CHUNKS", "0", "num_cpu_chunks"),
+    ("TPU_OFFLOAD_NUM_CPU_CHUNKS", "-3", "num_cpu_chunks"),
+    ("TPU_OFFLOAD_NUM_CPU_CHUNKS", "many", "num_cpu_chunks"),
+    ("TPU_OFFLOAD_NUM_STAGING_BLOCKS", "0", "num_staging_blocks"),
+    ("TPU_OFFLOAD_SAVE_THREADS", "100000", "save_threads"),
+    ("TPU_OFFLOAD_DECODE_SAVE", "perhaps", "save_decode_blocks"),
+    ("TPU_OFFLOAD_USE_UNPINNED_HOST", "2", "TPU_OFFLOAD_USE_UNPINNED_HOST"),
+])
+def test_bad_environment_values_name_the_setting(env, value, names):
+    with pytest.raises(ValueError, match=re.escape(names)):
+        parse(BASE, {env: value})
+
+
+# ---------------------------------------------------------------- bad values
+BAD = [
+    ("cpu_bytes_to_use", 0), ("cpu_bytes_to_use", -1), ("cpu_bytes_to_use", 1 << 62), ("cpu_bytes_to_use", "lots"),
+    ("cpu_bytes_to_use", 1.5), ("cpu_bytes_to_use", True), ("cpu_bytes_to_use", [1]),
+    ("num_cpu_chunks", 0), ("num_cpu_chunks", -5), ("num_cpu_chunks", 1 << 40), ("num_cpu_chunks", "x"),
+    ("staging_bytes", 0), ("staging_bytes", -1), ("staging_bytes", 1 << 62), ("staging_bytes", 2.5),
+    ("num_staging_blocks", 0), ("num_staging_blocks", -1), ("num_staging_blocks", 1 << 30),
+    ("num_staging_blocks", None), ("num_staging_blocks", "ten"),
+    ("save_threads", 0), ("save_threads", -2), ("save_threads", 10_000), ("save_threads", False),
+    ("save_threads", 2.5),
+    ("lazy_offload", "maybe"), ("lazy_offload", 2), ("lazy_offload", None), ("lazy_offload", 0.5),
+    ("save_decode_blocks", "sometimes"), ("save_decode_blocks", -1),
+    ("host_memory_kind", "device"), ("host_memory_kind", ""), ("host_memory_kind", None), ("host_memory_kind", 1),
+    ("load_wait_timeout_s", 0), ("load_wait_timeout_s", -1), ("load_wait_timeout_s", 1e9),
+    ("load_wait_timeout_s", "soon"), ("load_wait_timeout_s", True), ("load_wait_timeout_s", float("nan")),
+    ("save_timeout_s", 0), ("save_timeout_s", -0.5), ("save_timeout_s", float("inf")), ("save_timeout_s", None),
+    ("stats_interval_s", -1), ("stats_interval_s", 1e7), ("stats_interval_s", "often"),
+    ("stats_dir", ""), ("stats_dir", 5), ("stats_dir", ["/tmp"]),
+]
+
+
+@pytest.mark.parametrize("key,value", BAD, ids=[f"{k}={v!r}" for k, v in BAD])
+def test_bad_values_raise_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=re.escape(repr(key))):
+        parse({**BASE, key: value} if key != "cpu_bytes_to_use" else {key: value})
+
+
+def test_every_key_has_a_bad_value_case():
+    assert {k for k, _ in BAD} == set(KNOWN_KEYS)
+
+
+def test_unknown_keys_are_rejected_listing_the_known_ones():
+    with pytest.raises(ValueError) as e:
+        parse({**BASE, "cpu_byte_to_use": 1, "lazy": True})
+    msg = str(e.value)
+    assert "cpu_byte_to_use" in msg and "'lazy'" in msg
+    for key in KNOWN_KEYS:
+        assert key in msg
+
+
+def test_host_ram_must_be_set():
+    with pytest.raises(ValueError, match="cpu_bytes_to_use"):
+        parse({"lazy_offload": True})
+    with pytest.raises(ValueError, match="cpu_bytes_to_use"):
+        parse({"cpu_bytes_to_use": None})
+
+
+# ---------------------------------------------------------------- through vLLM
+@pytest.mark.parametrize("extra,key", [
+    ({"cpu_bytes_to_use": 1 << 22, "lazy_offload": "maybe"}, "lazy_offload"),
+    ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": 1 << 22, "save_thread": 4}, "save_thread"),
+])
+def test_bad_extra_config_fails_connector_construction(extra, key):
+    from tpuoffload.sim.vllm_setup import make_scheduler
+
+    with pytest.raises(ValueError, match=re.escape(key)):
+        make_scheduler(num_blocks=16, block_size=16, kv_connector_extra_config=extra)
+
+
+def test_good_extra_config_reaches_the_connector():
+    from tpuoffload.sim.vllm_setup import make_scheduler
+
+    sched = make_scheduler(num_blocks=16, block_size=16, kv_connector_extra_config={
+        "cpu_bytes_to_use": 1 << 20, "lazy_offload": "true", "save_timeout_s": 7})
+    cfg = sched.connector.config
+    assert cfg.cpu_bytes_to_use == 1 << 20 and cfg.lazy_offload is True and cfg.save_timeout_s == 7.0
+    off = sched.connector.scheduler
+    assert off.index.num_slots == (1 << 20) // off.chunk_bytes

@@ -1,0 +1,177 @@
+"""Pod slice: N JAX processes (gloo on CPU), one globally agreed dispatch order, chaos without corruption.
+
+Every test starts real worker processes (tpuoffload.sim.podslice), so every test runs under an
+outside timeout and checks afterwards that no worker process (group) is left. The harness itself
+compares the per-host dispatch digests and sampled tokens at every step; the runner verifies every
+context position it reads; the workload driver checks every generated token.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec
+from tpuoffload.sim.slice_workload import PrefixRepetition, run_prefix_repetition
+from tpuoffload.sim.vllm_setup import assert_scheduler_empty
+
+# A prefix_repetition workload: 4 prefixes x 12 blocks of 16 tokens, 8-16 token suffixes, 4-8
+# output tokens, 24 requests per wave, 2 waves with reset_prefix_cache() between them.
+WORKLOAD = PrefixRepetition(num_prefixes=4, prefix_blocks=12, suffix_len=(8, 16), output_len=(4, 8),
+                            num_requests=24, waves=2, arrivals_per_step=4, seed=0)
+
+
+def _assert_gone(procs) -> None:
+    assert procs, "no worker processes were recorded"
+    for proc in procs:
+        assert proc.poll() is not None, f"worker {proc.pid} still running"
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # its whole process group is gone too
+
+
+@pytest.fixture
+def make_slice(tmp_path):
+    """Build PodSlices whose logs go to tmp_path; after the test every worker must be gone."""
+    pods: list[PodSlice] = []
+
+    def make(spec: SliceSpec, chaos: Chaos | None = None) -> PodSlice:
+        pod = PodSlice(spec, chaos, log_dir=str(tmp_path / f"slice{len(pods)}"))
+        pods.append(pod)
+        return pod
+
+    yield make
+    for pod in pods:
+        pod.close()
+    for pod in pods:
+        _assert_gone(pod.procs)
+
+
+def _spec(num_hosts: int, devices_per_host: int, num_blocks: int, **extra) -> SliceSpec:
+    config = {"cpu_bytes_to_use": 1 << 22, "save_timeout_s": 3.0, "load_wait_timeout_s": 2.0, **extra}
+    return SliceSpec(num_hosts=num_hosts, devices_per_host=devices_per_host, num_kv_heads=8,
+                     num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=256,
+                     extra_config=config, step_timeout_s=60.0)
+
+
+def _assert_clean_end(pod: PodSlice) -> list[dict]:
+    """No hang, nothing leaked, no corruption, identical digests on every host at every step."""
+    assert all(v == 0 for v in pod.offload.leak_report().values()), pod.offload.leak_report()
+    assert_scheduler_empty(pod.scheduler)
+    states = pod.worker_state()
+    assert len(states) == pod.spec.num_hosts
+    for state, start in zip(states, pod.start_state):
+        assert state["mismatches"] == 0, (state, pod.first_mismatch_step)
+        assert state["positions_verified"] > 0, state
+        assert state["inflight_chunks"] == 0 and state["staging_bytes"] == 0, state
+        assert state["backend_bytes"] == start["backend_bytes"], (state, start)
+        assert state["idle"], state
+    assert len(pod.digests) == pod.steps
+    assert all(len(set(step)) == 1 and len(step) == pod.spec.num_hosts for step in pod.digests)
+    return states
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 2), (4, 1)])
+def test_prefix_repetition(make_slice, num_hosts, devices_per_host):
+    # 48 blocks cannot hold the 4 x 12 prefix blocks and the requests running on them.
+    pod = make_slice(_spec(num_hosts, devices_per_host, num_blocks=48))
+    res = run_prefix_repetition(pod, WORKLOAD)
+    assert res.requests == 2 * WORKLOAD.num_requests
+    assert res.finished == res.requests and res.aborted == 0
+    assert res.wrong_outputs == []
+    totals = pod.stats.totals()
+    assert totals["chunks_saved"] > 0 and totals["chunks_loaded"] > 0, res.stats
+    assert res.per_wave_loaded[1] > 0, "the wave after reset_prefix_cache() must load from host RAM"
+    assert totals["load_errors"] == 0 and totals["save_failures"] == 0, res.stats
+    # Every host saved and loaded the same chunks (its own heads of them).
+    assert totals["chunks_loaded"] % num_hosts == 0
+    _assert_clean_end(pod)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 1), (4, 2)])
+def test_prefix_repetition_chaos(make_slice, num_hosts, devices_per_host):
+    chaos = Chaos(
+        seed=7, write_delay_s=0.02, step_delay_s=0.01,
+        slow_host=num_hosts - 1, slow_host_delay_s=0.05,  # one persistently slow host
+        fail_d2h_host=0, fail_d2h_rate=0.2,  # failed device-to-host copies on host 0
+        lose_slot_host=1, lose_slot_rate=0.3,  # local loss on host 1: load errors, recompute everywhere
+        drop_report_rate=0.05, duplicate_report_rate=0.1,  # reports lost (saves expire) and doubled
+        abort_rate=0.08,  # aborts at random steps
+    )
+    # A tiny block pool: preemption storms.
+    pod = make_slice(_spec(num_hosts, devices_per_host, num_blocks=32), chaos)
+    res = run_prefix_repetition(pod, WORKLOAD)
+    assert res.finished + res.aborted == res.requests, res
+    assert res.aborted > 0 and pod.preemptions > 0, (res.aborted, pod.preemptions)
+    assert res.wrong_outputs == []
+    totals = pod.stats.totals()
+    assert totals["chunks_loaded"] > 0, res.stats
+    assert totals["load_errors"] > 0 and totals["save_failures"] > 0, res.stats
+    _assert_clean_end(pod)
+
+
+@pytest.mark.timeout(300)
+def test_host_order_is_caught(make_slice):
+    """Negative control: host 1 gathers its blocks in another order. Same data, other programs."""
+    pod = make_slice(_spec(2, 1, num_blocks=48), Chaos(broken="host_order"))
+    with pytest.raises(DigestMismatch) as err:
+        run_prefix_repetition(pod, WORKLOAD)
+    msg = str(err.value)
+    assert f"diverge at step {pod.steps}" in msg  # the diverging step
+    assert "host 0:" in msg and "host 1:" in msg
+    assert msg.count("gather") >= 2  # both hosts' ops are shown
+    assert ">>" in msg  # the first differing op is marked
+
+
+@pytest.mark.timeout(300)
+def test_background_dispatch_is_caught(make_slice):
+    """Negative control: the seed PR's bug, gather + device_put issued from a background thread."""
+    pod = make_slice(_spec(2, 1, num_blocks=48, save_timeout_s=2.0), Chaos(broken="background_dispatch"))
+    pod.spec.step_timeout_s = 30.0
+    with pytest.raises((DigestMismatch, SliceError)) as err:
+        run_prefix_repetition(pod, WORKLOAD)
+    assert "step" in str(err.value)
+
+
+@pytest.mark.timeout(300)
+def test_killed_worker_fails_fast(make_slice):
+    pod = make_slice(_spec(2, 1, num_blocks=48))
+    victim = pod.procs[1]
+    killed_at = []
+
+    def kill(pod):
+        if pod.steps == 6 and not killed_at:
+            os.kill(victim.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    with pytest.raises(SliceError) as err:
+        run_prefix_repetition(pod, WORKLOAD, on_step=kill)
+    assert killed_at
+    assert time.monotonic() - killed_at[0] < 10, "a dead host must fail the run within seconds"
+    assert "host 1 died" in str(err.value) and "SIGKILL" in str(err.value)
+    pod.close()
+    _assert_gone(pod.procs)
+
+
+@pytest.mark.timeout(300)
+def test_hung_worker_times_out(make_slice):
+    """A host that stops answering (SIGSTOP: alive, silent) fails the step after step_timeout_s,
+    and the SliceError quotes the hung host's log."""
+    pod = make_slice(_spec(2, 1, num_blocks=48))
+    pod.spec.step_timeout_s = 4.0
+    for _ in range(3):
+        pod.step()
+    os.kill(pod.procs[0].pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(SliceError) as err:
+        pod.step()
+    assert time.monotonic() - t0 < 15
+    msg = str(err.value)
+    assert "did not answer" in msg and "[0]" in msg
+    assert pod.log_path(0) in msg
+    pod.close()  # SIGKILL works on a stopped process group
+    _assert_gone(pod.procs)
