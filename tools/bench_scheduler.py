@@ -25,23 +25,29 @@ worker):
     (The real worker defers a store to the next step; completing it at once only makes the
     in-flight job table smaller.)
 
-Workload (same prompts, token for token, in every configuration):
+Workload (same prompts, token for token, in every configuration; "reset" = vLLM's own prefix
+cache is reset while host RAM keeps its chunks, so host RAM is the only place a prefix can come from):
 
-  wave 0 (untimed warm-up)   R requests, fresh prompts, 2 output tokens each: fills host RAM
-  -- vLLM's own prefix cache is reset, host RAM is kept --
-  wave 1 "prefill+hits"      R requests; --hit-fraction of them share the first half of a wave-0
-                             prompt, which only host RAM holds now (loads); 2 output tokens each,
-                             timed from admission until all finished
-  -- prefix cache reset again --
-  wave 2 "prefill cold"      R fresh prompts with long max_tokens, timed until every request
-                             sampled its first token (saves of every prompt block, lookups that miss)
-  wave 2 "decode"            --warmup untimed steps, then --steps timed steps: R requests running,
-                             one token each per step
+  wave 0 (untimed warm-up)  R fresh prompts, 2 output tokens each: fills host RAM
+  --rounds times:
+    reset; "prefill+hits"   R prompts, --hit-fraction of them starting with the first half of a
+                            wave-0 prompt (lookups hit, async loads); 2 output tokens each, timed
+                            from admission until all finished. (a) has no host RAM and recomputes
+                            those prefixes, so it runs fewer tokens per step and more steps
+    reset; "prefill cold"   R fresh prompts, 2 output tokens each, timed until all finished: every
+                            prompt block is saved, every lookup misses
+  reset; "ramp"             R fresh prompts with long max_tokens, timed until every one sampled its
+                            first token (prefills while more and more requests decode)
+  "decode"                  --warmup untimed steps, then --steps timed steps: R requests running,
+                            one token each per step (the steady state)
 
-Second measurement: the same workload for the no-connector scheduler and TPUOffloadConnector
-with its host index pre-filled with N READY chunks (allocate_for_save + mark_ready on
-``connector.scheduler.index``; all configs get the same slot count, so the largest fill runs with
-a full index that evicts on every save).
+Measurement 1b repeats measurement 1 with the connectors' scheduler-side hooks wrapped in timers:
+the time spent inside the connector itself, per step (skip with --no-hooks).
+
+Measurement 2: the same workload for the no-connector scheduler and TPUOffloadConnector with its
+host index pre-filled with N READY chunks of random hashes (allocate_for_save + mark_ready on
+``connector.scheduler.index``). Every config has room for all it saves (no eviction), plus one
+whose capacity is exactly the largest fill, so that every save evicts.
 
 GC: by default the collector is disabled inside every timed phase (gc.collect() just before), so
 numbers are free of collection pauses; --gc on keeps it enabled (then p90/max show the pauses,
@@ -119,7 +125,7 @@ class Sim:
 
     # ---- the fake worker ----
     def emulate(self, so):
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         reqs = self.sched.requests
         req_ids = list(so.num_scheduled_tokens)
@@ -165,7 +171,9 @@ class Sim:
         )
 
     def _ack_offloading(self, meta):
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
         from vllm.v1.outputs import KVConnectorOutput
 
         jobs = {jid: self.hosts for jid in meta.load_jobs}
@@ -203,9 +211,9 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
     chunk_bytes = chunk_bytes_per_host(make_kv_cache_config(1, args.block_size))
     sims = []
     for name, kind, cpu_chunks, fill in specs:
-        common = dict(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.requests,
-                      max_num_batched_tokens=args.max_batched_tokens, max_model_len=max_model_len,
-                      tensor_parallel_size=args.hosts)
+        common = {"num_blocks": num_blocks, "block_size": args.block_size, "max_num_seqs": args.requests,
+                  "max_num_batched_tokens": args.max_batched_tokens, "max_model_len": max_model_len,
+                  "tensor_parallel_size": args.hosts}
         if kind == "none":
             sched = make_scheduler(connector_module_path=None, connector_class="", **common)
         elif kind == "offloading":
@@ -293,12 +301,16 @@ def prefill_index(sim: Sim, n: int, seed: int) -> float:
     t = time.perf_counter()
     batch = 65536
     done = 0
-    while done < n:
-        k = min(batch, n - done)
-        allocs = index.allocate_for_save([rnd.randbytes(32) for _ in range(k)])
-        for a in allocs:
-            index.mark_ready(a.save_id)
-        done += k
+    gc.disable()  # millions of new objects: repeated full collections would make this slow
+    try:
+        while done < n:
+            k = min(batch, n - done)
+            allocs = index.allocate_for_save([rnd.randbytes(32) for _ in range(k)])
+            for a in allocs:
+                index.mark_ready(a.save_id)
+            done += k
+    finally:
+        gc.enable()
     assert len(index) == n, (len(index), n)
     return time.perf_counter() - t
 
@@ -432,7 +444,7 @@ def _count(sim: Sim, n: int) -> bool:
 # ---------------------------------------------------------------------------------------- report
 PHASES = ("decode", "ramp", "prefill cold", "prefill+hits")
 PHASE_NOTES = {
-    "decode": f"every request running, one token each per step (the steady state)",
+    "decode": "every request running, one token each per step (the steady state)",
     "ramp": "fresh prompts admitted into an empty engine until every one sampled its first token",
     "prefill cold": "fresh prompts, 2 output tokens each, until all finished: every prompt block saved, lookups miss",
     "prefill+hits": "half the prompts' first half is in host RAM only: lookups hit, loads; (a) recomputes instead",
@@ -557,7 +569,7 @@ def main(argv=None) -> int:
 
     print()
     print("=" * 100)
-    print(f"1. Scheduler-side cost per engine step, in microseconds: schedule() + update_from_output(),")
+    print("1. Scheduler-side cost per engine step, in microseconds: schedule() + update_from_output(),")
     print(f"   {args.requests} requests, {args.prompt_len}-token prompts, block {args.block_size}, "
           f"max_num_batched_tokens {args.max_batched_tokens}, {args.hosts} host(s), gc {args.gc} in timed phases,")
     print(f"   host RAM: (b) {capacity(sims[1])} chunks, (c) {capacity(sims[2])} chunks; "
@@ -594,10 +606,15 @@ def main(argv=None) -> int:
     # ---- measurement 2: TPUOffloadConnector with N chunks already held ----
     if args.fill_list:
         max_fill = max(args.fill_list)
-        slots = max_fill + args.cpu_chunks // 8
+        # Room for every chunk the workload saves: no eviction, except in the "full" config, whose
+        # capacity is exactly the fill, so that every save evicts an LRU chunk.
+        workload_chunks = (2 + 2 * args.rounds) * args.requests * (args.prompt_len // args.block_size)
+        slots = max_fill + workload_chunks + 1024
         log(f"measurement 2: building schedulers (index capacity {slots} chunks, fills {args.fill_list})")
         specs = [("(a) none", "none", 0, 0)]
-        specs += [(f"(c) tpu, {n} held", "tpu", slots, n) for n in args.fill_list]
+        specs += [(f"(c) {n} held", "tpu", slots, n) for n in args.fill_list]
+        if max_fill > 0:
+            specs.append((f"(c) {max_fill} held, full", "tpu", max_fill, max_fill))
         sims2 = build_sims(args, specs, wl.num_blocks, wl.max_model_len)
         for s in sims2:
             if s.kind == "tpu" and s.fill:
@@ -606,8 +623,9 @@ def main(argv=None) -> int:
         gc.collect()
         run_workload(sims2, wl, args, log)
         print("=" * 100)
-        print(f"2. TPUOffloadConnector vs READY chunks already held in its host index (capacity {slots} chunks")
-        print(f"   for every fill: the largest fill is full, so each save evicts an LRU chunk)")
+        print("2. TPUOffloadConnector vs READY chunks already held in its host index (random hashes, never")
+        print(f"   hit). Capacity {slots} chunks (room for everything saved: no eviction), except")
+        print(f"   '{max_fill} held, full': capacity {max_fill}, so every save first evicts an LRU chunk")
         print("=" * 100)
         print_table(sims2, PHASES, "(a) none")
         print_work(sims2)
