@@ -516,7 +516,10 @@ def test_host_ram_pressure_skips_and_evicts(hosts, async_sched, limit):
         assert h.eng.offload.staging.capacity == 2 * CHUNK
         assert t["skipped_staging"] > 0
         assert "skipped_no_space" not in t and "evicted" not in t
-    assert t["hit_tokens"] > 0  # whatever survived still serves wave 2
+        # Nothing is evicted, and each step's cut keeps the first candidates, a prefix's head
+        # blocks: wave 2 hits. (Under RAM pressure whether any head chunk survives LRU eviction
+        # depends on when the saves were confirmed, so no hit is asserted there.)
+        assert t["hit_tokens"] > 0
     assert t["chunks_saved"] == t["saves_issued"] * hosts and "save_failures" not in t
     assert "load_errors" not in t
     h.check_loaded_bytes(min_blocks=0)

@@ -118,7 +118,7 @@ class Sim:
     sched: object = None
     hosts: int = 1
     fill: int = 0
-    times: dict = field(default_factory=dict)  # phase -> list[(sched_ns, update_ns)]
+    times: dict = field(default_factory=dict)  # phase -> [(wall sched ns, wall update ns, cpu ns, hook ns)]
     acked: Counter = field(default_factory=Counter)  # saves / loads / releases acknowledged
     wave: list = field(default_factory=list)  # Request objects of the current wave
     token: int = 100
