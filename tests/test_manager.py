@@ -626,3 +626,16 @@ def test_ledger_odd_signals_never_raise():
         res = led.report(rng.randrange(-2, 7), rng.randrange(-3, registered + 10), rng.random() < 0.8)
         assert res in (None, Resolution.READY, Resolution.FAILED)
     assert sum(led.counters.values()) > 0
+
+
+def test_lru_evicts_prefixes_from_the_tail():
+    """After a prefix is loaded (pinned, then unpinned in prefix order), eviction takes its last
+    chunk first, so what remains of the prefix is still a loadable prefix."""
+    idx = ChunkIndex(3)
+    hashes = [b"p0", b"p1", b"p2"]
+    for a in idx.allocate_for_save(hashes):
+        idx.mark_ready(a.save_id)
+    idx.unpin(idx.pin(hashes))
+    idx.allocate_for_save([b"other"])  # pool full: one eviction
+    assert idx.count_ready_prefix(hashes) == 2
+    assert not idx.contains(b"p2")

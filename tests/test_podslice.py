@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec
+from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec, _misplaced_op
 from tpuoffload.sim.slice_workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty
 
@@ -94,16 +94,11 @@ def test_prefix_repetition(make_slice, num_hosts, devices_per_host):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 1), (4, 2)])
 def test_prefix_repetition_chaos(make_slice, num_hosts, devices_per_host):
-    chaos = Chaos(
-        seed=7, write_delay_s=0.02, step_delay_s=0.01,
-        slow_host=num_hosts - 1, slow_host_delay_s=0.05,  # one persistently slow host
-        fail_d2h_host=0, fail_d2h_rate=0.2,  # failed device-to-host copies on host 0
-        lose_slot_host=1, lose_slot_rate=0.3,  # local loss on host 1: load errors, recompute everywhere
-        drop_report_rate=0.05, duplicate_report_rate=0.1,  # reports lost (saves expire) and doubled
-        abort_rate=0.08,  # aborts at random steps
-    )
-    # A tiny block pool: preemption storms.
-    pod = make_slice(_spec(num_hosts, devices_per_host, num_blocks=32), chaos)
+    # Per-host random write and step delays, a persistently slow host, failed device-to-host copies
+    # on host 0, slots lost on host 1 (load errors: vLLM recomputes on every host), dropped and
+    # doubled reports, random aborts; a tiny block pool for preemption storms.
+    chaos = Chaos.storm(num_hosts, seed=7)
+    pod = make_slice(_spec(num_hosts, devices_per_host, num_blocks=28), chaos)
     res = run_prefix_repetition(pod, WORKLOAD)
     assert res.finished + res.aborted == res.requests, res
     assert res.aborted > 0 and pod.preemptions > 0, (res.aborted, pod.preemptions)
@@ -175,3 +170,34 @@ def test_hung_worker_times_out(make_slice):
     assert pod.log_path(0) in msg
     pod.close()  # SIGKILL works on a stopped process group
     _assert_gone(pod.procs)
+
+
+@pytest.mark.timeout(300)
+def test_worker_start_failure_leaves_nothing(tmp_path, monkeypatch):
+    """A host that fails while starting fails the constructor with its traceback, and the
+    constructor itself kills every worker (there is no PodSlice to close)."""
+    started = []
+    real_start = PodSlice._start
+
+    def spy(self):
+        try:
+            real_start(self)
+        finally:
+            started.extend(self.procs)
+
+    monkeypatch.setattr(PodSlice, "_start", spy)
+    with pytest.raises(SliceError) as err:
+        PodSlice(_spec(2, 1, num_blocks=48), Chaos(broken="no-such-bug"), log_dir=str(tmp_path))
+    assert "unknown broken variant" in str(err.value)
+    _assert_gone(started)
+
+
+def test_misplaced_dispatch_detector():
+    """Ops may only be recorded inside the hooks that dispatch (pure function; no processes)."""
+    good = ["> bind_connector_metadata", "step n=3", "gather", "< bind_connector_metadata", "> forward",
+            "< forward", "> start_load_kv", "h2d", "scatter", "< start_load_kv", "> wait_for_save", "gather",
+            "d2h", "< wait_for_save", "> get_finished", "< get_finished", "> clear_connector_metadata"]
+    assert _misplaced_op(good) is None
+    assert _misplaced_op(good[:5] + ["gather"] + good[5:]) == 5  # during the forward
+    assert _misplaced_op(["d2h"] + good) == 0  # between steps
+    assert _misplaced_op(good[:-1] + ["gather", good[-1]]) == len(good) - 1  # after wait_for_save returned

@@ -35,12 +35,7 @@ def chaos_for(args):
 
     if not args.chaos:
         return Chaos(seed=args.seed)
-    n = args.hosts
-    return Chaos(seed=args.seed, write_delay_s=0.02, step_delay_s=0.01,
-                 slow_host=n - 1, slow_host_delay_s=0.05,
-                 fail_d2h_host=0, fail_d2h_rate=0.2,
-                 lose_slot_host=1 % n, lose_slot_rate=0.3,
-                 drop_report_rate=0.05, duplicate_report_rate=0.1, abort_rate=0.08)
+    return Chaos.storm(args.hosts, seed=args.seed)
 
 
 def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:

@@ -336,7 +336,9 @@ class OffloadScheduler:
     def _resolve(self, resolutions) -> None:
         mark_ready, drop_save = self.index.mark_ready, self.index.drop_save
         resolved = 0
-        for save_id, res in resolutions:
+        # Save ids grow along a request's blocks: resolving newest first leaves a prefix's first
+        # chunk most recently used, so LRU evicts prefixes from the tail (see ChunkIndex.unpin).
+        for save_id, res in sorted(resolutions, key=lambda r: r[0], reverse=True):
             chunk = mark_ready(save_id) if res is Resolution.READY else drop_save(save_id)
             if chunk is not None:
                 resolved += 1

@@ -167,8 +167,11 @@ class ChunkIndex:
             self._evictable.pop(chunk.hash, None)
         return chunks
 
-    def unpin(self, chunks: Iterable[Chunk]) -> None:
-        for chunk in chunks:
+    def unpin(self, chunks: Sequence[Chunk]) -> None:
+        """Release one pin of each chunk. ``chunks`` are in prefix order and are released last to
+        first, so a prefix's first chunk becomes the most recently used: LRU eviction then eats
+        prefixes from the tail, and what remains of a prefix stays loadable."""
+        for chunk in reversed(chunks):
             if chunk.pins <= 0:
                 raise ValueError(f"chunk {chunk.hash.hex()[:16]} is not pinned")
             chunk.pins -= 1

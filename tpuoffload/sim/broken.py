@@ -9,6 +9,13 @@ import time
 
 from tpuoffload.worker.transfer_engine import TransferEngine
 
+# How the pod-slice harness catches each (tests/test_podslice.py):
+#   host_order           the per-step dispatch digests differ (DigestMismatch names the step and op);
+#   background_dispatch  the ops land at a moment that depends on each host's timing: the digests
+#                        differ, or ops appear outside the connector hooks that may dispatch
+#                        (MisplacedDispatch, a DigestMismatch), or a host hangs (SliceError, timeout).
+VARIANTS = ("host_order", "background_dispatch")
+
 
 def break_engine(engine: TransferEngine, how: str, host: int) -> None:
     save = engine.save

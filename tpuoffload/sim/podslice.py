@@ -75,13 +75,16 @@ class Chaos:
 
     @classmethod
     def storm(cls, num_hosts: int, seed: int = 0) -> "Chaos":
-        """Everything at once, spread over the hosts: the chaos the pod-slice tests run."""
+        """Everything at once, spread over the hosts (the chaos the pod-slice tests and
+        tools/podslice_run.py --chaos run); pair it with a tiny block pool for preemption storms and
+        a short ``save_timeout_s`` so saves whose reports were dropped expire."""
         return cls(
             seed=seed, write_delay_s=0.02, step_delay_s=0.01,
-            slow_host=num_hosts - 1, slow_host_delay_s=0.05,
-            fail_d2h_host=0, fail_d2h_rate=0.1,
-            lose_slot_host=1 % num_hosts, lose_slot_rate=0.3,
-            drop_report_rate=0.05, duplicate_report_rate=0.1, abort_rate=0.05,
+            slow_host=num_hosts - 1, slow_host_delay_s=0.05,  # one persistently slow host
+            fail_d2h_host=0, fail_d2h_rate=0.25,  # failed device-to-host copies on host 0
+            lose_slot_host=1 % num_hosts, lose_slot_rate=0.3,  # local loss: load errors, recompute everywhere
+            drop_report_rate=0.05, duplicate_report_rate=0.1,  # reports lost (saves expire) and doubled
+            abort_rate=0.08,  # aborts at random steps
         )
 
 
@@ -358,20 +361,20 @@ class PodSlice:
                 try:
                     pipe.flush()
                 except (BrokenPipeError, ConnectionResetError):
-                    raise self._error(f"{what} {self.steps}: host {rank} died ({self._exit_status(rank)})",
+                    raise self._error(f"{what}: host {rank} died ({self._exit_status(rank)})",
                                       [rank]) from None
                 got, reply = pipe.take_frame()
                 if got:
                     replies[rank] = reply
                 elif pipe.eof:
-                    raise self._error(f"{what} {self.steps}: host {rank} died ({self._exit_status(rank)})", [rank])
+                    raise self._error(f"{what}: host {rank} died ({self._exit_status(rank)})", [rank])
             if len(replies) == len(self._pipes):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 waiting = [r for r in range(len(self._pipes)) if r not in replies]
                 raise self._error(
-                    f"{what} {self.steps}: host(s) {waiting} did not answer within {timeout:.0f} s (hang?); "
+                    f"{what}: host(s) {waiting} did not answer within {timeout:.0f} s (hang?); "
                     f"host(s) {sorted(replies)} did", waiting)
             rlist = [p.rfd for r, p in enumerate(self._pipes) if r not in replies]
             wlist = [p.wfd for r, p in enumerate(self._pipes) if r not in replies and p.out]
@@ -383,7 +386,7 @@ class PodSlice:
         for rank in range(len(self._pipes)):
             reply = replies[rank]
             if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
-                raise self._error(f"{what} {self.steps}: host {rank} raised:\n{reply[1]}", [rank])
+                raise self._error(f"{what}: host {rank} raised:\n{reply[1]}", [rank])
             out.append(reply)
         return out
 
@@ -421,7 +424,7 @@ class PodSlice:
                 self.abort([self._rng.choice(live)])
         so = self.scheduler.schedule()
         self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
-        replies = self._exchange(("step", so), self.spec.step_timeout_s, "step")
+        replies = self._exchange(("step", so), self.spec.step_timeout_s, f"step {self.steps}")
         outputs = [r[0] for r in replies]
         self._check_digests([r[1] for r in replies])
         self._check_outputs(outputs)
@@ -512,14 +515,14 @@ class PodSlice:
             self.step()
             time.sleep(0.05)
         idle = self._exchange(("idle", max(1.0, deadline - time.monotonic())), self.spec.step_timeout_s + timeout,
-                              "idle")
+                              f"settle after step {self.steps}")
         self.step()  # deliver what the writes that just finished reported
         return not self.offload.leak_report()["ledger_pending"] and all(idle)
 
     def worker_state(self) -> list[dict]:
         """Per host: mismatches, positions_verified, inflight_chunks, staging_bytes, backend_bytes,
         backend_slots_used, steps (after waiting up to 30 s for background writes)."""
-        return self._exchange(("state",), self.spec.step_timeout_s + 30, "state")
+        return self._exchange(("state",), self.spec.step_timeout_s + 30, f"worker_state after step {self.steps}")
 
 
 # ---------------------------------------------------------------- worker process
