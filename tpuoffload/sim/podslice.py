@@ -277,6 +277,7 @@ class PodSlice:
         self.final: list[dict] = []
         self.start_state: list[dict] = []
         self.closed = False
+        self._failed: str | None = None  # the first failed exchange
         self._finalizer = weakref.finalize(self, _kill_groups, self.procs)
         try:
             self._start()
@@ -345,9 +346,19 @@ class PodSlice:
 
     def _exchange(self, msg: Any, timeout: float, what: str) -> list[Any]:
         """Send ``msg`` to every host and collect one reply from each, all under one deadline.
-        A host that dies or whose pipe closes fails the exchange at once."""
+        A host that dies or whose pipe closes fails the exchange at once. After a failed exchange
+        the pipes are out of step, so every later one fails too."""
         if self.closed:
             raise SliceError(f"{what}: the slice is closed")
+        if self._failed is not None:
+            raise SliceError(f"{what}: the slice failed earlier: {self._failed}")
+        try:
+            return self._exchange_once(msg, timeout, what)
+        except SliceError as e:
+            self._failed = str(e).splitlines()[0]
+            raise
+
+    def _exchange_once(self, msg: Any, timeout: float, what: str) -> list[Any]:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         frame = memoryview(_HEAD.pack(len(data)) + data)
         for pipe in self._pipes:
@@ -464,7 +475,7 @@ class PodSlice:
                 if bad is not None:
                     lines = [f"host {rank} dispatched outside the connector's dispatching hooks at step "
                              f"{self.steps} (connector step {d.step}), op #{bad}: a background thread or the "
-                             f"forward issued JAX work (invariant 1); every host: {len(digests)} identical digests"]
+                             f"forward issued JAX work (invariant 1); the {len(digests)} hosts' digests agree"]
                     lines += [f"  {'>>' if i == bad else '  '} {i:3d} {op}" for i, op in enumerate(d.ops)]
                     raise MisplacedDispatch("\n".join(lines))
             return
