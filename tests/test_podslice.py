@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec, _misplaced_op
-from tpuoffload.sim.slice_workload import PrefixRepetition, run_prefix_repetition
+from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty
 
 # A prefix_repetition workload: 4 prefixes x 12 blocks of 16 tokens, 8-16 token suffixes, 4-8

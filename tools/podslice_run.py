@@ -40,7 +40,7 @@ def chaos_for(args):
 
 def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     from tpuoffload.sim.podslice import DigestMismatch, PodSlice, SliceError, SliceSpec
-    from tpuoffload.sim.slice_workload import PrefixRepetition, run_prefix_repetition
+    from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 
     args.seed = seed
     num_blocks = args.num_blocks or (28 if args.chaos else 48)
