@@ -1,6 +1,6 @@
-"""The prefix_repetition workload (shaped like vLLM's benchmark of that name, scaled to CPU) and a
-(vllm/benchmarks/datasets: PrefixRepetitionRandomDataset), scaled down for a simulated pod slice,
-and a driver that runs it in waves on a PodSlice.
+"""The prefix_repetition workload, shaped like vLLM's benchmark of that name
+(vllm/benchmarks/datasets: PrefixRepetitionRandomDataset) and scaled down for CPU, plus a driver
+that runs it in waves on a PodSlice.
 
 ``num_prefixes`` random prefixes, each shared by ``num_requests // num_prefixes`` prompts with a
 random suffix, shuffled. Every wave uses the same prefixes with fresh suffixes; between waves the
