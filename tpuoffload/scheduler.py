@@ -161,9 +161,10 @@ class OffloadScheduler:
             self._snapshot.maybe_write()
         return meta
 
-    def _plan_step_saves(self, scheduler_output: "SchedulerOutput") -> SaveBatch:
-        """Full blocks this step's forward completes, for requests not yet fully saved."""
-        candidates: list[tuple[int, bytes]] = []
+    def _filled_blocks(self, scheduler_output: "SchedulerOutput"):
+        """Yield (req_id, state, full) for each scheduled request that may still have blocks to
+        save, ``full`` being its full blocks once this step's forward ran; requests with nothing
+        left to save stop being visited, so decode-only steps cost nothing here."""
         done = []
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in self._saving:
@@ -174,33 +175,28 @@ class OffloadScheduler:
             req = state.request
             limit = self._save_limit(req)
             full = min((req.num_computed_tokens + n_sched) // self.block_size, limit, len(req.block_hashes))
-            if full > state.watermark:
-                block_ids = self._block_ids(req_id)
-                candidates.extend(zip(block_ids[state.watermark:full], req.block_hashes[state.watermark:full]))
-                state.watermark = full
-            if state.watermark >= limit:
+            yield req_id, state, full
+            if full >= limit:
                 done.append(req_id)
         self._saving.difference_update(done)
+
+    def _plan_step_saves(self, scheduler_output: "SchedulerOutput") -> SaveBatch:
+        """Eager mode: the full blocks this step's forward completes."""
+        candidates: list[tuple[int, bytes]] = []
+        for req_id, state, full in self._filled_blocks(scheduler_output):
+            if full > state.watermark:
+                block_ids = self._block_ids(req_id)
+                hashes = state.request.block_hashes
+                candidates.extend(zip(block_ids[state.watermark:full], hashes[state.watermark:full]))
+                state.watermark = full
         return self._allocate(candidates)
 
     def _track_computed(self, scheduler_output: "SchedulerOutput") -> None:
         """Lazy mode: remember the ids of the full blocks each scheduled request has computed
         (including this step's), for a flush at finish or preemption."""
-        done = []
-        scheduled = scheduler_output.num_scheduled_tokens
-        for req_id in self._saving:
-            n_sched = scheduled.get(req_id)
-            if n_sched is None:
-                continue
-            state = self._requests[req_id]
-            req = state.request
-            limit = self._save_limit(req)
-            full = min((req.num_computed_tokens + n_sched) // self.block_size, limit, len(req.block_hashes))
+        for req_id, state, full in self._filled_blocks(scheduler_output):
             if full > len(state.computed_block_ids):
                 state.computed_block_ids = self._block_ids(req_id)[:full]
-            if full >= limit:
-                done.append(req_id)
-        self._saving.difference_update(done)
 
     def _save_limit(self, req: "Request") -> int:
         if self.config.save_decode_blocks:

@@ -39,6 +39,21 @@ class EngineSpec:
     scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def absorb_outputs(engine, engine_core_outputs) -> None:
+    """Fold what ``update_from_output`` returned into ``engine.stats`` (the connector stats vLLM
+    delivered, rebuilt the way vLLM's frontend rebuilds them), ``engine.outputs`` and
+    ``engine.finished``."""
+    for outs in engine_core_outputs.values():
+        sched_stats = outs.scheduler_stats
+        if sched_stats is not None and sched_stats.kv_connector_stats:
+            data = dict(sched_stats.kv_connector_stats)
+            engine.stats = engine.stats.aggregate(TPUOffloadConnector.build_kv_connector_stats(data))
+        for o in outs.outputs:
+            engine.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                engine.finished.add(o.request_id)
+
+
 class InProcessEngine:
     def __init__(self, spec: EngineSpec, faults: Sequence[Faults | None] | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -99,16 +114,7 @@ class InProcessEngine:
         return self.aggregator.aggregate(outs, output_rank=0)
 
     def _process(self, so, out) -> None:
-        eco = self.scheduler.update_from_output(so, out)
-        for outs in eco.values():
-            sched_stats = outs.scheduler_stats
-            if sched_stats is not None and sched_stats.kv_connector_stats:
-                data = sched_stats.kv_connector_stats
-                self.stats = self.stats.aggregate(TPUOffloadConnector.build_kv_connector_stats(dict(data)))
-            for o in outs.outputs:
-                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.finished.add(o.request_id)
+        absorb_outputs(self, self.scheduler.update_from_output(so, out))
 
     def step(self) -> None:
         """One EngineCore step: step() for the Scheduler, step_with_batch_queue() (depth 2) for the

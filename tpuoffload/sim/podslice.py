@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
+from tpuoffload.sim.engine import absorb_outputs
 from tpuoffload.worker.transfer_engine import Faults
 
 
@@ -445,21 +446,8 @@ class PodSlice:
             outputs.append(outputs[self._rng.randrange(len(outputs))])  # one host's output twice
         merged = self.aggregator.aggregate(outputs, output_rank=0)
         eco = self.scheduler.update_from_output(so, merged)
-        self._collect(eco)
+        absorb_outputs(self, eco)
         self.steps += 1
-
-    def _collect(self, eco) -> None:
-        from tpuoffload.connector import TPUOffloadConnector
-
-        for outs in eco.values():
-            sched_stats = outs.scheduler_stats
-            if sched_stats is not None and sched_stats.kv_connector_stats:
-                data = sched_stats.kv_connector_stats
-                self.stats = self.stats.aggregate(TPUOffloadConnector.build_kv_connector_stats(dict(data)))
-            for o in outs.outputs:
-                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.finished.add(o.request_id)
 
     def _mangle(self, output):
         kv = output.kv_connector_output
