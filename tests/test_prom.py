@@ -41,7 +41,7 @@ class Recorded:
 
 
 def run_recorded(faults=None, stats_dir=None):
-    from tpuoffload.sim.engine import EngineSpec, InProcessEngine
+    from tpuoffload.sim.engine import EngineSpec, InProcessEngine, run_waves
     from tpuoffload.sim.workload import prefix_repetition
 
     eng = InProcessEngine(EngineSpec(num_hosts=2, devices_per_host=2, block_size=BS,
@@ -59,15 +59,7 @@ def run_recorded(faults=None, stats_dir=None):
 
     eng.scheduler.update_from_output = recording_update
     requests = prefix_repetition(PROMPTS, PREFIXES, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN, seed=1, block_size=BS)
-    for r in requests[:PREFIXES]:
-        eng.add_request(r)
-    eng.run()
-    eng.settle()
-    assert eng.scheduler.reset_prefix_cache()
-    for r in requests[PREFIXES:]:
-        eng.add_request(r)
-    eng.run()
-    eng.settle()
+    run_waves(eng, [requests[:PREFIXES], requests[PREFIXES:]])
     assert len(eng.finished) == PROMPTS and eng.mismatches() == 0
     return Recorded(eng, per_step)
 

@@ -58,7 +58,7 @@ class RealRun:
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
-    from tpuoffload.sim.engine import EngineSpec, InProcessEngine
+    from tpuoffload.sim.engine import EngineSpec, InProcessEngine, run_waves
     from tpuoffload.sim.workload import prefix_repetition
 
     stats_dir = str(tmp_path_factory.mktemp("stats"))
@@ -66,15 +66,7 @@ def real_run(tmp_path_factory):
         "cpu_bytes_to_use": 1 << 22, "stats_dir": stats_dir, "stats_interval_s": 0.0}))
     try:
         requests = prefix_repetition(PROMPTS, PREFIXES, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN, seed=0, block_size=BS)
-        for r in requests[:PREFIXES]:
-            eng.add_request(r)
-        eng.run()
-        eng.settle()
-        assert eng.scheduler.reset_prefix_cache()
-        for r in requests[PREFIXES:]:
-            eng.add_request(r)
-        eng.run()
-        eng.settle()
+        run_waves(eng, [requests[:PREFIXES], requests[PREFIXES:]])
         assert len(eng.finished) == PROMPTS
         assert eng.mismatches() == 0
         yield RealRun(eng, stats_dir)

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --hosts >= 1, --devices-per-host >= 1 and --prompts >= --prefixes >= 1")
 
     from tpuoffload.cli import analyse, load_snapshots, render, report
+    from tpuoffload.sim.engine import run_waves
     from tpuoffload.sim.podslice import PodSlice, SliceSpec
     from tpuoffload.sim.workload import prefix_repetition
 
@@ -73,15 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         wave1, wave2 = requests[:args.prefixes], requests[args.prefixes:]
         show = _progress_bar(len(requests), t0)
         tick = lambda pod: show(len(pod.finished), pod.steps)  # noqa: E731
-        for r in wave1:
-            pod.add_request(r)
-        pod.run(on_step=tick)
-        pod.settle()
-        pod.scheduler.reset_prefix_cache()
-        for r in wave2:
-            pod.add_request(r)
-        pod.run(on_step=tick)
-        pod.settle()
+        run_waves(pod, [wave1, wave2], on_step=tick)
         wall = time.monotonic() - t0
         sys.stderr.write("\n")
         time.sleep(interval)

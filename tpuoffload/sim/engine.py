@@ -54,6 +54,19 @@ def absorb_outputs(engine, engine_core_outputs) -> None:
                 engine.finished.add(o.request_id)
 
 
+def run_waves(engine, waves, on_step=None) -> None:
+    """Run each wave of requests to completion on an InProcessEngine or a PodSlice. Between waves
+    vLLM's prefix cache is reset, as eviction under load would, so a later wave finds the shared
+    prefixes only in host RAM."""
+    for i, wave in enumerate(waves):
+        if i and not engine.scheduler.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache() failed: blocks still in use between waves")
+        for request in wave:
+            engine.add_request(request)
+        engine.run(on_step=on_step)
+        engine.settle()
+
+
 class InProcessEngine:
     def __init__(self, spec: EngineSpec, faults: Sequence[Faults | None] | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator

@@ -202,4 +202,4 @@ class SyntheticRunner:
     def expected_block(self, tokens: Sequence[int], block_index: int) -> np.ndarray:
         """What block ``block_index`` of a request with these token ids must hold: (L, block_size, H, D)."""
         hashes = prefix_hashes(tokens)[block_index * self.block_size:(block_index + 1) * self.block_size]
-        return np.asarray(kv_values(np.array(hashes, np.uint32), *self._shape)).transpose(0, 1, 2, 3)
+        return np.asarray(kv_values(np.array(hashes, np.uint32), *self._shape))

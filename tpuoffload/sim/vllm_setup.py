@@ -355,10 +355,6 @@ def make_request(
 # --------------------------------------------------------------------------
 # fake model runner
 # --------------------------------------------------------------------------
-def free_block_count(scheduler: Scheduler) -> int:
-    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-
-
 def assert_scheduler_empty(scheduler: Scheduler) -> None:
     """No leaked requests/blocks (mirrors vLLM's tests/v1/kv_connector/unit/utils.py)."""
     assert not scheduler.requests, list(scheduler.requests)

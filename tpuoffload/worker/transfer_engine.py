@@ -191,8 +191,8 @@ class TransferEngine:
                 f"block_ids, slots and save_ids differ in length: {len(block_ids)}, {len(slots)}, {len(save_ids)}"
             )
         for name, seq, limit in (("block_ids", block_ids, self.num_blocks), ("slots", slots, self.backend.num_slots)):
-            bad = [int(x) for x in seq if not 0 <= int(x) < limit]
-            if bad:
+            if len(seq) and not (0 <= min(seq) and max(seq) < limit):  # one pass each on the hot path
+                bad = [int(x) for x in seq if not 0 <= int(x) < limit]
                 raise ValueError(f"{name} out of range 0..{limit - 1}: {bad[:8]}")
         seq = slots if unique == "slots" else block_ids
         if len(set(seq)) != len(seq):
