@@ -47,8 +47,8 @@ Measurement 1b repeats measurement 1 with the connectors' scheduler-side hooks w
 the time spent inside the connector itself, per step (skip with --no-hooks).
 
 Measurement 2: the same workload for the no-connector scheduler and TPUOffloadConnector with its
-host index pre-filled with N READY chunks of random hashes (allocate_for_save + mark_ready on
-``connector.scheduler.index``). Every config has room for all it saves (no eviction), plus one
+host index pre-filled with N READY chunks of random hashes (allocated, registered in the ledger,
+confirmed by every host and marked READY through the scheduler half's own index and ledger). Every config has room for all it saves (no eviction), plus one
 whose capacity is exactly the largest fill, so that every save evicts.
 
 GC: by default the collector is disabled inside every timed phase (gc.collect() just before), so
@@ -154,12 +154,17 @@ class Sim:
     def _ack_tpu(self, meta):
         from vllm.v1.outputs import KVConnectorOutput
 
-        from tpuoffload.messages import OffloadWorkerReport
+        from tpuoffload.messages import OffloadWorkerReport, metadata_bytes
 
-        save_ids = meta.save.save_ids + meta.flush.save_ids
+        save_ids = [*meta.save.save_ids, *meta.flush.save_ids]
         report = None
         if save_ids:
-            report = OffloadWorkerReport(Counter({(h, sid, True): 1 for sid in save_ids for h in range(self.hosts)}))
+            report = OffloadWorkerReport()
+            for h in range(self.hosts):
+                report = report.aggregate(OffloadWorkerReport.from_host(h, save_ids))
+            # What the step's plan costs on the wire to every host (pickled, as the executors ship it).
+            self.acked["meta_bytes"] += metadata_bytes(meta)
+            self.acked["meta_steps"] += 1
         invalid = {b for load in meta.loads for b in load.unavailable_block_ids}
         self.acked["saves"] += len(save_ids)
         self.acked["loads"] += len(meta.loads)
@@ -212,10 +217,13 @@ class Sim:
 
 
 def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
-    from tpuoffload.connector import chunk_bytes_per_host
+    from tpuoffload.scheduler.topology import host_chunk_bytes
     from tpuoffload.sim.vllm_setup import make_kv_cache_config, make_scheduler
 
-    chunk_bytes = chunk_bytes_per_host(make_kv_cache_config(1, args.block_size))
+    # One block of every layer: vLLM's page covers the whole mesh; each of the --hosts workers
+    # (one per rank with vLLM's default executor) holds its share.
+    page_bytes = host_chunk_bytes(make_kv_cache_config(1, args.block_size), 1)
+    chunk_bytes = host_chunk_bytes(make_kv_cache_config(1, args.block_size), args.hosts)
     sims = []
     for name, kind, cpu_chunks, fill in specs:
         common = {"num_blocks": num_blocks, "block_size": args.block_size, "max_num_seqs": args.requests,
@@ -229,7 +237,7 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
             # TPUOffloadConnector; prompt-only (offload_prompt_only=True, the default) likewise.
             sched = make_scheduler(
                 connector_module_path=None, connector_class="OffloadingConnector",
-                kv_connector_extra_config={"cpu_bytes_to_use": cpu_chunks * chunk_bytes * args.hosts,
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_chunks * page_bytes,
                                            "eviction_policy": "lru"},
                 **common)
         else:
@@ -303,8 +311,10 @@ def held(sim: Sim) -> str:
 
 
 def prefill_index(sim: Sim, n: int, seed: int) -> float:
-    """Fill TPUOffloadConnector's host index with n READY chunks of random hashes."""
-    index = sim.sched.connector.scheduler.index
+    """Fill TPUOffloadConnector's host index with n READY chunks of random hashes, through the
+    scheduler half's own index and ledger (allocate, register, every host confirms, mark READY)."""
+    sched = sim.sched.connector.scheduler
+    index, ledger = sched.index, sched.ledger
     rnd = random.Random(seed)
     t = time.perf_counter()
     batch = 65536
@@ -313,9 +323,13 @@ def prefill_index(sim: Sim, n: int, seed: int) -> float:
     try:
         while done < n:
             k = min(batch, n - done)
-            allocs = index.allocate_for_save([rnd.randbytes(32) for _ in range(k)])
-            for a in allocs:
-                index.mark_ready(a.save_id)
+            slots = index.allocate(k)
+            base = ledger.open_batch(slots, float("inf"), step=-1)
+            index.add_saving([rnd.randbytes(32) for _ in range(k)], slots, base)
+            for h in range(ledger.num_hosts):
+                ledger.report(h, ok=[(base, base + k)])
+            res = ledger.take_resolved()
+            index.mark_ready(res.ready_slots, res.ready_ids)
             done += k
     finally:
         gc.enable()
@@ -537,6 +551,9 @@ def print_work(sims, out=print) -> None:
             continue
         out(f"  {s.name:<24} saved blocks {s.acked['saves']}, loads {s.acked['loads']} "
             f"({s.acked['load_blocks']} blocks); end state: {held(s)}")
+        if s.acked["meta_steps"]:
+            out(f"  {'':<24} per-step metadata of steps with saves: {s.acked['meta_bytes'] / s.acked['meta_steps']:.0f} "
+                f"bytes pickled on average, {s.acked['meta_bytes'] / s.acked['saves']:.1f} bytes per saved chunk")
 
 
 # ---------------------------------------------------------------------------------------- main

@@ -31,6 +31,9 @@ class OffloadConfig:
     # Alternative to staging_bytes, in blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS).
     num_staging_blocks: int = 256
     save_threads: int = 4
+    # Accelerator bytes one gathered (or to-be-scattered) batch may take on a host; larger plans
+    # move in consecutive pieces.
+    transfer_buffer_bytes: int = 256 << 20
     host_memory_kind: str = "pinned_host"
     # Also save blocks filled by generated (decode) tokens, not only prompt blocks.
     save_decode_blocks: bool = False
@@ -38,6 +41,9 @@ class OffloadConfig:
     load_wait_timeout_s: float = 10.0
     # A save not confirmed by every host within this time is dropped (never loadable).
     save_timeout_s: float = 120.0
+    # Worker processes that report each step (one per host with tpu-inference). None: detected from
+    # vLLM's executor (tpuoffload.scheduler.topology); set it only if the detection is wrong.
+    num_hosts: int | None = None
     # Directory for per-host stats snapshots (None: off) and how often to write them.
     stats_dir: str | None = None
     stats_interval_s: float = 5.0
@@ -147,11 +153,15 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
         out.pop("num_cpu_chunks")  # explicit bytes win; chunks may come from an old environment
     if extra.get("staging_bytes") is not None:
         out["staging_bytes"] = _as_int("staging_bytes", extra["staging_bytes"], 1, ram)
+    if extra.get("transfer_buffer_bytes") is not None:
+        out["transfer_buffer_bytes"] = _as_int("transfer_buffer_bytes", extra["transfer_buffer_bytes"], 1, ram)
     for key in ("num_staging_blocks",):
         if key in extra:
             out[key] = _as_int(key, extra[key], 1, 1 << 24)
     if "save_threads" in extra:
         out["save_threads"] = _as_int("save_threads", extra["save_threads"], 1, 256)
+    if extra.get("num_hosts") is not None:
+        out["num_hosts"] = _as_int("num_hosts", extra["num_hosts"], 1, 1 << 16)
     for key in ("lazy_offload", "save_decode_blocks"):
         if key in extra:
             out[key] = _as_bool(key, extra[key])

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tpuoffload.config import parse_config
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.scheduler import OffloadScheduler
+from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
 
@@ -39,20 +40,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def chunk_bytes_per_host(kv_cache_config: "KVCacheConfig") -> int:
-    """Bytes of one block across all layers, as one worker holds it (vLLM sizes pages per worker)."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    return total
-
-
-def expected_reporters(connector: KVConnectorBase_V1, vllm_config: "VllmConfig") -> int:
-    """How many workers report each step: the count vLLM's KVOutputAggregator waits for
-    (``KVOutputAggregator.from_connector``: get_finished_count() or the executor's world size)."""
-    return connector.get_finished_count() or vllm_config.parallel_config.world_size
-
-
 class TPUOffloadConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -61,17 +48,22 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         self.config = parse_config(extra)
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
+        # Worker processes that report each step: the confirmations a chunk needs, and what
+        # get_finished_count() tells vLLM's KVOutputAggregator to wait for.
+        self.num_workers, workers_source = reporting_workers(vllm_config, self.config.num_hosts)
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is None:
                 raise ValueError("TPUOffloadConnector needs the KV cache config on the scheduler side")
             self.scheduler = OffloadScheduler(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
-                chunk_bytes=chunk_bytes_per_host(kv_cache_config),
-                num_hosts=expected_reporters(self, vllm_config),
+                chunk_bytes=host_chunk_bytes(kv_cache_config, self.num_workers),
+                num_hosts=self.num_workers,
+                hosts_source=workers_source,
             )
-            logger.info("tpuoffload scheduler: %d host slots, %d hosts confirm each chunk; %s",
-                        self.scheduler.index.num_slots, self.scheduler.ledger.num_hosts, self.config.summary())
+            logger.info("tpuoffload scheduler: %d host slots of %d bytes per host; %d worker processes confirm "
+                        "each chunk (%s); %s", self.scheduler.index.num_slots, self.scheduler.chunk_bytes,
+                        self.num_workers, workers_source, self.config.summary())
         else:
             self.worker = OffloadWorker(self.config)
             logger.info("tpuoffload worker (host %d): %s", self.worker.host_id, self.config.summary())
@@ -138,7 +130,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, num_external_tokens, blocks)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
@@ -148,6 +140,21 @@ class TPUOffloadConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (e.g. after a weight update): nothing
+        saved before is ever loaded after, saves in flight included."""
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    def get_finished_count(self) -> int | None:
+        """Reports vLLM's KVOutputAggregator waits for per request: one per worker process (one per
+        host with tpu-inference), not vLLM's world size."""
+        return self.num_workers
+
+    @classmethod
+    def supports_sleep_mode(cls, *args: Any, **kwargs: Any) -> bool:
+        """vLLM 0.33 asks: no, this connector keeps no state across sleep."""
+        return False
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):

@@ -19,14 +19,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-COUNTERS = (
-    "chunks_saved", "bytes_saved", "save_failures", "save_seconds",
-    "chunks_loaded", "bytes_loaded", "load_errors", "load_seconds",
-    "lookup_tokens", "hit_tokens", "saves_issued",
-    "skipped_no_space", "skipped_staging", "dedup_batch", "dedup_index", "evicted",
-    "ledger_duplicate", "ledger_late", "ledger_early", "ledger_unknown", "ledger_expired",
-    "unknown_request", "ledger_confirmed", "ledger_failed", "ledger_unknown_host", "discarded",
-)
+from tpuoffload import counters as C
 
 
 def make_report(source: str | int, seq: int, values: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -57,11 +50,11 @@ class OffloadStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The figures an operator logs for the interval."""
         t = self.totals()
-        out: dict[str, int | float] = {name: t[name] for name in COUNTERS if t[name]}
-        if t["lookup_tokens"]:
-            out["hit_rate"] = round(t["hit_tokens"] / t["lookup_tokens"], 4)
-        if t["save_seconds"]:
-            out["save_GiB_per_s"] = round(t["bytes_saved"] / t["save_seconds"] / 2**30, 3)
-        if t["load_seconds"]:
-            out["load_GiB_per_s"] = round(t["bytes_loaded"] / t["load_seconds"] / 2**30, 3)
+        out: dict[str, int | float] = {name: t[name] for name in C.NAMES if t[name]}
+        if t[C.LOOKUP_TOKENS]:
+            out["hit_rate"] = round(t[C.HIT_TOKENS] / t[C.LOOKUP_TOKENS], 4)
+        if t[C.SAVE_SECONDS]:
+            out["save_GiB_per_s"] = round(t[C.BYTES_SAVED] / t[C.SAVE_SECONDS] / 2**30, 3)
+        if t[C.LOAD_SECONDS]:
+            out["load_GiB_per_s"] = round(t[C.BYTES_LOADED] / t[C.LOAD_SECONDS] / 2**30, 3)
         return out

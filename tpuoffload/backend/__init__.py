@@ -1,5 +1,5 @@
-"""Worker-side storage of this host's shard of every offloaded chunk."""
+"""Worker-side storage of this host's part of every offloaded chunk."""
 
-from tpuoffload.backend.host_backend import HostBackend, SlotMismatch
+from tpuoffload.backend.host_backend import HostBackend
 
-__all__ = ["HostBackend", "SlotMismatch"]
+__all__ = ["HostBackend"]

@@ -1,37 +1,41 @@
 """An in-process engine: vLLM's real Scheduler (or AsyncScheduler), the connector, and one
 SyntheticRunner per simulated host, stepped the way vLLM's EngineCore steps them.
 
-Several hosts in one process each hold a full copy of the cache on their own devices; the
-multi-process pod slice (tpuoffload.sim.podslice) shards heads across processes instead.
+Each host's cache is what tpu-inference's ``create_kv_caches`` allocates for ``EngineSpec.layout``
+on that host's own devices (a full copy of the mesh per host); the multi-process pod slice
+(tpuoffload.sim.podslice) spreads one mesh across processes instead. The scheduler's KV cache
+config reports the page size a slice of ``num_hosts`` such hosts would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh
 
 from tpuoffload.connector import TPUOffloadConnector
+from tpuoffload.layout import CacheLayout
 from tpuoffload.sim.runner import SyntheticRunner
-from tpuoffload.stats import OffloadStats
+from tpuoffload.sim.tpu_layouts import TpuLayoutSpec, create_caches, scheduler_kv_shape
 from tpuoffload.sim.vllm_setup import make_scheduler, make_worker_connector
-from tpuoffload.worker.transfer_engine import Faults
+from tpuoffload.stats import OffloadStats
+from tpuoffload.worker.faults import FaultInjector
+from tpuoffload.worker.offload_worker import OffloadWorker
+
+# The default simulated deployment: bf16 ragged-paged-attention cache, 4 KV heads, tensor parallel 2.
+SIM_LAYOUT = TpuLayoutSpec("bf16-4kv-tp2", num_layers=2, num_blocks=128, block_size=16, num_kv_heads=4, tp=2)
 
 
 @dataclass
 class EngineSpec:
     num_hosts: int = 1
-    devices_per_host: int = 2
-    num_blocks: int = 128
-    block_size: int = 16
-    num_layers: int = 2
-    num_kv_heads: int = 4
-    head_dim: int = 16
+    layout: TpuLayoutSpec = SIM_LAYOUT  # its num_blocks and block_size are vLLM's too ...
+    num_blocks: int | None = None  # ... unless set here
+    block_size: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     async_scheduling: bool = False
@@ -68,33 +72,33 @@ def run_waves(engine, waves, on_step=None) -> None:
 
 
 class InProcessEngine:
-    def __init__(self, spec: EngineSpec, faults: Sequence[Faults | None] | None = None) -> None:
+    def __init__(self, spec: EngineSpec, faults: Sequence[FaultInjector | None] | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.spec = spec
-        self.scheduler = make_scheduler(
-            num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=spec.extra_config,
-            async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens, num_layers=spec.num_layers,
-            # The cache's heads axis holds K and V together: vLLM's page (K and V) is one host slot.
-            num_kv_heads=max(1, spec.num_kv_heads // 2), head_size=spec.head_dim, tensor_parallel_size=spec.num_hosts,
-            **spec.scheduler_kwargs,
-        )
+        layout = dataclasses.replace(spec.layout, num_blocks=spec.num_blocks or spec.layout.num_blocks,
+                                     block_size=spec.block_size or spec.layout.block_size)
         devices = jax.devices()
-        need = spec.num_hosts * spec.devices_per_host
+        need = spec.num_hosts * layout.num_devices
         if len(devices) < need:
-            raise ValueError(f"{spec.num_hosts} hosts x {spec.devices_per_host} devices need {need} devices; "
+            raise ValueError(f"{spec.num_hosts} hosts x {layout.num_devices} devices need {need} devices; "
                              f"JAX has {len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
+        host_caches = [create_caches(layout, devices[h * layout.num_devices:(h + 1) * layout.num_devices])
+                       for h in range(spec.num_hosts)]
+        slot_bytes = CacheLayout.from_caches(host_caches[0][0]).slot_bytes
+        self.scheduler = make_scheduler(
+            num_blocks=layout.num_blocks, block_size=layout.block_size, kv_connector_extra_config=spec.extra_config,
+            async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens, tensor_parallel_size=spec.num_hosts,
+            **scheduler_kv_shape(slot_bytes * spec.num_hosts, layout.block_size), **spec.scheduler_kwargs,
+        )
         faults = list(faults) if faults is not None else [None] * spec.num_hosts
         self.runners: list[SyntheticRunner] = []
         self.connectors = []
-        for host in range(spec.num_hosts):
-            mesh = Mesh(np.array(devices[host * spec.devices_per_host:(host + 1) * spec.devices_per_host]), ("model",))
-            runner = SyntheticRunner(mesh, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                                     num_layers=spec.num_layers, num_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+        for host, (caches, mesh) in enumerate(host_caches):
+            runner = SyntheticRunner(caches, mesh, block_size=layout.block_size)
             connector = make_worker_connector(self.scheduler)
-            connector.worker.host_id = host
-            connector.worker._faults = faults[host]
+            connector.worker = OffloadWorker(connector.config, host_id=host, faults=faults[host])
             connector.register_runner(runner)
             self.runners.append(runner)
             self.connectors.append(connector)

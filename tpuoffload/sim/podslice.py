@@ -21,6 +21,7 @@ No run can hang and no process outlives the slice:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import random
@@ -39,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 from tpuoffload.sim.engine import absorb_outputs
-from tpuoffload.worker.transfer_engine import Faults
+from tpuoffload.sim.tpu_layouts import LAYOUTS, TpuLayoutSpec, create_caches, scheduler_kv_shape, slice_page_bytes
+from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 
 class SliceError(RuntimeError):
@@ -89,33 +91,67 @@ class Chaos:
         )
 
 
-class ChaosFaults(Faults):
-    def __init__(self, chaos: Chaos, host: int) -> None:
+@dataclass(frozen=True)
+class PointFaults:
+    """Exceptions at the worker's declared fault points on one host (beyond ``Chaos``):
+    at each point named in ``points``, the whole operation raises with probability ``rate``."""
+
+    host: int = 0
+    rate: float = 0.0
+    points: tuple[str, ...] = field(default_factory=lambda: tuple(p.name for p in FaultPoint))
+
+
+class ChaosInjector(FaultInjector):
+    """``Chaos`` (and optional ``PointFaults``) for one host, as the worker's ``FaultInjector``.
+
+    ================  ===========================================================
+    point             what this host does there
+    ================  ===========================================================
+    WRITE_SLOTS       sleeps up to ``write_delay_s`` (every host), plus
+                      ``slow_host_delay_s`` on ``slow_host``
+    D2H               raises with ``fail_d2h_rate`` on ``fail_d2h_host`` (the save fails)
+    READ_SLOTS        with ``lose_slot_rate`` on ``lose_slot_host``: one random position
+                      fails alone (a lost slot: a load error, recomputed on every host)
+    any point         raises with ``PointFaults.rate`` on ``PointFaults.host``
+    ================  ===========================================================
+
+    Seeded per host. ``hit`` runs on the engine's main thread and on its save threads.
+    """
+
+    def __init__(self, chaos: Chaos, host: int, point_faults: PointFaults | None = None) -> None:
         self.chaos = chaos
         self.host = host
-        self.rng = random.Random(chaos.seed * 1000 + host)
-        self._lock = threading.Lock()  # before_write runs on several save threads
+        self.point_faults = point_faults if point_faults is not None and point_faults.host == host else None
+        self._rng = random.Random(chaos.seed * 1000 + host)
+        self._lock = threading.Lock()  # guards _rng and hits (hit runs on the main thread and the save threads)
+        self.hits: dict[str, int] = {}  # point name -> faults injected there
 
-    def before_write(self, save_ids: Sequence[int]) -> None:
-        c = self.chaos
+    def _draw(self, rate: float) -> bool:
+        return rate > 0 and self._rng.random() < rate
+
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        c, name = self.chaos, point.name
+        delay, fail, lost = 0.0, None, set()
         with self._lock:
-            delay = self.rng.uniform(0, c.write_delay_s) if c.write_delay_s else 0.0
-            fail = c.fail_d2h_host == self.host and self.rng.random() < c.fail_d2h_rate
-        if c.slow_host == self.host:
-            delay += c.slow_host_delay_s
+            pf = self.point_faults
+            if pf is not None and name in pf.points and self._draw(pf.rate):
+                fail = f"chaos: {name} failed on host {self.host}"
+            elif name == "WRITE_SLOTS":
+                if c.write_delay_s:
+                    delay = self._rng.uniform(0, c.write_delay_s)
+                if c.slow_host == self.host:
+                    delay += c.slow_host_delay_s
+            elif name == "D2H" and c.fail_d2h_host == self.host and self._draw(c.fail_d2h_rate):
+                fail = f"chaos: device-to-host copy failed on host {self.host}"
+            elif name == "READ_SLOTS" and c.lose_slot_host == self.host and n and self._draw(c.lose_slot_rate):
+                lost = {self._rng.randrange(n)}
+            if fail is not None or lost:
+                self.hits[name] = self.hits.get(name, 0) + 1
         if delay:
             time.sleep(delay)
-        if fail:
-            raise RuntimeError("chaos: device-to-host copy failed")
-
-    def before_load(self, backend, slots: Sequence[int]) -> None:
-        c = self.chaos
-        if c.lose_slot_host == self.host and slots:
-            with self._lock:
-                lose = self.rng.random() < c.lose_slot_rate
-                slot = self.rng.choice(list(slots))
-            if lose:
-                backend.invalidate([slot])
+        if fail is not None:
+            raise RuntimeError(fail)
+        return lost
 
 
 # ---------------------------------------------------------------- framing over pipes
@@ -196,19 +232,50 @@ class _HostPipe:
 
 @dataclass
 class SliceSpec:
+    """A pod slice of ``num_hosts`` processes x ``devices_per_host`` CPU devices, holding the KV
+    cache tpu-inference allocates for a tensor-parallel model over all of them (``slice_layout``),
+    or the named deployment ``layout`` from ``tpuoffload.sim.tpu_layouts.LAYOUTS``."""
+
     num_hosts: int = 2
     devices_per_host: int = 2
     num_blocks: int = 96
     block_size: int = 16
     num_layers: int = 2
     num_kv_heads: int = 8
-    head_dim: int = 16
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    layout: str | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
     step_timeout_s: float = 60.0  # one step (or one control message), all hosts together
     start_timeout_s: float = 120.0
     log_tail_lines: int = 25  # lines of each concerned host's log quoted in a SliceError
+
+
+    def slice_layout(self) -> TpuLayoutSpec:
+        """The whole slice's cache: one mesh over every host's devices."""
+        if self.layout is not None:
+            named = LAYOUTS[self.layout]
+            spec = dataclasses.replace(named, num_blocks=self.num_blocks, block_size=self.block_size)
+        else:
+            spec = TpuLayoutSpec(f"slice-{self.num_kv_heads}kv-tp{self.num_hosts * self.devices_per_host}",
+                                 num_layers=self.num_layers, num_blocks=self.num_blocks, block_size=self.block_size,
+                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                                 tp=self.num_hosts * self.devices_per_host)
+        if spec.num_devices != self.num_hosts * self.devices_per_host:
+            raise ValueError(f"layout {spec.name} needs {spec.num_devices} devices; the slice has "
+                             f"{self.num_hosts} hosts x {self.devices_per_host}")
+        return spec
+
+    def host_layout(self) -> TpuLayoutSpec:
+        """One host's part of the slice as a cache of its own (for slices simulated in one process):
+        the same per-host shape and bytes, on ``devices_per_host`` devices."""
+        whole = self.slice_layout()
+        if whole.dp != 1 or whole.attn_dp != 1 or whole.dcp != 1 or whole.num_kv_heads % self.num_hosts:
+            raise ValueError(f"{whole.name} cannot be split into per-host tensor-parallel caches")
+        return dataclasses.replace(whole, name=f"{whole.name}-host", num_kv_heads=whole.num_kv_heads // self.num_hosts,
+                                   tp=self.devices_per_host)
 
 
 def _kill_groups(procs: Iterable[subprocess.Popen]) -> None:
@@ -240,7 +307,8 @@ class PodSlice:
     ``mismatches`` (per host: context positions whose KV was wrong, so far), ``preemptions``.
     """
 
-    def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None) -> None:
+    def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None, *,
+                 point_faults: PointFaults | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         from tpuoffload.sim.vllm_setup import make_scheduler
@@ -248,18 +316,14 @@ class PodSlice:
 
         self.spec = spec
         self.chaos = chaos or Chaos()
+        self.point_faults = point_faults
         self._rng = random.Random(self.chaos.seed)
-        if spec.num_kv_heads % (spec.num_hosts * spec.devices_per_host):
-            raise ValueError(f"num_kv_heads={spec.num_kv_heads} must divide over "
-                             f"{spec.num_hosts} hosts x {spec.devices_per_host} devices")
         self.scheduler = make_scheduler(
             num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=spec.extra_config,
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-            num_layers=spec.num_layers,
-            # The cache's heads axis holds K and V heads together (as tpu-inference's does) and each
-            # host holds its share; vLLM's per-worker page (K and V) then covers exactly one host slot.
-            num_kv_heads=max(1, spec.num_kv_heads // (2 * spec.num_hosts)), head_size=spec.head_dim,
             tensor_parallel_size=spec.num_hosts,
+            # What tpu-inference's KV cache spec reports: the page of the whole mesh.
+            **scheduler_kv_shape(slice_page_bytes(spec.slice_layout()), spec.block_size),
         )
         self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
         self.procs: list[subprocess.Popen] = []  # kept after close, so callers can check they are gone
@@ -300,6 +364,7 @@ class PodSlice:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={self.spec.devices_per_host}",
                    HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", PYTHONUNBUFFERED="1")
         init = {"spec": asdict(self.spec), "chaos": asdict(self.chaos),
+                "point_faults": asdict(self.point_faults) if self.point_faults else None,
                 "vllm_config": self.scheduler.vllm_config, "kv_cache_config": self.scheduler.kv_cache_config}
         for rank in range(self.spec.num_hosts):
             with open(self.log_path(rank), "wb") as log:
@@ -596,6 +661,7 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
     init = receive()
     try:
         spec, chaos = SliceSpec(**init["spec"]), Chaos(**init["chaos"])
+        injector = ChaosInjector(chaos, rank, PointFaults(**init["point_faults"]) if init.get("point_faults") else None)
 
         import jax
 
@@ -603,19 +669,17 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_hosts, rank,
                                    initialization_timeout=int(spec.start_timeout_s),
                                    heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
-        import numpy as np
-        from jax.sharding import Mesh
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from tpuoffload.connector import TPUOffloadConnector
         from tpuoffload.sim.runner import SyntheticRunner
+        from tpuoffload.worker.offload_worker import OffloadWorker
 
-        mesh = Mesh(np.array(jax.devices()), ("model",))  # ordered by process: each host owns its heads
-        runner = SyntheticRunner(mesh, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                                 num_layers=spec.num_layers, num_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+        # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
+        caches, mesh = create_caches(spec.slice_layout(), jax.devices())
+        runner = SyntheticRunner(caches, mesh, block_size=spec.block_size)
         connector = TPUOffloadConnector(init["vllm_config"], KVConnectorRole.WORKER, init["kv_cache_config"])
-        connector.worker.host_id = rank
-        connector.worker._faults = ChaosFaults(chaos, rank)
+        connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector)
         connector.register_runner(runner)
         _mark_hooks(connector, runner)
         if chaos.broken:

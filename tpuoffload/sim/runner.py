@@ -1,8 +1,9 @@
 """A synthetic model runner: a real sharded JAX KV cache and a jitted step, no model weights.
 
-It stands in for tpu-inference's runner in tests and in the demo. For every scheduled token it
-writes into each layer and head a value determined by (layer, head, dim, hash of the token ids up to
-that position), so any block, whether computed, taken from vLLM's prefix cache or loaded from host
+It stands in for tpu-inference's runner in tests and in the demo, on caches tpu-inference's own
+``create_kv_caches`` allocated (``tpuoffload.sim.tpu_layouts``). For every scheduled token it writes
+into each layer a value determined by (layer, position in the token's slice of the block, hash of
+the token ids up to that position), exact in the cache's dtype, so any block, whether computed, taken from vLLM's prefix cache or loaded from host
 RAM, can be checked exactly: on a request's first step after (re)admission the jitted step also
 reads its whole context back and counts every position whose KV is not what that prefix implies.
 The sampled token is a deterministic function of the prefix, so every host samples the same.
@@ -34,13 +35,22 @@ def prefix_hashes(tokens: Sequence[int], start_hash: int = 0) -> list[int]:
     return out
 
 
-def kv_values(hashes, num_layers: int, num_heads: int, head_dim: int):
-    """(layers, tokens, heads, head_dim) float32 values, exact in float32 (< 2**20)."""
-    x = jnp.asarray(hashes, jnp.uint32)[None, :, None, None] * jnp.uint32(2654435761)
-    x = x + (jnp.arange(num_layers, dtype=jnp.uint32)[:, None, None, None] * jnp.uint32(7919)
-             + jnp.arange(num_heads, dtype=jnp.uint32)[None, None, :, None] * jnp.uint32(131)
-             + jnp.arange(head_dim, dtype=jnp.uint32)[None, None, None, :])
-    return ((x >> 8) & 0xFFFFF).astype(jnp.float32)
+def exact_mask(dtype) -> int:
+    """Largest all-ones integer every value of which ``dtype`` represents exactly."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        return (1 << (8 * dtype.itemsize - 1)) - 1
+    return (1 << min(jnp.finfo(dtype).nmant + 1, 20)) - 1
+
+
+def kv_values(hashes, layer: int, rest: tuple[int, ...], dtype):
+    """(tokens, *rest) values of one layer, exact in ``dtype``: a function of the token's prefix
+    hash, the layer and the position within the token's slice of the block."""
+    size = int(np.prod(rest))
+    x = jnp.asarray(hashes, jnp.uint32)[:, None] * jnp.uint32(2654435761)
+    x = x + jnp.uint32(layer * 7919) + jnp.arange(size, dtype=jnp.uint32)[None, :] * jnp.uint32(131)
+    v = (x >> 8) & jnp.uint32(exact_mask(dtype))
+    return v.astype(jnp.float32).astype(dtype).reshape(-1, *rest)
 
 
 def sample(prefix_hash: int, vocab: int) -> int:
@@ -72,17 +82,17 @@ class RunnerStats:
 class SyntheticRunner:
     """One host's runner. ``kv_caches`` is replaced after every donating update, as in tpu-inference."""
 
-    def __init__(self, mesh: Mesh, *, num_blocks: int, block_size: int, num_layers: int, num_heads: int,
-                 head_dim: int, vocab: int = 32000, axis: str = "model") -> None:
+    def __init__(self, kv_caches: Sequence[jax.Array], mesh: Mesh, *, block_size: int, vocab: int = 32000) -> None:
+        """``kv_caches``: the per-layer cache arrays (e.g. from tpu-inference's ``create_kv_caches``:
+        see ``tpuoffload.sim.tpu_layouts``), axis 0 blocks, axis 1 at least ``block_size`` token
+        positions (decode-context parallelism makes it a multiple), any shape and sharding beyond."""
         self.mesh = mesh
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = kv_caches[0].shape[0]
         self.vocab = vocab
-        self._shape = (num_layers, num_heads, head_dim)
-        sharding = NamedSharding(mesh, PartitionSpec(None, None, axis, None))
-        zeros = jax.jit(lambda: jnp.zeros((num_blocks, block_size, num_heads, head_dim), jnp.float32),
-                        out_shardings=sharding)
-        self.kv_caches: list[jax.Array] = [zeros() for _ in range(num_layers)]
+        self.kv_caches: list[jax.Array] = list(kv_caches)
+        self._rests = [tuple(c.shape[2:]) for c in kv_caches]
+        self._dtypes = [c.dtype for c in kv_caches]
         self._reqs: dict[str, _Req] = {}
         self.stats = RunnerStats()
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -90,16 +100,16 @@ class SyntheticRunner:
                                 out_shardings=(tuple(c.sharding for c in self.kv_caches), replicated))
 
     def _step(self, caches, w_blk, w_off, w_hash, r_blk, r_off, r_hash):
-        L, H, D = self._shape
-        new_vals = kv_values(w_hash, L, H, D)
-        want = kv_values(r_hash, L, H, D)
         bad = jnp.zeros(r_blk.shape[0], jnp.bool_)
         out = []
         for layer, cache in enumerate(caches):
+            rest, dtype = self._rests[layer], self._dtypes[layer]
             # Write, then read: as in a real forward, where each layer's new KV is in the cache
             # before attention reads it, so a request may read blocks another computes this step.
-            cache = cache.at[w_blk, w_off].set(new_vals[layer], mode="drop")
-            bad = bad | jnp.any(cache[r_blk, r_off] != want[layer], axis=(1, 2))
+            cache = cache.at[w_blk, w_off].set(kv_values(w_hash, layer, rest, dtype), mode="drop")
+            got = cache[r_blk, r_off].reshape(r_blk.shape[0], -1)
+            want = kv_values(r_hash, layer, rest, dtype).reshape(r_blk.shape[0], -1)
+            bad = bad | jnp.any(got != want, axis=1)
             out.append(cache)
         return tuple(out), bad
 
@@ -199,7 +209,8 @@ class SyntheticRunner:
                 self.stats.mismatched_requests.update(r_req[i] for i in np.nonzero(bad)[0])
         return sampled
 
-    def expected_block(self, tokens: Sequence[int], block_index: int) -> np.ndarray:
-        """What block ``block_index`` of a request with these token ids must hold: (L, block_size, H, D)."""
+    def expected_block(self, tokens: Sequence[int], block_index: int, layer: int) -> np.ndarray:
+        """What positions ``0..block_size-1`` of block ``block_index`` of a request with these token
+        ids must hold in ``layer``: (block_size, *rest)."""
         hashes = prefix_hashes(tokens)[block_index * self.block_size:(block_index + 1) * self.block_size]
-        return np.asarray(kv_values(np.array(hashes, np.uint32), *self._shape))
+        return np.asarray(kv_values(np.array(hashes, np.uint32), layer, self._rests[layer], self._dtypes[layer]))

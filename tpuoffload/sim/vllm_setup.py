@@ -129,6 +129,7 @@ def make_vllm_config(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     tensor_parallel_size: int = 1,
+    parallel_overrides: dict | None = None,
 ) -> VllmConfig:
     # num_kv_heads is per worker (as in the KV cache spec); the model holds them all, so that
     # vLLM's check "attention heads divisible by tensor_parallel_size" holds for any size.
@@ -169,7 +170,9 @@ def make_vllm_config(
         )
     from vllm.config import ParallelConfig
 
-    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    parallel = {"tensor_parallel_size": tensor_parallel_size, **(parallel_overrides or {})}
+    backend = parallel.pop("distributed_executor_backend", None)
+    parallel_config = ParallelConfig(**parallel)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
@@ -182,6 +185,9 @@ def make_vllm_config(
     # unconditionally forces async_scheduling=False. Restore the requested
     # value; max_concurrent_batches (config/vllm.py:577-587) then becomes 2.
     vllm_config.scheduler_config.async_scheduling = async_scheduling
+    if backend is not None:
+        # Set after validation, as tpu-inference's platform does ("uni" with tensor parallel 8).
+        vllm_config.parallel_config.distributed_executor_backend = backend
     # CpuPlatform would replace a non-user-specified block size with 128.
     assert vllm_config.cache_config.block_size == block_size, (
         vllm_config.cache_config.block_size
@@ -238,13 +244,20 @@ def make_scheduler(
     tensor_parallel_size: int = 1,
     log_stats: bool = True,
     model_runner_v2: bool = False,
+    parallel_overrides: dict | None = None,
 ) -> Scheduler:
     """Build vLLM's real Scheduler (or AsyncScheduler) exactly as EngineCore does,
     minus the executor. The connector (role SCHEDULER) is ``sched.connector``.
 
     Set connector_module_path=None and connector_class="" for no connector.
-    tensor_parallel_size only changes parallel_config.world_size (what the
-    executor's KVOutputAggregator would expect); nothing is launched.
+    tensor_parallel_size only changes parallel_config (vLLM's default 'mp'
+    executor: one reporting worker per rank); nothing is launched.
+    parallel_overrides replaces ParallelConfig arguments the way a deployment
+    would, e.g. {"tensor_parallel_size": 8, "distributed_executor_backend": "uni"}
+    for tpu-inference on one host (the backend is set after validation, as
+    tpu-inference's platform does). The KV cache config describes the page of
+    the whole mesh, as tpu-inference reports it; the connector divides it by
+    the number of reporting workers.
     model_runner_v2=True emulates Model Runner V2's SchedulerOutput shape
     (resumed requests go to scheduled_new_reqs with prefill_token_ids). The
     real switch (VLLM_USE_V2_MODEL_RUNNER=1) fails config validation without
@@ -269,6 +282,7 @@ def make_scheduler(
         kv_load_failure_policy=kv_load_failure_policy,
         enable_chunked_prefill=enable_chunked_prefill,
         tensor_parallel_size=tensor_parallel_size,
+        parallel_overrides=parallel_overrides,
     )
     # EngineCore sets this from the resolved scheduler KV cache config.
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -366,7 +380,3 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     for b in pool.blocks:
         assert b.ref_cnt == 0, b
 
-
-# --------------------------------------------------------------------------
-# self-test: python tests/vllm_harness.py
-# --------------------------------------------------------------------------

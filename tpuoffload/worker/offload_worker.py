@@ -2,8 +2,9 @@
 
 Per step (the order vLLM's KVConnectorModelRunnerMixin calls it)::
 
-    bind(meta)        flush saves (blocks of preempted/finished requests) before the forward
-    start_load()      this step's loads: one host-to-device transfer and one scatter
+    bind(meta)        flush saves (blocks of preempted/finished requests), then this step's loads,
+                      both before the forward (see below)
+    start_load()      nothing left to do: the loads were dispatched in bind
     <forward>
     wait_for_save()   saves of blocks this step's forward filled: one gather, one device-to-host
     get_finished / take_load_errors / build_report / take_stats
@@ -11,12 +12,18 @@ Per step (the order vLLM's KVConnectorModelRunnerMixin calls it)::
 
 Every dispatch happens on the calling (engine main) thread in an order fixed by the metadata, so
 every host issues the same programs (invariant 1); local trouble only changes what is reported.
+
+Loads are dispatched in ``bind``, before the forward, whatever vLLM's mixin does with
+``start_load_kv``: the runner reads ``runner.kv_caches`` for its forward after ``bind`` and, with
+tpu-inference's continue-decode loop, donates them inside the connector context and assigns the new
+ones only after it exits, so a load issued later would read deleted arrays or be overwritten. A
+save after a forward that donated the caches without handing them back (continue-decode) cannot
+gather; every host sees the same, so every host skips it and reports those chunks failed.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -25,13 +32,19 @@ from typing import Protocol
 import jax
 
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
+from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import LoadRequest, OffloadMetadata, OffloadWorkerReport, SaveBatch
 from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
-from tpuoffload.worker.transfer_engine import Faults, TransferEngine, host_slot_shape
+from tpuoffload.worker.faults import FaultInjector
+from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
+
+
+class CachesDonated(RuntimeError):
+    """The runner's caches were donated by its forward and not yet replaced."""
 
 
 class CacheOwner(Protocol):
@@ -41,7 +54,7 @@ class CacheOwner(Protocol):
 
 
 class OffloadWorker:
-    def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: Faults | None = None,
+    def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: FaultInjector | None = None,
                  digest_history: int = 64) -> None:
         self.config = config
         self.host_id = jax.process_index() if host_id is None else host_id
@@ -49,7 +62,6 @@ class OffloadWorker:
         self._runner: CacheOwner | None = None
         self.engine: TransferEngine | None = None
         self._meta: OffloadMetadata | None = None
-        self._loaded = False
         self._saved = False
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -63,11 +75,8 @@ class OffloadWorker:
     # ------------------------------------------------------------------ setup
     def register_runner(self, runner: CacheOwner) -> None:
         caches = list(runner.kv_caches)
-        if not caches:
-            raise ValueError("runner.kv_caches is empty: register the runner after the KV cache is allocated")
-        TransferEngine.validate_caches(caches)
-        per_host_chunk = math.prod(host_slot_shape(caches)) * caches[0].dtype.itemsize
-        host_bytes = self.config.host_bytes(per_host_chunk)
+        layout = CacheLayout.from_caches(caches)  # UnsupportedCache names what cannot be offloaded
+        host_bytes = self.config.host_bytes(layout.slot_bytes)
         check_fits_in_ram(host_bytes)
         self._runner = runner
         self.engine = TransferEngine(
@@ -77,12 +86,17 @@ class OffloadWorker:
             save_threads=self.config.save_threads,
             load_wait_timeout_s=self.config.load_wait_timeout_s,
             faults=self._faults,
+            layout=layout,
+            transfer_buffer_bytes=self.config.transfer_buffer_bytes,
         )
         if self.config.stats_dir:
             self._snapshot = SnapshotWriter(self.config.stats_dir, f"host-{self.host_id}.json",
                                             self.config.stats_interval_s, self.snapshot)
-        logger.info("tpuoffload worker %d: %d host slots of %d bytes (%d bytes)", self.host_id,
-                    self.engine.backend.num_slots, self.engine.backend.slot_bytes, self.engine.backend.nbytes)
+        logger.info("tpuoffload worker %d: %d host slots of %d bytes (%d bytes of host RAM); accelerator "
+                    "transfer buffer <= %d bytes (%d chunks per transfer, transfer_buffer_bytes=%d); cache: %s",
+                    self.host_id, self.engine.backend.num_slots, self.engine.backend.slot_bytes,
+                    self.engine.backend.nbytes, self.engine.max_chunks_per_transfer * layout.device_bytes_per_chunk,
+                    self.engine.max_chunks_per_transfer, self.config.transfer_buffer_bytes, layout.describe())
 
     # ------------------------------------------------------------------ per step
     def bind(self, meta: OffloadMetadata) -> None:
@@ -97,28 +111,35 @@ class OffloadWorker:
             logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "
                            "the two halves computed differ", self.host_id, meta.num_slots, self.engine.backend.num_slots)
         self._meta = meta
-        self._loaded = self._saved = False
+        self._saved = False
         self.engine.log.record("step", n=meta.step)
         self._save(meta.flush)
+        self._load(meta.loads)
 
     def start_load(self) -> None:
-        meta = self._meta
-        if meta is None or self._loaded:
+        """Nothing to do: this step's loads were dispatched in ``bind`` (see the module doc)."""
+
+    def _load(self, loads: tuple[LoadRequest, ...]) -> None:
+        if not loads:
             return
-        self._loaded = True
-        if not meta.loads:
-            return
-        blocks, slots, save_ids = _concat_loads(meta.loads)
+        blocks, slots, save_ids = _concat_loads(loads)
         try:
-            caches, failed = self.engine.load(self._runner.kv_caches, blocks, slots, save_ids)
+            caches, failed = self.engine.load(self._live_caches(), blocks, slots, save_ids)
             self._runner.kv_caches = caches
         except Exception:
             logger.exception("tpuoffload: load dispatch failed on host %d", self.host_id)
             failed = blocks
+            self._count("load_errors", len(blocks))
         self._load_errors.update(failed)
-        for load in meta.loads:
+        for load in loads:
             self._load_errors.update(load.unavailable_block_ids)
             self._finished_recving.add(load.req_id)
+
+    def _live_caches(self) -> list[jax.Array]:
+        caches = list(self._runner.kv_caches)
+        if any(c.is_deleted() for c in caches):
+            raise CachesDonated("runner.kv_caches were donated and not yet handed back (continue-decode)")
+        return caches
 
     def wait_for_save(self) -> None:
         if self._meta is None or self._saved:
@@ -130,7 +151,10 @@ class OffloadWorker:
         if not batch:
             return
         try:
-            self.engine.save(self._runner.kv_caches, batch.block_ids, batch.slots, batch.save_ids)
+            self.engine.save(self._live_caches(), batch.block_ids, batch.slots, batch.save_ids)
+        except CachesDonated as exc:
+            logger.warning("tpuoffload: %d saves skipped on host %d: %s", len(batch), self.host_id, exc)
+            self._report_failures.extend(batch.save_ids)
         except Exception:
             logger.exception("tpuoffload: save dispatch failed on host %d", self.host_id)
             self._report_failures.extend(batch.save_ids)
@@ -150,8 +174,15 @@ class OffloadWorker:
             results[(self.host_id, r.save_id, r.ok)] = 1
         for save_id in self._report_failures:
             results[(self.host_id, save_id, False)] = 1
+        self._count("save_failures", len(self._report_failures))
         self._report_failures = []
         return OffloadWorkerReport(results) if results else None
+
+    def _count(self, name: str, n: int) -> None:
+        """Count what the worker itself decided (dispatch-level failures); the engine counts the rest."""
+        if n:
+            self.totals[name] += n
+            self._unreported[name] += n
 
     def _collect_counters(self) -> None:
         delta = self.engine.take_counters()
@@ -196,6 +227,17 @@ class OffloadWorker:
             "staging_bytes": staging,
             "inflight_chunks": chunks,
             "oldest_inflight_age_s": (time.monotonic() - oldest) if oldest is not None else 0.0,
+        }
+
+    def idle_report(self) -> dict[str, int]:
+        """What this host still has under way; all zero when it is idle (public gauges for
+        operators and tests)."""
+        chunks, staging, _ = self.engine.inflight() if self.engine is not None else (0, 0, None)
+        return {
+            "inflight_saves": chunks,
+            "staging_bytes": staging,
+            "unreported_save_failures": len(self._report_failures),
+            "pending_load_reports": len(self._finished_recving),
         }
 
     def close(self) -> None:

@@ -1,0 +1,307 @@
+#!/usr/bin/env python
+"""Save/load throughput of tpuoffload's TransferEngine against the raw JAX path, on the platform JAX has.
+
+For each step size, on one device, in one process, on the same blocks (median of --iters after a
+warm-up; raw and engine iterations interleaved so drift hits both alike):
+
+  raw        save: one jitted gather of the step's blocks + one ``jax.device_put`` to a
+             ``pinned_host`` sharding; load: one ``device_put`` of that pinned array back + one
+             jitted scatter that donates the cache. The ceiling the engine is measured against.
+  engine     the public API: ``TransferEngine(kv_caches, cpu_bytes_to_use)``;
+             save = ``engine.save(kv_caches, block_ids, slots, save_ids)`` + ``engine.wait_idle()``
+             (the bytes are in host slots); load = ``engine.load(kv_caches, block_ids, slots,
+             save_ids)`` until the returned caches are ready. ``main ms`` is the time until
+             ``save()`` / ``load()`` returned on the calling thread.
+  per-block  the same moves one block at a time (one gather + one device_put per block; one
+             device_put + one scatter per block): the floor batching has to beat.
+
+Bytes are verified in the same run: before every timed load the destination blocks are zeroed,
+and after it a sample of them (``--verify-blocks``) must equal the source blocks byte for byte, for
+every path; the engine must report no failed block. Exit status: 0 all verified, 1 a check failed,
+2 wrong platform or arguments.
+
+The default cache is tpu-inference's ragged-paged-attention layout: per layer
+``(num_blocks, block_size, 2*kv_heads/packing, packing, head_dim)`` (packing = 32 // dtype bits),
+bf16, sharded ``P("data", None, "model")`` on a 1x1 mesh. ``--layout 4d`` uses
+``(num_blocks, block_size, 2*kv_heads, head_dim)`` sharded ``P(None, None, "model")`` (same bytes).
+
+    python tools/bench_transfer.py --expect-platform gpu                     # 64 MiB, 512 MiB, 2 GiB
+    python tools/bench_transfer.py --expect-platform gpu --sizes-mib 512 --json out.json
+    JAX_PLATFORMS=cpu python tools/bench_transfer.py --expect-platform cpu --sizes-mib 8 --layers 4
+
+JAX is never pointed at a platform here: the run uses whatever JAX picks (the GPU when present), and
+refuses to measure anything unless that is ``--expect-platform``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# Importable from a plain checkout (the device machine has no install); an installed tpuoffload or
+# PYTHONPATH still comes first.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MIB = 1 << 20
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--expect-platform", choices=("gpu", "cpu", "tpu"), required=True,
+                   help="fail (exit 2) unless JAX's default backend is this platform")
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 512, 2048], help="bytes moved per step")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=64, help="tokens per block")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads on this device (K and V: 2x)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--layout", choices=("rpa", "4d"), default="rpa",
+                   help="rpa: tpu-inference 5-D ragged-paged-attention cache; 4d: (blocks, block_size, heads, head_dim)")
+    p.add_argument("--iters", type=int, default=7, help="timed iterations after one warm-up (>= 7)")
+    p.add_argument("--verify-blocks", type=int, default=16, help="blocks compared after every load (0: all)")
+    p.add_argument("--no-per-block", action="store_true", help="skip the per-block floor")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    for name in ("layers", "block_size", "kv_heads", "head_dim"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if a.iters < 7:
+        p.error("--iters must be >= 7 (medians of at least 7)")
+    if a.verify_blocks < 0:
+        p.error("--verify-blocks must be >= 0")
+    if any(s <= 0 for s in a.sizes_mib):
+        p.error("--sizes-mib must be positive")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tpuoffload.worker.transfer_engine import TransferEngine
+
+    platform = jax.default_backend()
+    dev = jax.devices()[0]
+    print(f"platform {platform} | device {dev.device_kind} | jax {jax.__version__} | "
+          f"{len(jax.devices())} device(s), using 1", flush=True)
+    if platform != args.expect_platform:
+        print(f"refusing to measure: JAX's platform is {platform!r}, --expect-platform is {args.expect_platform!r}",
+              file=sys.stderr)
+        return 2
+
+    dtype = jnp.dtype(args.dtype)
+    packing = max(1, 4 // dtype.itemsize)
+    if args.layout == "rpa":
+        if (2 * args.kv_heads) % packing:
+            print(f"2*kv_heads ({2 * args.kv_heads}) must be a multiple of packing ({packing})", file=sys.stderr)
+            return 2
+        block_shape = (args.block_size, 2 * args.kv_heads // packing, packing, args.head_dim)
+        mesh = Mesh(np.array([dev]).reshape(1, 1), ("data", "model"))
+        cache_spec = P("data", None, "model")
+    else:
+        block_shape = (args.block_size, 2 * args.kv_heads, args.head_dim)
+        mesh = Mesh(np.array([dev]), ("model",))
+        cache_spec = P(None, None, "model")
+    cache_sharding = NamedSharding(mesh, cache_spec)
+    dev_sharding = NamedSharding(mesh, P())
+    host_sharding = NamedSharding(mesh, P(), memory_kind="pinned_host")
+    layer_block_bytes = int(np.prod(block_shape)) * dtype.itemsize
+    chunk_bytes = args.layers * layer_block_bytes  # one block, every layer
+    out_shardings = tuple(cache_sharding for _ in range(args.layers))
+
+    def gather(caches, ids):
+        return jnp.stack([c[ids] for c in caches], axis=1)  # (n, layers, *block_shape)
+
+    def scatter(caches, ids, rows):
+        return tuple(c.at[ids].set(rows[:, i], mode="drop") for i, c in enumerate(caches))
+
+    gather_jit = jax.jit(gather, out_shardings=dev_sharding)
+    scatter_jit = jax.jit(scatter, donate_argnums=0, out_shardings=out_shardings)
+    zero_jit = jax.jit(lambda cs, ids: tuple(c.at[ids].set(jnp.zeros((), c.dtype)) for c in cs),
+                       donate_argnums=0, out_shardings=out_shardings)
+    pick_jit = jax.jit(lambda cs, ids: jnp.stack([c[ids] for c in cs], axis=1))
+
+    def make_caches(num_blocks: int) -> list:
+        shape = (num_blocks, *block_shape)
+        caches = []
+        for key in jax.random.split(jax.random.key(0), args.layers):
+            if jnp.issubdtype(dtype, jnp.integer):
+                x = jax.random.randint(key, shape, -128, 128, jnp.int32).astype(dtype)
+            else:  # finite values: a scatter may canonicalize NaN payloads, which is no transfer error
+                x = (jax.random.normal(key, shape, jnp.float32) * 4).astype(dtype)
+            caches.append(jax.device_put(x, cache_sharding))
+        return caches
+
+    def median_ms(xs):
+        return statistics.median(xs) * 1e3
+
+    results = []
+    failures = []
+    t_start = time.perf_counter()
+    for size_mib in args.sizes_mib:
+        n = int(size_mib * MIB) // chunk_bytes
+        if n < 1:
+            print(f"{size_mib} MiB holds no whole block of {chunk_bytes} bytes", file=sys.stderr)
+            return 2
+        step_bytes = n * chunk_bytes
+        gib = step_bytes / (1 << 30)
+        label = f"{step_bytes / MIB:g} MiB"
+        rng = np.random.default_rng(int(size_mib * 1000))
+        src = rng.permutation(n).astype(np.int32)  # saved from blocks 0..n-1, in shuffled order
+        dst = (n + rng.permutation(n)).astype(np.int32)  # loaded into blocks n..2n-1
+        slots = rng.permutation(n).astype(np.int32)
+        pos = np.arange(n) if args.verify_blocks == 0 or args.verify_blocks >= n else \
+            np.unique(np.linspace(0, n - 1, args.verify_blocks).astype(np.int64))
+        src_s, dst_s = src[pos], dst[pos]
+        caches = make_caches(2 * n)
+        expect = np.asarray(pick_jit(caches, src_s)).view(np.uint8)  # source blocks: never written
+
+        def verify(path: str, cs) -> None:
+            got = np.asarray(pick_jit(cs, dst_s)).view(np.uint8)
+            if not np.array_equal(got, expect):
+                bad = sorted({int(dst_s[i]) for i in range(len(pos)) if not np.array_equal(got[i], expect[i])})
+                failures.append(f"{label} {path}: loaded blocks differ from the saved ones: {bad[:8]}")
+                print(f"VERIFY FAILED: {failures[-1]}", file=sys.stderr, flush=True)
+
+        def fresh_dst(cs):
+            cs = zero_jit(tuple(cs), dst)
+            jax.block_until_ready(cs)
+            return cs
+
+        times = {k: [] for k in ("raw_save", "raw_load", "eng_save", "eng_load", "eng_save_main", "eng_load_main",
+                                 "pb_save", "pb_load")}
+        print(f"--- {label}: {n} blocks x {args.layers} layers of {block_shape} {args.dtype} "
+              f"({chunk_bytes / MIB:g} MiB per block), layout {args.layout}", flush=True)
+
+        engine = TransferEngine(caches, n * chunk_bytes)
+        next_id = iter(range(1, 1 << 62))
+        try:
+            for it in range(args.iters + 1):
+                record = it > 0  # iteration 0 is the warm-up (compiles)
+                # raw save / load
+                t0 = time.perf_counter()
+                pinned = jax.device_put(gather_jit(tuple(caches), src), host_sharding)
+                pinned.block_until_ready()
+                t_save = time.perf_counter() - t0
+                caches = fresh_dst(caches)
+                t0 = time.perf_counter()
+                caches = scatter_jit(tuple(caches), dst, jax.device_put(pinned, dev_sharding))
+                jax.block_until_ready(caches)
+                t_load = time.perf_counter() - t0
+                del pinned
+                verify("raw", caches)
+                if record:
+                    times["raw_save"].append(t_save)
+                    times["raw_load"].append(t_load)
+
+                # engine save / load through the public API
+                ids = [next(next_id) for _ in range(n)]
+                t0 = time.perf_counter()
+                engine.save(caches, src.tolist(), slots.tolist(), ids)
+                t_main = time.perf_counter() - t0
+                if not engine.wait_idle(300):
+                    failures.append(f"{label} engine: save did not finish in 300 s")
+                    break
+                t_save = time.perf_counter() - t0
+                drain = getattr(engine, "drain_results", None)
+                if drain is not None:
+                    bad_saves = [r for r in drain() if not r.ok]
+                    if bad_saves:
+                        failures.append(f"{label} engine: {len(bad_saves)} saves failed")
+                caches = fresh_dst(caches)
+                t0 = time.perf_counter()
+                caches, failed = engine.load(caches, dst.tolist(), slots.tolist(), ids)
+                t_load_main = time.perf_counter() - t0
+                jax.block_until_ready(caches)
+                t_load = time.perf_counter() - t0
+                if failed:
+                    failures.append(f"{label} engine: load reported {len(failed)} failed blocks")
+                verify("engine", caches)
+                if hasattr(engine, "finish_step"):
+                    engine.finish_step()
+                if record:
+                    times["eng_save"].append(t_save)
+                    times["eng_load"].append(t_load)
+                    times["eng_save_main"].append(t_main)
+                    times["eng_load_main"].append(t_load_main)
+        finally:
+            engine.close()
+
+        if not args.no_per_block:
+            one = np.zeros(1, np.int32)
+            for it in range(args.iters + 1):
+                t0 = time.perf_counter()
+                pinned = [jax.device_put(gather_jit(tuple(caches), src[i:i + 1]), host_sharding) for i in range(n)]
+                jax.block_until_ready(pinned)
+                t_save = time.perf_counter() - t0
+                caches = fresh_dst(caches)
+                t0 = time.perf_counter()
+                cs = tuple(caches)
+                for i in range(n):
+                    one[0] = dst[i]
+                    cs = scatter_jit(cs, one.copy(), jax.device_put(pinned[i], dev_sharding))
+                caches = list(cs)
+                jax.block_until_ready(caches)
+                t_load = time.perf_counter() - t0
+                del pinned
+                verify("per-block", caches)
+                if it:
+                    times["pb_save"].append(t_save)
+                    times["pb_load"].append(t_load)
+
+        med = {k: median_ms(v) if v else None for k, v in times.items()}
+        row = {"step_mib": step_bytes / MIB, "blocks": n, "block_mib": chunk_bytes / MIB}
+        for path, key in (("raw", "raw"), ("engine", "eng"), ("per_block", "pb")):
+            for op in ("save", "load"):
+                ms = med[f"{key}_{op}"]
+                row[f"{path}_{op}_ms"] = ms
+                row[f"{path}_{op}_gibps"] = gib / (ms / 1e3) if ms else None
+        for op in ("save", "load"):
+            if med[f"eng_{op}"]:
+                row[f"engine_raw_{op}_ratio"] = med[f"raw_{op}"] / med[f"eng_{op}"]
+            row[f"engine_{op}_main_ms"] = med[f"eng_{op}_main"]
+        results.append(row)
+        del caches
+
+    def fmt(x, spec):
+        return format(x, spec) if x is not None else "-"
+
+    print(f"\nmedian of {args.iters} after warm-up; bytes verified on {args.verify_blocks or 'all'} blocks after "
+          f"every load; {time.perf_counter() - t_start:.1f} s in all")
+    header = (f"{'step':>9} {'path':<10} {'save ms':>9} {'save GiB/s':>10} {'load ms':>9} {'load GiB/s':>10} "
+              f"{'save main ms':>12} {'load main ms':>12}")
+    print(header)
+    for r in results:
+        step = f"{r['step_mib']:g} MiB"
+        for path in ("raw", "engine", "per_block"):
+            if r[f"{path}_save_ms"] is None:
+                continue
+            main_s = fmt(r["engine_save_main_ms"], ".3f") if path == "engine" else ""
+            main_l = fmt(r["engine_load_main_ms"], ".3f") if path == "engine" else ""
+            print(f"{step:>9} {path:<10} {fmt(r[f'{path}_save_ms'], '.2f'):>9} {fmt(r[f'{path}_save_gibps'], '.2f'):>10} "
+                  f"{fmt(r[f'{path}_load_ms'], '.2f'):>9} {fmt(r[f'{path}_load_gibps'], '.2f'):>10} {main_s:>12} {main_l:>12}")
+        print(f"{step:>9} {'eng/raw':<10} {'':>9} {fmt(r.get('engine_raw_save_ratio'), '.1%'):>10} "
+              f"{'':>9} {fmt(r.get('engine_raw_load_ratio'), '.1%'):>10}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"platform": platform, "device_kind": dev.device_kind, "jax": jax.__version__,
+                       "layout": args.layout, "dtype": args.dtype, "layers": args.layers,
+                       "block_shape": list(block_shape), "iters": args.iters, "verified": not failures,
+                       "failures": failures, "results": results}, f, indent=1)
+    if failures:
+        print(f"{len(failures)} check(s) FAILED", file=sys.stderr)
+        return 1
+    print("all bytes verified")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

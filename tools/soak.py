@@ -1,0 +1,599 @@
+#!/usr/bin/env python
+"""Seeded chaos runs back to back, on a pod slice, and one table at the end.
+
+    python tools/soak.py --mode fast --hosts 2 --runs 1000            # in-process slice (InProcSlice)
+    python tools/soak.py --mode podslice --hosts 4 --runs 30          # N worker processes (PodSlice)
+    python tools/soak.py --mode fast --hosts 2 --seed 1017 --runs 1   # replay one run
+
+Every run is a pure function of its seed (and --mode, --hosts, --broken): the seed picks the
+workload (shared prefixes, n > 1 siblings, staggered arrivals), the engine settings (a tiny GPU
+block pool for preemption storms, a small host RAM for eviction, a small staging budget, lazy or
+eager offload) and the chaos: random write and step delays, a persistently slow host, failed
+device-to-host copies, lost slots, dropped and duplicated worker reports, aborts, exceptions at the
+worker's fault points (fast mode), and vLLM's resets between steps
+(``scheduler.reset_prefix_cache(reset_running_requests=..., reset_connector=...)``). Timing still
+varies between replays (background save threads), so a timing-dependent failure may need a few.
+
+A run fails when the hosts' dispatch digests or sampled tokens diverge (digest), a context
+position or a generated token is wrong (mismatch), it stops making progress or runs past its
+deadline (hang: the run is killed), anything is held after it settled (leak: the scheduler half's
+``leak_report()``, each worker's ``idle_report()``, vLLM's requests and block pool), or anything
+else raises (error).
+
+Runs execute in a child process (``--child``, one per batch of runs, so imports and JAX compiles
+are paid once; the JAX persistent compilation cache is shared by every child and pod-slice worker).
+The parent holds the per-run deadline: a run that passes it has its child's process group killed
+and counts as a hang, and the next runs continue in a fresh child. The child and the pod-slice
+workers exit by themselves when their parent disappears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+FAILURE_KINDS = ("digest", "mismatch", "hang", "leak", "error", "crash")
+RESET_KINDS = ("plain", "running", "connector", "running+connector")
+DEFAULT_RUN_TIMEOUT = {"fast": 60.0, "podslice": 240.0}
+
+
+# ================================================================ scenarios (pure functions of the seed)
+@dataclass
+class Scenario:
+    """Everything one run does, drawn from its seed."""
+
+    seed: int
+    mode: str
+    hosts: int
+    devices_per_host: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    extra_config: dict[str, Any]
+    chaos: dict[str, Any]  # tpuoffload.sim.podslice.Chaos fields
+    point_faults: dict[str, Any] | None  # tpuoffload.sim.inproc_slice.PointFaults fields (fast mode)
+    reset_rate: float  # per step
+    requests: list[dict[str, Any]]  # {"req_id", "prompt", "max_tokens", "arrival_step"}
+    stall: tuple[int, int] | None = None  # negative control (fast mode): (host, step) that never answers
+
+    def knobs(self) -> str:
+        """A one-line description of what this run turned on."""
+        on = [k for k, v in self.chaos.items() if v not in (0, 0.0, None, "") and k != "seed"]
+        if self.point_faults:
+            on.append(f"point_faults(host {self.point_faults['host']}: {','.join(self.point_faults['points'])})")
+        if self.reset_rate:
+            on.append(f"resets({self.reset_rate:.2f}/step)")
+        if self.stall:
+            on.append(f"stall(host {self.stall[0]} at step {self.stall[1]})")
+        return (f"{len(self.requests)} requests, {self.num_blocks} GPU blocks, "
+                f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots, "
+                f"{'lazy' if self.extra_config.get('lazy_offload') else 'eager'}; chaos: {', '.join(on) or 'none'}")
+
+
+def _workload(rng: random.Random, block_size: int) -> list[dict[str, Any]]:
+    num_prefixes = rng.randint(1, 4)
+    prefixes = [[rng.randrange(3, 30000) for _ in range(rng.randint(1, 6) * block_size)] for _ in range(num_prefixes)]
+    spread = rng.randint(0, 12)  # arrivals over this many steps
+    out: list[dict[str, Any]] = []
+    while len(out) < rng.randint(8, 16):
+        prefix = rng.choice(prefixes) if rng.random() < 0.85 else []
+        prompt = prefix + [rng.randrange(3, 30000) for _ in range(rng.randint(1 if not prefix else 0, 24))]
+        if not prompt:
+            continue
+        n = rng.choice((2, 3)) if rng.random() < 0.15 else 1  # n > 1: the frontend's siblings, one prompt
+        step, max_tokens = rng.randint(0, spread), rng.randint(1, 8)
+        for _ in range(n):
+            out.append({"req_id": f"s{len(out):03d}", "prompt": prompt, "max_tokens": max_tokens, "arrival_step": step})
+    return out
+
+
+def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -> Scenario:
+    rng = random.Random(f"soak-{seed}")
+    block_size = 16
+    # The same draws in both modes, so that a pod-slice failure can be replayed in fast mode.
+    devices_per_host = rng.choice((1, 2))
+    requests = _workload(rng, block_size)
+    longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
+    need = -(-longest // block_size) + 1  # one request must fit on its own
+    if rng.random() < 0.4:  # preemption storms
+        num_blocks = need + rng.randint(1, 6)
+    else:
+        num_blocks = max(need + 8, rng.choice((48, 96)))
+    extra: dict[str, Any] = {"save_timeout_s": 1.0, "load_wait_timeout_s": 1.0,
+                             "lazy_offload": rng.random() < 0.3, "save_decode_blocks": rng.random() < 0.3,
+                             "save_threads": rng.choice((1, 2, 4))}
+    if rng.random() < 0.4:  # host RAM smaller than the working set: LRU eviction
+        extra["num_cpu_chunks"] = rng.randint(8, 40)
+    else:
+        extra["num_cpu_chunks"] = 512
+    if rng.random() < 0.2:  # staging budget: saves skipped under backpressure
+        extra["num_staging_blocks"] = rng.randint(2, 16)
+
+    def maybe(p: float, value):
+        return value if rng.random() < p else type(value)()
+
+    host = lambda: rng.randrange(hosts)  # noqa: E731
+    chaos = {
+        "seed": seed,
+        "write_delay_s": maybe(0.5, round(rng.uniform(0.002, 0.02), 4)),
+        "step_delay_s": maybe(0.3, round(rng.uniform(0.001, 0.01 if mode == "fast" else 0.02), 4)),
+        "slow_host": None, "slow_host_delay_s": 0.0,
+        "fail_d2h_host": None, "fail_d2h_rate": 0.0,
+        "lose_slot_host": None, "lose_slot_rate": 0.0,
+        "drop_report_rate": maybe(0.4, round(rng.uniform(0.02, 0.1), 3)),
+        "duplicate_report_rate": maybe(0.4, round(rng.uniform(0.05, 0.2), 3)),
+        "broken": None,
+        "abort_rate": maybe(0.5, round(rng.uniform(0.02, 0.1), 3)),
+    }
+    if rng.random() < 0.4:
+        chaos.update(slow_host=host(), slow_host_delay_s=round(rng.uniform(0.01, 0.05), 3))
+    if rng.random() < 0.4:
+        chaos.update(fail_d2h_host=host(), fail_d2h_rate=round(rng.uniform(0.1, 0.3), 2))
+    if rng.random() < 0.4:
+        chaos.update(lose_slot_host=host(), lose_slot_rate=round(rng.uniform(0.1, 0.3), 2))
+    from tpuoffload.worker.faults import FaultPoint
+
+    names = [p.name for p in FaultPoint]
+    point_faults = {"host": host(), "rate": round(rng.uniform(0.05, 0.2), 2),
+                    "points": tuple(rng.sample(names, rng.randint(1, len(names))))}
+    if rng.random() >= 0.3 or mode != "fast":  # podslice's Chaos has no knob for these yet
+        point_faults = None
+    reset_rate = 0.0 if rng.random() < 0.3 else round(rng.uniform(0.02, 0.08), 3)
+    stall = None
+    if broken == "stall":
+        stall = (hosts - 1, 3)
+    elif broken:
+        chaos["broken"] = broken
+    if mode == "podslice":
+        devices_per_host = 1  # processes are the expensive part; each holds one device
+    return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host, num_blocks=num_blocks,
+                    max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
+                    extra_config=extra, chaos=chaos, point_faults=point_faults, reset_rate=reset_rate,
+                    requests=requests, stall=stall)
+
+
+# ================================================================ one run (child process)
+@dataclass
+class RunResult:
+    seed: int
+    kind: str = "ok"  # "ok" or one of FAILURE_KINDS
+    message: str = ""
+    knobs: str = ""
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    chunks_saved: int = 0
+    chunks_loaded: int = 0
+    load_errors: int = 0
+    save_failures: int = 0
+    expired: int = 0
+    preemptions: int = 0
+    resets: dict[str, int] = field(default_factory=dict)
+    resets_refused: int = 0  # vLLM refused (False or its RuntimeError): not a tpuoffload failure
+    mismatches: int = 0
+    wrong_outputs: int = 0
+    leaks: dict[str, Any] = field(default_factory=dict)
+    faults_injected: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+class Hang(Exception):
+    pass
+
+
+def _vllm_leaks(scheduler) -> dict[str, int]:
+    """What vLLM itself still holds once every request is done (public scheduler state)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    out = {"vllm_requests": len(scheduler.requests),
+           "vllm_blocks_held": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}  # minus the null block
+    return {k: v for k, v in out.items() if v}
+
+
+def _worker_leaks(states: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in states:
+        held = {k: s[k] for k in ("inflight_chunks", "staging_bytes") if s.get(k)}
+        if not s.get("idle", True):
+            held["idle"] = False
+        held.update({k: v for k, v in (s.get("idle_report") or {}).items() if v})
+        if held:
+            out[f"host{s['host']}"] = held
+    return out
+
+
+def _progress(pod) -> tuple:
+    reqs = pod.scheduler.requests.values()
+    return (sum(r.num_computed_tokens for r in reqs), len(pod.finished), len(pod.aborted),
+            sum(len(v) for v in pod.outputs.values()))
+
+
+def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> RunResult:
+    """One run. Never raises: every failure becomes the result's kind and message."""
+    from vllm.v1.request import RequestStatus
+
+    from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec
+    from tpuoffload.sim.vllm_setup import make_request
+    from tpuoffload.sim.workload import expected_output
+
+    t0 = time.monotonic()
+    res = RunResult(seed=sc.seed, knobs=sc.knobs(), requests=len(sc.requests))
+    rng = random.Random(f"soak-driver-{sc.seed}")
+    spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host,
+                     num_kv_heads=2 * sc.hosts * sc.devices_per_host, num_blocks=sc.num_blocks,
+                     max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                     extra_config=dict(sc.extra_config), step_timeout_s=30.0)
+    chaos = Chaos(**sc.chaos)
+    pod = None
+    try:
+        if sc.mode == "fast":
+            from tpuoffload.sim.inproc_slice import InProcSlice, PointFaults
+
+            pf = PointFaults(**sc.point_faults) if sc.point_faults else None
+            pod = InProcSlice(spec, chaos, log_dir=log_dir, point_faults=pf, stall=sc.stall)
+        else:
+            pod = PodSlice(spec, chaos, log_dir=log_dir)
+        arrivals: dict[int, list[dict]] = {}
+        for r in sc.requests:
+            arrivals.setdefault(r["arrival_step"], []).append(r)
+        step, last, last_change = 0, None, time.monotonic()
+        while arrivals or pod.scheduler.has_requests():
+            for r in arrivals.pop(step, ()):
+                pod.add_request(make_request(r["req_id"], r["prompt"], max_tokens=r["max_tokens"]))
+            if sc.reset_rate and rng.random() < sc.reset_rate:
+                kind = rng.choice(RESET_KINDS)
+                res.resets[kind] = res.resets.get(kind, 0) + 1
+                try:
+                    ok = pod.scheduler.reset_prefix_cache(reset_running_requests="running" in kind,
+                                                          reset_connector="connector" in kind)
+                except RuntimeError:  # vLLM: running requests waiting for remote KV hold blocks
+                    ok = False
+                res.resets_refused += not ok
+            pod.step()
+            step += 1
+            now = time.monotonic()
+            mark = _progress(pod)
+            if mark != last:
+                last, last_change = mark, now
+            elif now - last_change > stall_s and not arrivals:
+                stuck = {rid: r.status.name for rid, r in pod.scheduler.requests.items()}
+                raise Hang(f"no progress for {stall_s:.0f} s after step {pod.steps}; requests left: {stuck}")
+            else:
+                time.sleep(0.002)  # nothing moved: do not spin empty steps
+            if step >= max_steps:
+                stuck = {rid: r.status.name for rid, r in pod.scheduler.requests.items()}
+                raise Hang(f"not done after {max_steps} steps; requests left: {stuck}")
+        if not pod.settle(30.0):
+            res.leaks["unsettled"] = pod.offload.leak_report()
+        states = pod.worker_state()
+        res.mismatches = sum(s["mismatches"] for s in states)
+        for s in states:
+            for point, n in (s.get("faults_injected") or {}).items():
+                res.faults_injected[point] = res.faults_injected.get(point, 0) + n
+        res.leaks.update({k: v for k, v in pod.offload.leak_report().items() if v})
+        res.leaks.update(_vllm_leaks(pod.scheduler))
+        res.leaks.update(_worker_leaks(states))
+        wrong = []
+        for r in sc.requests:
+            want = expected_output(r["prompt"], r["max_tokens"], 32000)
+            got = pod.outputs.get(r["req_id"], [])
+            if r["req_id"] in pod.aborted:
+                ok = got == want[:len(got)]
+            else:
+                ok = r["req_id"] in pod.finished and got == want
+            if not ok:
+                wrong.append(r["req_id"])
+        res.wrong_outputs = len(wrong)
+        if res.mismatches or wrong:
+            res.kind = "mismatch"
+            res.message = (f"{res.mismatches} context positions wrong (first at step {pod.first_mismatch_step}), "
+                           f"wrong outputs: {wrong[:8]}")
+        elif res.leaks:
+            res.kind = "leak"
+            res.message = f"held after settling: {res.leaks}"
+    except DigestMismatch as e:
+        res.kind, res.message = "digest", str(e)
+    except Hang as e:
+        res.kind, res.message = "hang", str(e)
+    except SliceError as e:
+        res.kind = "hang" if "did not answer" in str(e) or "more than" in str(e) else "error"
+        res.message = str(e)
+    except Exception as e:  # noqa: BLE001 - a soak records every failure and goes on
+        import traceback
+
+        res.kind, res.message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        if pod is not None:
+            totals = pod.stats.totals()
+            res.steps = pod.steps
+            res.finished = len(pod.finished & {r["req_id"] for r in sc.requests})
+            res.aborted = len(pod.aborted)
+            res.chunks_saved, res.chunks_loaded = totals["chunks_saved"], totals["chunks_loaded"]
+            res.load_errors, res.save_failures = totals["load_errors"], totals["save_failures"]
+            res.expired = totals["ledger_expired"]
+            res.preemptions = pod.preemptions
+            pod.close()
+    res.wall_s = time.monotonic() - t0
+    return res
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(3)
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """Run seeds ``args.seeds`` one after another, one JSON line per event on ``args.result_fd``."""
+    out = os.fdopen(args.result_fd, "w", buffering=1)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+
+    def emit(**event):
+        out.write(json.dumps(event) + "\n")
+
+    import tpuoffload.sim.podslice  # noqa: F401  (imports vLLM and JAX before the first deadline starts)
+    if args.mode == "fast":
+        import tpuoffload.sim.inproc_slice  # noqa: F401
+    emit(event="ready")
+    for seed in map(int, args.seeds.split(",")):
+        sc = make_scenario(seed, args.mode, args.hosts, args.broken)
+        emit(event="start", seed=seed)
+        log_dir = os.path.join(args.log_dir, f"seed-{seed}")
+        res = run_scenario(sc, log_dir, args.stall_s, args.max_steps)
+        emit(event="result", result=dataclasses.asdict(res))
+    out.flush()
+    os._exit(0)  # skip the slow interpreter teardown of torch/vLLM/JAX
+
+
+# ================================================================ the parent: deadlines and the table
+class _Child:
+    """One child process running a batch of seeds; its events come over a pipe."""
+
+    def __init__(self, args: argparse.Namespace, seeds: list[int], log_path: str) -> None:
+        r, w = os.pipe()
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--result-fd", str(w), "--mode", args.mode,
+               "--hosts", str(args.hosts), "--seeds", ",".join(map(str, seeds)), "--log-dir", args.log_dir,
+               "--stall-s", str(args.stall_s), "--max-steps", str(args.max_steps)]
+        if args.broken:
+            cmd += ["--broken", args.broken]
+        env = dict(os.environ)
+        devices = args.hosts * 2 if args.mode == "fast" else 1
+        env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONUNBUFFERED="1")
+        if args.jax_cache_dir:
+            env.update(JAX_COMPILATION_CACHE_DIR=args.jax_cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=REPO,
+                                         pass_fds=(w,), start_new_session=True)
+        os.close(w)
+        self.fd = r
+        os.set_blocking(r, False)
+        self.buf = b""
+
+    def next_event(self, deadline: float) -> dict | None:
+        """The next event, or None if the deadline passed or the child died without one."""
+        while True:
+            if b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                return json.loads(line)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([self.fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self.fd, 1 << 20)
+                if not chunk:
+                    return None  # the child exited
+                self.buf += chunk
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group and reap it; safe to call twice."""
+        if self.fd is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def exit_status(self) -> str:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 32 * 1024))
+                return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+def replay_command(args: argparse.Namespace, seed: int) -> str:
+    cmd = [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable,
+           "tools/soak.py", "--mode", args.mode, "--hosts", str(args.hosts), "--seed", str(seed), "--runs", "1"]
+    if args.broken:
+        cmd += ["--broken", args.broken]
+    return f"cd {shlex.quote(REPO)} && " + " ".join(map(shlex.quote, cmd))
+
+
+def _line(i: int, total: int, r: RunResult) -> str:
+    head = f"[{i:>4}/{total}] seed {r.seed:<8}"
+    stats = (f"{r.steps:>4} steps {r.requests:>3} req ({r.finished} done, {r.aborted} aborted) "
+             f"{r.chunks_saved + r.chunks_loaded:>5} chunks, {r.preemptions} preempted, "
+             f"{sum(r.resets.values())} resets, {r.wall_s:5.1f}s")
+    if r.kind == "ok":
+        return f"{head} ok     {stats}"
+    first = r.message.splitlines()[0] if r.message else ""
+    return f"{head} FAIL {r.kind}: {first[:300]}\n{'':>20}{stats}\n{'':>20}{r.knobs}"
+
+
+def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: float) -> str:
+    failed = [r for r in results if r.kind != "ok"]
+    kinds = Counter(r.kind for r in failed)
+    resets = Counter()
+    faults = Counter()
+    for r in results:
+        resets.update(r.resets)
+        faults.update(r.faults_injected)
+    n = len(results)
+    rows = [
+        ("runs", f"{n} ({n - len(failed)} passed, {len(failed)} failed)"),
+        ("steps", f"{sum(r.steps for r in results)}"),
+        ("requests", f"{sum(r.requests for r in results)} ({sum(r.finished for r in results)} finished, "
+                     f"{sum(r.aborted for r in results)} aborted)"),
+        ("chunks moved", f"{sum(r.chunks_saved + r.chunks_loaded for r in results)} "
+                         f"({sum(r.chunks_saved for r in results)} saved, {sum(r.chunks_loaded for r in results)} "
+                         f"loaded, all hosts)"),
+        ("load errors", f"{sum(r.load_errors for r in results)} (recomputed)"),
+        ("save failures", f"{sum(r.save_failures for r in results)}; expired {sum(r.expired for r in results)}"),
+        ("preemptions", f"{sum(r.preemptions for r in results)}"),
+        ("resets", f"{sum(resets.values())} ({', '.join(f'{k} {resets[k]}' for k in RESET_KINDS)}); "
+                   f"refused by vLLM {sum(r.resets_refused for r in results)}"),
+        ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none"),
+        ("mismatches", f"{kinds['mismatch']} runs ({sum(r.mismatches for r in results)} context positions, "
+                       f"{sum(r.wrong_outputs for r in results)} wrong outputs); digest divergences "
+                       f"{kinds['digest']} runs"),
+        ("hangs", f"{kinds['hang']}"),
+        ("leaks", f"{kinds['leak']}"),
+        ("errors", f"{kinds['error'] + kinds['crash']}"),
+        ("wall time", f"{wall_s:.0f} s, {wall_s / max(n, 1):.1f} s per run"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    title = f"soak --mode {args.mode} --hosts {args.hosts}" + (f" --broken {args.broken}" if args.broken else "")
+    lines = [title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows]
+    if failed:
+        lines.append(f"{'failed seeds':<{width}}  " + ", ".join(f"{r.seed} ({r.kind})" for r in failed))
+        lines.append(f"{'replay one':<{width}}  {replay_command(args, failed[0].seed)}")
+    else:
+        lines.append(f"{'failed seeds':<{width}}  none")
+    return "\n".join(lines)
+
+
+def _next_result(args: argparse.Namespace, child: _Child, seed: int) -> tuple[RunResult, bool]:
+    """Wait for ``seed``'s run under the per-run deadline. Returns (result, the child is gone):
+    past the deadline the child's process group is killed and the run counts as a hang."""
+    deadline = time.monotonic() + args.run_timeout
+    event = child.next_event(deadline)
+    if event is not None and event.get("event") == "start":
+        event = child.next_event(deadline)
+        if event is not None and event.get("event") == "result":
+            return RunResult(**event["result"]), False
+    timed_out = event is None and child.proc.poll() is None
+    status = f"killed after {args.run_timeout:.0f} s" if timed_out else f"child {child.exit_status()}"
+    child.kill()
+    return RunResult(seed=seed, kind="hang" if timed_out else "crash",
+                     knobs=make_scenario(seed, args.mode, args.hosts, args.broken).knobs(),
+                     message=f"run {status}; last lines of {child.log_path}:\n{child.tail()}"), True
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    os.makedirs(args.log_dir, exist_ok=True)
+    seeds = [args.seed + i for i in range(args.runs)]
+    print(f"soak: {args.runs} {args.mode} runs on {args.hosts} hosts, seeds {seeds[0]}..{seeds[-1]}, "
+          f"deadline {args.run_timeout:.0f} s per run; logs in {args.log_dir}", flush=True)
+    t0 = time.monotonic()
+    results: list[RunResult] = []
+    batch = 0
+    while len(results) < len(seeds):
+        todo = seeds[len(results):]
+        child = _Child(args, todo, os.path.join(args.log_dir, f"child-{batch}.log"))
+        batch += 1
+        event = child.next_event(time.monotonic() + args.start_timeout)
+        if event is None or event.get("event") != "ready":
+            why = child.exit_status() if event is None else f"unexpected {event}"
+            child.kill()
+            print(f"soak: the child process did not start ({why}); last lines of {child.log_path}:\n{child.tail()}",
+                  file=sys.stderr)
+            return 2
+        for seed in todo:
+            res, child_gone = _next_result(args, child, seed)
+            results.append(res)
+            print(_line(len(results), len(seeds), res), flush=True)
+            if args.verbose_failures and res.kind != "ok":
+                print("\n".join("    " + line for line in res.message.splitlines()[:60]), flush=True)
+            if child_gone:
+                break
+        child.kill()
+    wall = time.monotonic() - t0
+    print()
+    print(render_table(args, results, wall), flush=True)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump({"results": [dataclasses.asdict(r) for r in results], "wall_s": wall,
+                       "replay": {r.seed: replay_command(args, r.seed) for r in results if r.kind != "ok"}}, f)
+    return 0 if all(r.kind == "ok" for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("fast", "podslice"), default="fast")
+    p.add_argument("--hosts", type=int, default=2, help="hosts of the slice (podslice: 2, 4 or 8 processes)")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0, help="first seed; run i uses seed + i")
+    p.add_argument("--run-timeout", type=float, default=None,
+                   help="per-run deadline in seconds, then the run is killed and counts as a hang "
+                        "(default 60 fast, 240 podslice)")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="deadline for a child's imports")
+    p.add_argument("--stall-s", type=float, default=15.0, help="no progress for this long is a hang")
+    p.add_argument("--max-steps", type=int, default=2000, help="more steps than this is a hang")
+    p.add_argument("--broken", default=None,
+                   help="negative control: host_order (a host dispatches in another order), background_dispatch, "
+                        "or stall (fast mode: the last host stops answering at step 3)")
+    p.add_argument("--log-dir", default=None, help="child logs and pod-slice host logs (default: a temp dir)")
+    p.add_argument("--jax-cache-dir", default=os.path.join(tempfile.gettempdir(), "tpuoffload-soak-jax-cache"),
+                   help="JAX persistent compilation cache shared by all runs ('' to disable)")
+    p.add_argument("--summary-json", default=None, help="also write every run's result here")
+    p.add_argument("--verbose-failures", action="store_true", help="print each failure's full message")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--seeds", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.hosts < 1 or args.runs < 1:
+        p.error("--hosts and --runs must be positive")
+    if args.broken == "stall" and args.mode != "fast":
+        p.error("--broken stall is a fast-mode control")
+    if args.child:
+        child_main(args)
+        return 0
+    if args.run_timeout is None:
+        args.run_timeout = DEFAULT_RUN_TIMEOUT[args.mode]
+    if args.log_dir is None:
+        args.log_dir = tempfile.mkdtemp(prefix=f"soak-{args.mode}-")
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

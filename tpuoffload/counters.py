@@ -1,0 +1,115 @@
+"""The one registry of counter names.
+
+Every counter that tpuoffload reports (through vLLM's stats path, Prometheus, the snapshots and
+``tpuoffload stats``) is declared here once, with the half that counts it and what it means.
+Code that counts or reads a counter imports its name from this module; a name that is not
+registered here is a bug (``tests/test_prom.py`` checks that every registered name becomes a
+Prometheus series, and ``stats.OffloadStats.reduce`` reports only registered names).
+
+Counters are monotonic totals (per report interval on the wire, summed across hosts and reports by
+``OffloadStats.reduce``). Point-in-time values (what is held right now) are gauges: they are not
+here but in each half's ``idle_report()`` and snapshot.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Side(enum.Enum):
+    """Which half counts it: the scheduler half (one process) or each worker (one per host)."""
+
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class CounterInfo:
+    name: str
+    side: Side
+    doc: str
+
+
+# ---- worker half (each host counts its own; the slice total is the sum) ----
+CHUNKS_SAVED = "chunks_saved"
+BYTES_SAVED = "bytes_saved"
+SAVE_FAILURES = "save_failures"
+SAVE_SECONDS = "save_seconds"
+CHUNKS_LOADED = "chunks_loaded"
+BYTES_LOADED = "bytes_loaded"
+LOAD_ERRORS = "load_errors"
+LOAD_SECONDS = "load_seconds"
+
+# ---- scheduler half: lookups and loads ----
+LOOKUP_TOKENS = "lookup_tokens"
+HIT_TOKENS = "hit_tokens"
+LOADS_CANCELLED = "loads_cancelled"
+DISCARDED = "discarded"
+
+# ---- scheduler half: save planning (every save candidate lands in exactly one of these) ----
+SAVES_ISSUED = "saves_issued"
+DEDUP_BATCH = "dedup_batch"
+DEDUP_INDEX = "dedup_index"
+SKIPPED_STAGING = "skipped_staging"
+SKIPPED_NO_SPACE = "skipped_no_space"
+
+# ---- scheduler half: host RAM ----
+EVICTED = "evicted"
+RESETS = "resets"
+REVOKED = "revoked"
+
+# ---- scheduler half: the completion ledger ----
+LEDGER_CONFIRMED = "ledger_confirmed"
+LEDGER_FAILED = "ledger_failed"
+LEDGER_EXPIRED = "ledger_expired"
+LEDGER_DUPLICATE = "ledger_duplicate"
+LEDGER_LATE = "ledger_late"
+LEDGER_EARLY = "ledger_early"
+LEDGER_UNKNOWN = "ledger_unknown"
+LEDGER_UNKNOWN_HOST = "ledger_unknown_host"
+REPORTERS_MISSING = "reporters_missing"
+UNKNOWN_REQUEST = "unknown_request"
+
+_W, _S = Side.WORKER, Side.SCHEDULER
+REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
+    CounterInfo(CHUNKS_SAVED, _W, "KV chunks written to host RAM"),
+    CounterInfo(BYTES_SAVED, _W, "Bytes written to host RAM"),
+    CounterInfo(SAVE_FAILURES, _W, "Chunk saves that failed on a host (never loadable)"),
+    CounterInfo(SAVE_SECONDS, _W, "Seconds background threads spent completing saves"),
+    CounterInfo(CHUNKS_LOADED, _W, "KV chunks loaded from host RAM into the KV cache"),
+    CounterInfo(BYTES_LOADED, _W, "Bytes loaded from host RAM"),
+    CounterInfo(LOAD_ERRORS, _W, "Blocks whose load failed on a host and were recomputed"),
+    CounterInfo(LOAD_SECONDS, _W, "Seconds the main thread spent dispatching loads"),
+    CounterInfo(LOOKUP_TOKENS, _S, "Prompt tokens of admitted requests looked up in host RAM"),
+    CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
+    CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
+    CounterInfo(DISCARDED, _S, "Chunks dropped from the index after a load of them failed on a host"),
+    CounterInfo(SAVES_ISSUED, _S, "Unique chunks the scheduler asked the hosts to save"),
+    CounterInfo(DEDUP_BATCH, _S, "Chunk saves deduplicated within one step"),
+    CounterInfo(DEDUP_INDEX, _S, "Chunk saves skipped: content already in host RAM or being saved"),
+    CounterInfo(SKIPPED_STAGING, _S, "Chunk saves skipped: staging budget exhausted"),
+    CounterInfo(SKIPPED_NO_SPACE, _S, "Chunk saves skipped: host RAM full of saving or pinned chunks"),
+    CounterInfo(EVICTED, _S, "Chunks evicted from host RAM (LRU)"),
+    CounterInfo(RESETS, _S, "Connector cache resets (reset_cache, e.g. after a weight update)"),
+    CounterInfo(REVOKED, _S, "Chunks made unloadable by a reset (held, or saves in flight)"),
+    CounterInfo(LEDGER_CONFIRMED, _S, "Saves confirmed by every host (loadable from then on)"),
+    CounterInfo(LEDGER_FAILED, _S, "Saves dropped because a host reported the save failed"),
+    CounterInfo(LEDGER_EXPIRED, _S, "Saves not confirmed by every host in time (dropped)"),
+    CounterInfo(LEDGER_DUPLICATE, _S, "Duplicate completion reports (ignored)"),
+    CounterInfo(LEDGER_LATE, _S, "Completion reports after the chunk was resolved (ignored)"),
+    CounterInfo(LEDGER_EARLY, _S, "Completion reports before registration (staged)"),
+    CounterInfo(LEDGER_UNKNOWN, _S, "Completion reports never matched to a save (dropped)"),
+    CounterInfo(LEDGER_UNKNOWN_HOST, _S, "Completion reports from a host id outside the expected hosts (dropped)"),
+    CounterInfo(REPORTERS_MISSING, _S, "Times an expected host was found never to report (reporting-worker count mismatch)"),
+    CounterInfo(UNKNOWN_REQUEST, _S, "Transfer completions for requests the connector did not know"),
+)}
+
+NAMES: tuple[str, ...] = tuple(REGISTRY)
+WORKER_NAMES: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.side is Side.WORKER)
+SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.side is Side.SCHEDULER)
+
+
+def doc(name: str) -> str:
+    """The one-line meaning of a registered counter (KeyError for an unregistered name)."""
+    return REGISTRY[name].doc

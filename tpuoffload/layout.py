@@ -1,0 +1,215 @@
+"""The one description of a KV cache layout that every other part derives from.
+
+tpu-inference hands the connector ``runner.kv_caches``: one jax.Array per attention layer, e.g.
+ragged-paged-attention caches ``(num_blocks, block_size, heads*2/packing, packing, head_dim)`` sharded
+``P(BATCH, KV_CONTEXT, KV_HEAD)``, MLA latent caches ``(num_blocks, ...)`` sharded
+``P(BATCH, KV_CONTEXT)``, layers of different shapes in one model. Whatever the rank, axis 0 is the
+blocks axis; everything else about a layer is read from its shape and its NamedSharding here, so no
+other module hard-codes an axis number.
+
+What one host stores per chunk (one block of every layer) is its *slot*: for each group of layers
+that share shape, dtype and sharding, the distinct tiles (per-device index ranges over the
+non-block axes) that this host's devices hold, replicas stored once. A slot is an opaque row of
+``slot_bytes`` bytes; ``GroupLayout.slot_view`` gives a group's typed view of it.
+
+Blocks may really be split across devices (data or attention-data parallelism shard axis 0): each
+batch shard holds a contiguous range of blocks. A host holds a tile of block ``b`` only if one of
+its devices holds both ``b``'s batch shard and that tile; ``holds_shard`` answers it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+Range = tuple[int, int]  # [start, stop) along one axis
+
+
+class UnsupportedCache(ValueError):
+    """The runner's KV cache has a feature this connector cannot offload (named in the message)."""
+
+
+def _axis_names(entry) -> tuple[str, ...]:
+    """Mesh axis names of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Layers of one shape, dtype and sharding, and what this host holds of each of their blocks."""
+
+    layers: tuple[int, ...]  # positions in runner.kv_caches
+    shape: tuple[int, ...]  # full (global) shape of one layer
+    dtype: np.dtype
+    sharding: NamedSharding
+    batch_axes: tuple[str, ...]  # mesh axes that split the blocks axis (may have size 1)
+    num_shards: int  # number of block ranges (product of the batch axes' sizes)
+    tiles: tuple[tuple[Range, ...], ...]  # distinct local tiles, over axes 1..ndim-1
+    held: frozenset[tuple[int, int]]  # (batch shard, tile index) pairs this host's devices hold
+    offset: int  # byte offset of this group inside a slot
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def blocks_per_shard(self) -> int:
+        return self.shape[0] // self.num_shards
+
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.tiles[0]) if self.tiles else ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this group takes in one slot."""
+        return len(self.layers) * len(self.tiles) * math.prod(self.tile_shape) * self.dtype.itemsize
+
+    @property
+    def spec(self) -> tuple:
+        spec = tuple(self.sharding.spec)
+        return spec + (None,) * (len(self.shape) - len(spec))
+
+    def shard_of(self, block_id: int) -> int:
+        return block_id // self.blocks_per_shard
+
+    def holds_shard(self, shard: int) -> bool:
+        return any(s == shard for s, _ in self.held)
+
+    def tile_index(self, index: Sequence[slice]) -> int:
+        """Position in ``tiles`` of a device shard given its index over axes 1..ndim-1."""
+        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, self.shape[1:]))
+        return self.tiles.index(key)
+
+    def slot_view(self, storage: np.ndarray) -> np.ndarray:
+        """This group's typed view of slot storage ``(num_slots, slot_bytes)`` uint8:
+        ``(num_slots, layers, tiles, *tile_shape)``."""
+        part = storage[:, self.offset:self.offset + self.nbytes]
+        return part.view(self.dtype).reshape(storage.shape[0], len(self.layers), len(self.tiles), *self.tile_shape)
+
+    def describe(self) -> str:
+        return (f"{len(self.layers)} layers of {self.shape} {self.dtype} sharded {self.sharding.spec}: "
+                f"{len(self.tiles)} local tile(s) of {self.tile_shape}, {self.num_shards} block shard(s)")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    groups: tuple[GroupLayout, ...]
+    num_layers: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.groups[0].num_blocks
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one host stores per chunk (one block of every layer, this host's part)."""
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.groups[0].sharding.mesh
+
+    @property
+    def device_bytes_per_chunk(self) -> int:
+        """Accelerator bytes one gathered chunk takes on this host's devices (replicas included)."""
+        total = 0
+        for g in self.groups:
+            per_device = len(g.layers) * math.prod(g.tile_shape) * g.dtype.itemsize
+            total += per_device * len(g.sharding.addressable_devices)
+        return total
+
+    def fingerprint(self) -> str:
+        """A string that changes whenever what a slot holds would change (for persisted caches)."""
+        parts = [f"{len(g.layers)}x{g.shape}:{g.dtype}:{g.spec}:{g.tiles}:{sorted(g.held)}" for g in self.groups]
+        return ";".join(parts)
+
+    def describe(self) -> str:
+        return "; ".join(g.describe() for g in self.groups) + f"; {self.slot_bytes} bytes per slot on this host"
+
+    def check_same(self, kv_caches: Sequence) -> None:
+        """The arrays handed to a save or load must be laid out as the ones this layout describes
+        (otherwise the jitted programs retrace, a load silently casts, a save fails later)."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers; the engine was built for {self.num_layers}")
+        for g in self.groups:
+            for i in g.layers:
+                c = kv_caches[i]
+                if not isinstance(c, jax.Array) or c.shape != g.shape or c.dtype != g.dtype or c.sharding != g.sharding:
+                    raise ValueError(
+                        f"kv_caches[{i}] is {getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}; "
+                        f"the engine was built for {g.shape} {g.dtype} with the same sharding")
+
+    @classmethod
+    def from_caches(cls, kv_caches: Sequence) -> "CacheLayout":
+        """Describe ``runner.kv_caches``. Raises UnsupportedCache naming the model feature this
+        connector cannot offload, before anything reaches JAX."""
+        if not kv_caches:
+            raise ValueError("runner.kv_caches is empty: register the runner after the KV cache is allocated")
+        by_key: dict[tuple, list[int]] = {}
+        for i, c in enumerate(kv_caches):
+            if isinstance(c, (tuple, list)):
+                raise UnsupportedCache(
+                    f"kv_caches[{i}] is a tuple of {len(c)} arrays: mamba/SSM state layers (hybrid models) "
+                    "cannot be offloaded by tpuoffload yet")
+            if not isinstance(c, jax.Array):
+                raise UnsupportedCache(f"kv_caches[{i}] is {type(c).__name__}, not a jax.Array")
+            if not isinstance(c.sharding, NamedSharding):
+                raise UnsupportedCache(f"kv_caches[{i}] has a {type(c.sharding).__name__}; a NamedSharding is needed")
+            if c.ndim < 2:
+                raise UnsupportedCache(f"kv_caches[{i}] has shape {c.shape}: expected (num_blocks, ...)")
+            by_key.setdefault((c.shape, np.dtype(c.dtype), c.sharding), []).append(i)
+        num_blocks = {key[0][0] for key in by_key}
+        if len(num_blocks) != 1:
+            raise UnsupportedCache(f"layers disagree on the number of blocks: {sorted(num_blocks)}")
+        groups, offset = [], 0
+        for (shape, dtype, sharding), layers in by_key.items():
+            g = _group(tuple(layers), shape, dtype, sharding, offset)
+            groups.append(g)
+            offset += g.nbytes
+        return cls(tuple(groups), len(kv_caches))
+
+
+def _group(layers: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding,
+           offset: int) -> GroupLayout:
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    batch_axes = _axis_names(spec[0])
+    mesh_shape = dict(sharding.mesh.shape)
+    num_shards = math.prod(mesh_shape[a] for a in batch_axes)
+    if shape[0] % num_shards:
+        raise UnsupportedCache(f"{shape[0]} blocks do not split evenly over {num_shards} batch shards")
+    per_shard = shape[0] // num_shards
+    tiles: list[tuple[Range, ...]] = []
+    held: set[tuple[int, int]] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        start, stop, _ = index[0].indices(shape[0])
+        if stop - start != per_shard:
+            raise UnsupportedCache(f"a device holds blocks {start}:{stop}; expected ranges of {per_shard}")
+        tile = tuple(sl.indices(n)[:2] for sl, n in zip(index[1:], shape[1:]))
+        if tile not in tiles:
+            tiles.append(tile)
+        held.add((start // per_shard, tiles.index(tile)))
+    tiles_sorted = sorted(tiles)
+    remap = {tiles.index(t): tiles_sorted.index(t) for t in tiles}
+    held_sorted = frozenset((s, remap[t]) for s, t in held)
+    shapes = {tuple(b - a for a, b in t) for t in tiles_sorted}
+    if len(shapes) != 1:
+        raise UnsupportedCache(f"devices hold tiles of different shapes {sorted(shapes)}: uneven sharding")
+    return GroupLayout(layers, tuple(shape), np.dtype(dtype), sharding, batch_axes, num_shards,
+                       tuple(tiles_sorted), held_sorted, offset)
+
+
+def stacked_spec(group: GroupLayout) -> PartitionSpec:
+    """Sharding of a gathered batch ``(num_shards, P, layers, *block dims)``: one row of P chunks per
+    batch shard, every block dim sharded as in the cache."""
+    spec = group.spec
+    return PartitionSpec(spec[0], None, None, *spec[1:])

@@ -1,0 +1,16 @@
+"""Warm restart through orbax-checkpoint (checkpoint.py) and the operator's checkpoint requests
+(request.py). See docs/persistence.md."""
+
+from tpuoffload.persist.checkpoint import (
+    FORMAT_VERSION,
+    Fingerprint,
+    PersistFaults,
+    Persister,
+    Restored,
+    SaveHandle,
+    SaveReport,
+)
+from tpuoffload.persist.request import CheckpointDone, CheckpointRequest, RequestWatcher, request_checkpoint
+
+__all__ = ["FORMAT_VERSION", "CheckpointDone", "CheckpointRequest", "Fingerprint", "PersistFaults", "Persister",
+           "RequestWatcher", "Restored", "SaveHandle", "SaveReport", "request_checkpoint"]

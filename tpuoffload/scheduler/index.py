@@ -1,0 +1,296 @@
+"""Which host slot holds which chunk: the content-hash index of host RAM, with LRU eviction.
+
+Lifecycle of a slot::
+
+    FREE --allocate + add_saving--> SAVING --mark_ready (every host confirmed)--> READY --evict (LRU)--> FREE
+                                       \\--drop (a host failed / expired)--> FREE        \\--discard--> FREE
+    revoke_all (connector reset): READY -> FREE (or REVOKED while pinned), SAVING -> REVOKED;
+    REVOKED --(its save resolves / its last pin goes)--> FREE, never READY.
+
+Only READY chunks can be loaded (invariant 7: loadable only after every host confirmed) and only
+READY chunks with no pin can be evicted, so a chunk being saved or being loaded is never evicted.
+A REVOKED slot keeps its slot until nothing can be writing or reading it, but no hash names it, so
+nothing saved before a reset is ever offered again.
+
+Per-slot state lives in flat arrays (numpy views over a bytearray for the state byte, so Python
+reads it at list speed and numpy writes it in bulk); the LRU order is a ``RecencyLog``. Every
+operation takes or returns slot arrays and costs numpy calls per batch, not Python work per chunk,
+except the hash dictionary updates (one C-level call per batch where possible).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from tpuoffload import counters as C
+from tpuoffload.scheduler.recency import RecencyLog
+from tpuoffload.scheduler.slot_pool import SlotPool
+
+ChunkHash = bytes
+
+FREE, SAVING, READY, REVOKED = 0, 1, 2, 3
+STATE_NAMES = {FREE: "free", SAVING: "saving", READY: "ready", REVOKED: "revoked"}
+
+
+def _consume(iterator) -> None:
+    deque(iterator, maxlen=0)
+
+
+class ChunkIndex:
+    """Maps content hash -> host slot. Single-threaded: it lives on vLLM's scheduler thread.
+
+    ``version`` changes whenever the set of READY chunks may have shrunk (eviction, drop, discard,
+    revoke), so a caller can tell whether a lookup it memoised is still exact.
+    ``counters`` holds ``evicted``, ``discarded`` and ``revoked`` (registry names).
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self._pool = SlotPool(num_slots)
+        self._lru = RecencyLog(num_slots)
+        self._by_hash: dict[ChunkHash, int] = {}
+        self._hash_of = np.empty(num_slots, dtype=object)  # slot -> hash (None when no hash names it)
+        self._state = bytearray(num_slots)  # slot -> FREE/SAVING/READY/REVOKED
+        self._state_np = np.frombuffer(self._state, dtype=np.uint8)  # the same memory, for bulk ops
+        self._save_id = np.full(num_slots, -1, dtype=np.int64)
+        self._pins = np.zeros(num_slots, dtype=np.int32)
+        self._counts = [num_slots, 0, 0, 0]  # slots per state
+        self.version = 0
+        self.counters: Counter[str] = Counter()
+        #: True if the hash is held or being saved (a save of it would be a duplicate). C-level.
+        self.contains = self._by_hash.__contains__
+
+    # ------------------------------------------------------------------ queries (no side effects)
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._pool.num_free
+
+    def __len__(self) -> int:
+        """Chunks a hash names (READY or SAVING)."""
+        return len(self._by_hash)
+
+    def num_in_state(self, state: int) -> int:
+        return self._counts[state]
+
+    def num_saving(self) -> int:
+        """Slots held for a save in flight or a pin, no hash naming them or not: SAVING + REVOKED."""
+        return self._counts[SAVING] + self._counts[REVOKED]
+
+    def num_pinned(self) -> int:
+        """Chunks pinned by loads being planned (zero between scheduler steps). O(num_slots)."""
+        return int(np.count_nonzero(self._pins))
+
+    def slot_of(self, chunk_hash: ChunkHash) -> int | None:
+        return self._by_hash.get(chunk_hash)
+
+    def state_of(self, slot: int) -> int:
+        return self._state[slot]
+
+    def save_id_of(self, slot: int) -> int:
+        return int(self._save_id[slot])
+
+    def save_ids(self, slots: np.ndarray) -> np.ndarray:
+        return self._save_id[slots]
+
+    def hash_of(self, slot: int) -> ChunkHash | None:
+        return self._hash_of[slot]
+
+    def lru_order(self) -> list[ChunkHash]:
+        """Hashes of the evictable candidates, least recently used first. O(num_slots): for
+        reports and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
+        return [self._hash_of[s] for s in self._lru.order().tolist()]
+
+    def ready_prefix(self, hashes: Iterable[ChunkHash]) -> list[int]:
+        """Slots of the leading hashes that are READY (stops at the first that is not). Does not
+        touch the LRU order."""
+        get, state = self._by_hash.get, self._state
+        out = []
+        for h in hashes:
+            slot = get(h)
+            if slot is None or state[slot] != READY:
+                break
+            out.append(slot)
+        return out
+
+    # ------------------------------------------------------------------ saves
+    def allocate(self, n: int) -> np.ndarray:
+        """Up to ``n`` slots for new saves: free slots first, then slots of LRU READY unpinned
+        chunks, evicted here (counted in ``evicted``). Fewer only when host RAM is full of chunks
+        that are saving, pinned or revoked. The slots stay FREE until ``add_saving``."""
+        slots = self._pool.take(n)
+        short = n - len(slots)
+        if short > 0:
+            pins = self._pins
+            victims = self._lru.pop_oldest(short, lambda s: pins[s] == 0)
+            if len(victims):
+                self._evict(victims)
+                # The pool stays out of it: the victims go straight from their old chunk to the new.
+                slots = np.concatenate((slots, victims)) if len(slots) else victims
+        return slots
+
+    def add_saving(self, hashes: Sequence[ChunkHash], slots: np.ndarray, first_save_id: int) -> None:
+        """Name ``slots`` (from ``allocate``) by ``hashes``, SAVING under save ids
+        ``first_save_id, first_save_id + 1, ...``. The hashes must be new to the index."""
+        n = len(slots)
+        if len(hashes) != n:
+            raise ValueError(f"{len(hashes)} hashes for {n} slots")
+        if not n:
+            return
+        self._by_hash.update(zip(hashes, slots.tolist()))
+        if len(self._by_hash) != self._counts[SAVING] + self._counts[READY] + n:
+            raise ValueError("add_saving: a hash is already in the index (the planner deduplicates first)")
+        self._hash_of[slots] = hashes if isinstance(hashes, list) else list(hashes)
+        self._state_np[slots] = SAVING
+        self._save_id[slots] = np.arange(first_save_id, first_save_id + n, dtype=np.int64)
+        self._counts[FREE] -= n
+        self._counts[SAVING] += n
+
+    def mark_ready(self, slots: np.ndarray, save_ids: np.ndarray) -> int:
+        """Every host confirmed these saves: SAVING chunks become READY and most recently used
+        (the last listed most of all); REVOKED ones are freed. Slots whose save id no longer
+        matches are ignored. Returns how many became READY."""
+        slots, states = self._matching(slots, save_ids)
+        if not len(slots):
+            return 0
+        ready = slots[states == SAVING]
+        self._state_np[ready] = READY
+        self._counts[SAVING] -= len(ready)
+        self._counts[READY] += len(ready)
+        self._lru.touch(ready)
+        revoked = slots[states == REVOKED]
+        if len(revoked):
+            self._free(revoked, REVOKED)
+        return len(ready)
+
+    def drop(self, slots: np.ndarray, save_ids: np.ndarray) -> int:
+        """These saves failed or expired: forget their chunks and free their slots. They were
+        never loadable, so no load can be reading them. Returns how many were dropped."""
+        slots, states = self._matching(slots, save_ids)
+        if not len(slots):
+            return 0
+        saving = slots[states == SAVING]
+        if len(saving):
+            self._unname(saving)
+            self._free(saving, SAVING)
+        revoked = slots[states == REVOKED]
+        if len(revoked):
+            self._free(revoked, REVOKED)
+        self.version += 1
+        return len(slots)
+
+    # ------------------------------------------------------------------ loads
+    def pin(self, slots: np.ndarray) -> None:
+        """Pin READY chunks for a load: they cannot be evicted until unpinned. A slot listed
+        twice is pinned twice. Raises if one is not READY."""
+        if not len(slots):
+            return
+        bad = self._state_np[slots] != READY
+        if bad.any():
+            raise ValueError(f"cannot pin slots that are not READY: {np.asarray(slots)[bad][:8]}")
+        np.add.at(self._pins, slots, 1)
+
+    def unpin(self, slots: np.ndarray) -> None:
+        """Release one pin per listed slot. ``slots`` lists each load's chunks in prefix order; the
+        released chunks become most recently used in reverse, so each prefix's first chunk ends the
+        most recently used: LRU eviction then eats prefixes from the tail and what remains of a
+        prefix stays loadable. A revoked or discarded chunk's slot is freed at its last unpin."""
+        if not len(slots):
+            return
+        np.subtract.at(self._pins, slots, 1)
+        if (self._pins[slots] < 0).any():
+            np.add.at(self._pins, slots, 1)
+            raise ValueError("unpin of a slot that is not pinned")
+        rev = np.asarray(slots)[::-1]
+        released = rev[self._pins[rev] == 0]
+        states = self._state_np[released]
+        self._lru.touch(released[states == READY])
+        gone = np.unique(released[states == REVOKED])
+        if len(gone):
+            self._free(gone, REVOKED)
+
+    def discard(self, slot: int, save_id: int) -> bool:
+        """Forget a READY chunk that failed to load somewhere (so it is not offered again). A
+        pinned chunk leaves the index at once but keeps its slot until its last unpin. Returns
+        False if the slot now holds another chunk (or none)."""
+        if not 0 <= slot < self.num_slots or self._state[slot] != READY or self._save_id[slot] != save_id:
+            return False
+        one = np.array([slot], dtype=np.int64)
+        self._unname(one)
+        self._lru.forget(one)
+        if self._pins[slot]:
+            self._set_state(one, READY, REVOKED)
+        else:
+            self._free(one, READY)
+        self.counters[C.DISCARDED] += 1
+        self.version += 1
+        return True
+
+    # ------------------------------------------------------------------ reset
+    def revoke_all(self) -> int:
+        """Nothing held or being saved may ever be loaded again (connector reset). READY chunks
+        are freed (or REVOKED while pinned); SAVING chunks become REVOKED and keep their slot
+        until their save resolves. Returns how many chunks were revoked. O(num_slots)."""
+        n = len(self._by_hash)
+        state = self._state_np
+        ready = np.flatnonzero(state == READY)
+        self._lru.forget(ready)
+        pinned = ready[self._pins[ready] > 0]
+        if len(pinned):
+            self._set_state(pinned, READY, REVOKED)
+        idle = ready[self._pins[ready] == 0]
+        saving = np.flatnonzero(state == SAVING)
+        if len(saving):
+            self._set_state(saving, SAVING, REVOKED)
+        self._by_hash.clear()
+        self._hash_of[:] = None
+        if len(idle):
+            self._free(idle, READY)
+        self.counters[C.REVOKED] += n
+        self.version += 1
+        return n
+
+    # ------------------------------------------------------------------ internals
+    def _matching(self, slots: np.ndarray, save_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The listed slots that still hold the listed save (SAVING or REVOKED), and their states."""
+        slots = np.asarray(slots, dtype=np.int64)
+        keep = self._save_id[slots] == save_ids
+        slots = slots[keep]
+        states = self._state_np[slots]
+        live = (states == SAVING) | (states == REVOKED)
+        if not live.all():
+            slots, states = slots[live], states[live]
+        return slots, states
+
+    def _evict(self, victims: np.ndarray) -> None:
+        """LRU victims (READY, unpinned, already out of the LRU order) lose their chunk; their
+        slots stay allocated for the caller."""
+        self._unname(victims)
+        self._state_np[victims] = FREE
+        self._save_id[victims] = -1
+        self._counts[READY] -= len(victims)
+        self._counts[FREE] += len(victims)
+        self.counters[C.EVICTED] += len(victims)
+        self.version += 1
+
+    def _unname(self, slots: np.ndarray) -> None:
+        """Remove the hashes that name ``slots`` from the hash map."""
+        hashes = self._hash_of[slots]
+        by_hash = self._by_hash
+        _consume(map(by_hash.__delitem__, hashes.tolist()))
+        self._hash_of[slots] = None
+
+    def _set_state(self, slots: np.ndarray, old: int, new: int) -> None:
+        self._state_np[slots] = new
+        self._counts[old] -= len(slots)
+        self._counts[new] += len(slots)
+
+    def _free(self, slots: np.ndarray, old: int) -> None:
+        self._set_state(slots, old, FREE)
+        self._save_id[slots] = -1
+        self._pool.give(slots)

@@ -1,0 +1,306 @@
+"""Cross-host completion ledger: a chunk becomes loadable only after every reporting host confirmed
+its save (invariant 7), and no odd report ever raises (invariant 8).
+
+Save ids are handed out densely, one contiguous range per save batch (``open_batch``), so the
+ledger keeps one entry per batch, not per chunk, and applies each host's report (ranges of save
+ids) with a few numpy operations per batch. A report about save id ``i`` from host ``h`` is:
+
+* ``i`` pending, ``h`` new, ok     -> a confirmation (READY once all ``num_hosts`` hosts confirmed)
+* ``i`` pending, not ok            -> FAILED at once (the chunk must never be loadable)
+* ``i`` pending, ``h`` seen before  -> ``ledger_duplicate`` (counted, ignored)
+* ``i`` below the next id, not pending -> ``ledger_late`` (already resolved: ready, failed or expired)
+* ``i`` at or above the next id    -> ``ledger_early``: staged, replayed when its batch opens
+* ``h`` outside 0..num_hosts-1     -> ``ledger_unknown_host`` (and a loud error, once per host id)
+
+Expected versus real reporters: a host id at or above ``num_hosts`` is logged as an error the first
+time it reports; an expected host that has never reported anything while another host has already
+confirmed a save that is ``mismatch_steps`` steps old is logged as an error and counted in
+``reporters_missing``. Either way the cause is named, never a silent 0% hit rate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpuoffload import counters as C
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+Range = tuple[int, int]  # save ids [start, stop)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One save batch: save ids ``base .. base + len(slots) - 1``."""
+
+    base: int
+    slots: np.ndarray  # slot of each save id: handed back with its resolution
+    deadline: float
+    step: int
+    count: np.ndarray  # hosts that confirmed each save
+    seen: np.ndarray  # [host, i]: host confirmed save base + i
+    open: np.ndarray  # save base + i is not resolved yet
+    n_open: int
+
+    @property
+    def stop(self) -> int:
+        return self.base + len(self.slots)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Saves resolved since the last ``take_resolved``: READY ones and dropped (failed or expired)."""
+
+    ready_ids: np.ndarray
+    ready_slots: np.ndarray
+    dropped_ids: np.ndarray
+    dropped_slots: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ready_ids) + len(self.dropped_ids)
+
+
+class CompletionLedger:
+    """Single-threaded: it lives on vLLM's scheduler thread."""
+
+    def __init__(self, num_hosts: int, *, source: str = "", max_early: int = 1 << 16,
+                 mismatch_steps: int = 8) -> None:
+        if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or num_hosts <= 0:
+            raise ValueError(f"num_hosts must be a positive int, got {num_hosts!r}")
+        self.num_hosts = num_hosts
+        self.source = source  # where num_hosts came from, for the mismatch messages
+        self._batches: dict[int, _Batch] = {}  # base -> batch, in registration order
+        self._bases: list[int] = []  # sorted (registration order is increasing)
+        self._next_id = 0
+        self._n_open = 0
+        self._early: deque[tuple[int, bool, int, int]] = deque()  # (host, ok, start, stop)
+        self._n_early = 0
+        self._max_early = max_early
+        self._mismatch_steps = mismatch_steps
+        self._hosts_seen = np.zeros(num_hosts, dtype=bool)
+        self._unexpected_hosts: set[int] = set()
+        self._missing_reported = False
+        self._res: list[tuple[bool, np.ndarray, np.ndarray]] = []  # (ready?, ids, slots)
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        """Saves registered and not resolved."""
+        return self._n_open
+
+    @property
+    def next_save_id(self) -> int:
+        return self._next_id
+
+    def num_batches(self) -> int:
+        return len(self._batches)
+
+    def oldest_deadline(self) -> float | None:
+        return next(iter(self._batches.values())).deadline if self._batches else None
+
+    # ------------------------------------------------------------------ registration
+    def open_batch(self, slots: np.ndarray, deadline: float, step: int) -> int:
+        """Start waiting for ``len(slots)`` new saves until ``deadline`` (a clock value; deadlines
+        must not decrease from one batch to the next). Returns the first save id; the batch holds
+        ids ``first .. first + len(slots) - 1``. Early reports of these ids are applied now."""
+        n = len(slots)
+        base = self._next_id
+        if not n:
+            return base
+        self._next_id = base + n
+        batch = _Batch(base, np.asarray(slots, dtype=np.int64), deadline, step,
+                       np.zeros(n, dtype=np.int32), np.zeros((self.num_hosts, n), dtype=bool),
+                       np.ones(n, dtype=bool), n)
+        self._batches[base] = batch
+        self._bases.append(base)
+        self._n_open += n
+        if self._early:
+            self._replay_early(base, base + n)
+        return base
+
+    # ------------------------------------------------------------------ reports
+    def report(self, host: int, ok: Iterable[Range] = (), failed: Iterable[Range] = ()) -> None:
+        """One host's outcomes: ranges of save ids saved, and ranges that failed."""
+        if not 0 <= host < self.num_hosts:
+            n = sum(max(0, b - a) for a, b in (*ok, *failed))
+            self.counters[C.LEDGER_UNKNOWN_HOST] += n
+            self._unexpected(host)
+            return
+        if not self._hosts_seen[host]:
+            self._hosts_seen[host] = True
+            if self._missing_reported:
+                logger.warning("tpuoffload: host %d reports at last (it was reported missing)", host)
+        for a, b in ok:
+            self._apply(host, int(a), int(b), True)
+        for a, b in failed:
+            self._apply(host, int(a), int(b), False)
+
+    def expire(self, now: float) -> int:
+        """Give up on saves whose deadline passed (a host never answered): they resolve as
+        dropped. Deadlines grow with the batches, so only the oldest batches are looked at."""
+        n = 0
+        while self._batches:
+            batch = next(iter(self._batches.values()))
+            if batch.deadline > now:
+                break
+            idx = np.flatnonzero(batch.open)
+            n += len(idx)
+            self._resolve(batch, idx, False)  # removes the batch: every id is resolved now
+        self.counters[C.LEDGER_EXPIRED] += n
+        return n
+
+    def take_resolved(self) -> Resolved:
+        """READY and dropped saves since the last call, READY ones newest first (so a prefix's
+        first chunk, saved first, ends up the most recently used)."""
+        res, self._res = self._res, []
+        ready = [(i, s) for r, i, s in res if r]
+        dropped = [(i, s) for r, i, s in res if not r]
+        ri, rs = _cat(ready)
+        if len(ri) > 1:
+            order = np.argsort(-ri, kind="stable")
+            ri, rs = ri[order], rs[order]
+        di, ds = _cat(dropped)
+        return Resolved(ri, rs, di, ds)
+
+    # ------------------------------------------------------------------ reporter check
+    def check_reporters(self, step: int) -> str | None:
+        """Once an expected host has never reported while another host confirmed a save that has
+        waited ``mismatch_steps`` steps, log (error) and count it. Returns the message when it
+        fires."""
+        if self._missing_reported or not self._batches:
+            return None
+        oldest = next(iter(self._batches.values()))
+        if step - oldest.step < self._mismatch_steps or self._hosts_seen.all() or not oldest.count.any():
+            return None
+        missing = np.flatnonzero(~self._hosts_seen).tolist()
+        seen = np.flatnonzero(self._hosts_seen).tolist()
+        msg = (f"tpuoffload: the scheduler expects {self.num_hosts} reporting workers ({self.source or 'configured'}) "
+               f"but after {step - oldest.step} steps only host(s) {seen} ever confirmed a save; host(s) {missing} "
+               f"never reported. No save can become loadable: every save will expire and the hit rate stays 0. "
+               f"Set kv_connector_extra_config['num_hosts'] to the number of worker processes (one per host "
+               f"for tpu-inference).")
+        logger.error(msg)
+        self.counters[C.REPORTERS_MISSING] += 1
+        self._missing_reported = True
+        return msg
+
+    def _unexpected(self, host: int) -> None:
+        if host in self._unexpected_hosts:
+            return
+        self._unexpected_hosts.add(host)
+        logger.error(
+            "tpuoffload: a worker reported as host %r but the scheduler expects %d reporting workers (%s): "
+            "hosts 0..%d. Its reports are dropped, so chunks may become loadable before that host holds them. "
+            "Set kv_connector_extra_config['num_hosts'] to the number of worker processes.",
+            host, self.num_hosts, self.source or "configured", self.num_hosts - 1)
+
+    # ------------------------------------------------------------------ internals
+    def _apply(self, host: int, a: int, b: int, ok: bool) -> None:
+        if b <= a:
+            return
+        if b > self._next_id:
+            start = max(a, self._next_id)
+            self._stage_early(host, ok, start, b)
+            b = start
+            if b <= a:
+                return
+        covered = 0
+        bases = self._bases
+        i = max(bisect.bisect_right(bases, a) - 1, 0)
+        hit = []
+        while i < len(bases) and bases[i] < b:
+            batch = self._batches[bases[i]]
+            lo, hi = max(a, batch.base), min(b, batch.stop)
+            if lo < hi:
+                hit.append((batch, lo - batch.base, hi - batch.base))
+            i += 1
+        for batch, i0, i1 in hit:
+            covered += i1 - i0
+            self._apply_batch(batch, host, i0, i1, ok)
+        if covered < b - a:
+            self.counters[C.LEDGER_LATE] += b - a - covered
+
+    def _apply_batch(self, batch: _Batch, host: int, i0: int, i1: int, ok: bool) -> None:
+        open_ = batch.open[i0:i1]
+        n_open = int(np.count_nonzero(open_))
+        if n_open < i1 - i0:
+            self.counters[C.LEDGER_LATE] += (i1 - i0) - n_open
+        if not n_open:
+            return
+        if not ok:
+            self._resolve(batch, i0 + np.flatnonzero(open_), False)
+            self.counters[C.LEDGER_FAILED] += n_open
+            return
+        seen = batch.seen[host, i0:i1]  # a view: updated in place
+        new = open_ & ~seen
+        n_new = int(np.count_nonzero(new))
+        if n_new < n_open:
+            self.counters[C.LEDGER_DUPLICATE] += n_open - n_new
+        if not n_new:
+            return
+        seen |= new
+        count = batch.count[i0:i1]
+        count += new
+        done = new & (count >= self.num_hosts)
+        if done.any():
+            idx = i0 + np.flatnonzero(done)
+            self.counters[C.LEDGER_CONFIRMED] += len(idx)
+            self._resolve(batch, idx, True)
+
+    def _resolve(self, batch: _Batch, idx: np.ndarray, ready: bool) -> None:
+        if not len(idx):
+            if not batch.n_open:
+                self._remove(batch)
+            return
+        batch.open[idx] = False
+        batch.n_open -= len(idx)
+        self._n_open -= len(idx)
+        self._res.append((ready, batch.base + idx, batch.slots[idx]))
+        if not batch.n_open:
+            self._remove(batch)
+
+    def _remove(self, batch: _Batch) -> None:
+        del self._batches[batch.base]
+        pos = bisect.bisect_left(self._bases, batch.base)
+        del self._bases[pos]
+
+    def _stage_early(self, host: int, ok: bool, a: int, b: int) -> None:
+        self.counters[C.LEDGER_EARLY] += b - a
+        self._early.append((host, ok, a, b))
+        self._n_early += b - a
+        while self._n_early > self._max_early:  # never registered: bound the memory
+            _, _, x, y = self._early.popleft()
+            self._n_early -= y - x
+            self.counters[C.LEDGER_UNKNOWN] += y - x
+
+    def _replay_early(self, base: int, stop: int) -> None:
+        keep: deque[tuple[int, bool, int, int]] = deque()
+        replay = []
+        for host, ok, a, b in self._early:
+            lo, hi = max(a, base), min(b, stop)
+            if lo >= hi:
+                keep.append((host, ok, a, b))
+                continue
+            # Staged ids were at or above the next id when staged, so a >= base: only a tail can remain.
+            replay.append((host, ok, lo, hi))
+            self._n_early -= hi - lo
+            if hi < b:
+                keep.append((host, ok, hi, b))
+        self._early = keep
+        for host, ok, lo, hi in replay:
+            self._apply(host, lo, hi, ok)
+
+
+def _cat(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    if not parts:
+        return _EMPTY, _EMPTY
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

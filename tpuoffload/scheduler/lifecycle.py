@@ -1,0 +1,227 @@
+"""The request lifecycle: what the scheduler half knows of each request vLLM admitted, and which of
+its blocks are still to be saved.
+
+vLLM tells the connector about a request through hooks that arrive in orders one step can mix:
+admitted (``update_state_after_alloc``), preempted (``preempted_req_ids``, reported at the next
+``schedule()``, possibly after the request was already re-admitted when a reset preempted it
+outside ``schedule()``), resumed, finished or aborted (``request_finished``, possibly before the
+preemption was reported). Instead of trusting the order of the hooks, every decision reads vLLM's
+own record of the request: ``request.num_preemptions`` tells whether a preemption happened that
+this half has not applied yet (applied exactly once, whichever hook sees it first) and
+``request.status`` tells whether vLLM waits for a load (``LoadTracker.emit``).
+
+Saves (invariant 9, never read freed or overwritten blocks):
+
+* eager mode: each step, the full blocks that step's forward completes are saved in that step's
+  plan, gathered right after the forward is launched, before vLLM can reuse them.
+* lazy mode: the ids of the full blocks computed so far are remembered; when the request is
+  preempted or finishes they are flushed, gathered at the start of the next step before anything
+  else touches the cache. A finished request's blocks are held (``delay_free``) until that flush is
+  dispatched; a preempted request's blocks were freed by vLLM already, but nothing can overwrite
+  them before the next step's flush (loads and the forward come after it on every host).
+
+After a preemption the request recomputes or reloads its blocks into new ones, so its save progress
+starts over (chunks already held are deduplicated by the save planner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+BlockIdsOf = Callable[[str], list[int]]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request: "Request"
+    # Blocks [0, watermark) were saved, found held, skipped or flushed: never considered again
+    # (until a preemption makes the request recompute them).
+    watermark: int = 0
+    # request.num_preemptions already applied here.
+    preemptions: int = 0
+    # Lazy mode: ids of the full blocks computed so far (up to the save limit).
+    computed_block_ids: list[int] = field(default_factory=list)
+
+
+class RequestLifecycle:
+    def __init__(self, block_size: int, *, lazy: bool, save_decode_blocks: bool) -> None:
+        self.block_size = block_size
+        self.lazy = lazy
+        self.save_decode_blocks = save_decode_blocks
+        self._records: dict[str, RequestRecord] = {}
+        self._saving: set[str] = set()  # requests that may still have blocks to save (or track)
+        self._flush_blocks: list[int] = []  # lazy: candidates for the next plan's flush
+        self._flush_hashes: list[bytes] = []
+        self._release: list[str] = []  # finished requests to release in the next plan
+        self._awaiting_release: set[str] = set()  # released by the workers' finished_sending
+
+    # ------------------------------------------------------------------ gauges
+    def num_held(self) -> int:
+        """Requests this half keeps a record of (running, waiting after admission, or finished and
+        waiting for their flush to be released)."""
+        return len(self._records)
+
+    def num_awaiting_release(self) -> int:
+        return len(self._awaiting_release)
+
+    def num_pending(self) -> int:
+        """Flush candidates and releases not yet planned (zero right after a plan)."""
+        return len(self._flush_blocks) + len(self._release)
+
+    def get(self, req_id: str) -> RequestRecord | None:
+        return self._records.get(req_id)
+
+    # ------------------------------------------------------------------ vLLM's view
+    def admit(self, request: "Request") -> RequestRecord:
+        """vLLM allocated blocks for ``request`` (a new admission or a resumption)."""
+        rec = self._records.get(request.request_id)
+        if rec is None:
+            rec = self._records[request.request_id] = RequestRecord(request, preemptions=_preemptions(request))
+            self._saving.add(request.request_id)
+        else:
+            self._catch_up(rec)
+        return rec
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """vLLM reports these requests preempted since the last plan (in this schedule() or before
+        it, e.g. by a reset); some may already be admitted again, or finished."""
+        for req_id in req_ids:
+            rec = self._records.get(req_id)
+            if rec is not None:
+                self._catch_up(rec)
+
+    def _catch_up(self, rec: RequestRecord) -> None:
+        """Apply a preemption vLLM made that this half has not applied yet (exactly once)."""
+        n = _preemptions(rec.request)
+        if n <= rec.preemptions:
+            return
+        rec.preemptions = n
+        if self.lazy:
+            self._queue_flush(rec)
+            rec.computed_block_ids = []
+        rec.watermark = 0
+        self._saving.add(rec.request.request_id)
+
+    def finish(self, request: "Request", block_ids: list[int], load_in_flight: bool) -> bool:
+        """vLLM finished or aborted ``request`` and passes the blocks it still holds. Returns
+        delay_free: True when vLLM must hold the blocks until a flush of them is dispatched."""
+        req_id = request.request_id
+        rec = self._records.get(req_id)
+        if rec is None:
+            return False
+        self._catch_up(rec)
+        delay = False
+        if self.lazy and len(rec.computed_block_ids) > rec.watermark:
+            if load_in_flight:
+                # vLLM itself holds the blocks until the load is reported, and frees them then: a
+                # second hold would free them twice. Nothing was computed since the load anyway.
+                rec.computed_block_ids = []
+            else:
+                self._queue_flush(rec)
+                if block_ids:  # still held by vLLM (not already freed by a preemption)
+                    self._release.append(req_id)
+                    self._awaiting_release.add(req_id)
+                    delay = True
+        if not delay:
+            self._forget(req_id)
+        return delay
+
+    def released(self, req_ids: Iterable[str]) -> int:
+        """The workers dispatched the flushes of these finished requests (finished_sending).
+        Returns how many were not awaited."""
+        unknown = 0
+        for req_id in req_ids:
+            if req_id in self._awaiting_release:
+                self._awaiting_release.discard(req_id)
+                self._forget(req_id)
+            else:
+                unknown += 1
+        return unknown
+
+    def _forget(self, req_id: str) -> None:
+        self._records.pop(req_id, None)
+        self._saving.discard(req_id)
+
+    # ------------------------------------------------------------------ per-step candidates
+    def step_candidates(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> tuple[list[int], list[bytes]]:
+        """Eager mode: (block id, hash) of the full blocks this step's forward completes, request by
+        request. Requests with nothing left to save stop being visited, so decode steps cost nothing."""
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        for rec, full in self._filled(so):
+            if full > rec.watermark:
+                blocks += block_ids_of(rec.request.request_id)[rec.watermark:full]
+                hashes += rec.request.block_hashes[rec.watermark:full]
+                rec.watermark = full
+        return blocks, hashes
+
+    def track_computed(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> None:
+        """Lazy mode: remember the ids of the full blocks each scheduled request has computed once
+        this step's forward ran, for a flush at its finish or preemption."""
+        for rec, full in self._filled(so):
+            if full > len(rec.computed_block_ids):
+                rec.computed_block_ids = block_ids_of(rec.request.request_id)[:full]
+
+    def take_flush(self) -> tuple[list[int], list[bytes]]:
+        out = self._flush_blocks, self._flush_hashes
+        self._flush_blocks, self._flush_hashes = [], []
+        return out
+
+    def take_release(self) -> tuple[str, ...]:
+        out, self._release = tuple(self._release), []
+        return out
+
+    # ------------------------------------------------------------------ reset
+    def forget_unsaved(self) -> None:
+        """Connector reset: KV computed before it must never be saved after it. Lazy mode: blocks
+        computed so far count as handled; queued flushes are dropped (their releases stay, so
+        vLLM still gets its blocks back)."""
+        self._flush_blocks, self._flush_hashes = [], []
+        for rec in self._records.values():
+            rec.watermark = max(rec.watermark, len(rec.computed_block_ids))
+
+    # ------------------------------------------------------------------ internals
+    def _queue_flush(self, rec: RequestRecord) -> None:
+        full = len(rec.computed_block_ids)
+        if full > rec.watermark:
+            self._flush_blocks += rec.computed_block_ids[rec.watermark:full]
+            self._flush_hashes += rec.request.block_hashes[rec.watermark:full]
+            rec.watermark = full
+
+    def _save_limit(self, request: "Request") -> int:
+        if self.save_decode_blocks:
+            return 1 << 62
+        return request.num_prompt_tokens // self.block_size
+
+    def _filled(self, so: "SchedulerOutput"):
+        """(record, full) for each scheduled request that may still have blocks to save, ``full``
+        being its full blocks once this step's forward ran (capped by the save limit and by the
+        hashes vLLM has computed)."""
+        scheduled = so.num_scheduled_tokens
+        done = []
+        bs = self.block_size
+        for req_id in self._saving:
+            n_sched = scheduled.get(req_id)
+            if n_sched is None:
+                continue
+            rec = self._records[req_id]
+            req = rec.request
+            if _preemptions(req) != rec.preemptions:  # a preemption no hook reported: apply it first
+                self._catch_up(rec)
+            limit = self._save_limit(req)
+            full = min((req.num_computed_tokens + n_sched) // bs, limit, len(req.block_hashes))
+            yield rec, full
+            if full >= limit:
+                done.append(req_id)
+        self._saving.difference_update(done)
+
+
+
+def _preemptions(request: "Request") -> int:
+    return getattr(request, "num_preemptions", 0)

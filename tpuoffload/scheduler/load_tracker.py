@@ -1,0 +1,148 @@
+"""Loads: lookups while vLLM decides, loads planned at admission, loads in flight until reported.
+
+A load's life::
+
+    lookup (get_num_new_matched_tokens; no side effect, asked again every step until admission)
+      -> planned (update_state_after_alloc with external tokens: vLLM now waits for it)
+      -> emitted in the step's plan iff vLLM still waits for it (the request is WAITING_FOR_REMOTE_KVS);
+         otherwise cancelled and counted (vLLM would assert on a completion it does not expect)
+      -> in flight until the workers report it (finished_recving); blocks they could not load come
+         back in invalid_block_ids and their chunks are discarded so they are not offered again.
+
+A load vLLM waits for is always emitted, so ``finished_recving`` always comes back and no request
+waits forever (issue 12). The slots a step's loads read are pinned while that step's saves are
+allocated, so no eviction in the same plan can hand them to a save (invariant 11 via 7).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tpuoffload import counters as C
+from tpuoffload.messages import LoadRequest
+from tpuoffload.scheduler.index import ChunkIndex
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    local: int  # blocks vLLM's own prefix cache covers
+    slots: list[int]  # host slots of the READY blocks right after them
+    version: int  # index version when looked up: the slots are exact while it is unchanged
+
+
+@dataclass(slots=True)
+class _Planned:
+    request: "Request"
+    load: LoadRequest
+    slots: np.ndarray
+
+
+class LoadTracker:
+    def __init__(self, index: ChunkIndex, block_size: int, counters: Counter[str]) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.counters = counters
+        self._lookups: dict[str, _Lookup] = {}
+        self._planned: dict[str, _Planned] = {}  # this step's admissions with a load
+        self._in_flight: dict[str, LoadRequest] = {}  # emitted, not yet reported by the workers
+
+    # ------------------------------------------------------------------ gauges
+    def num_planned(self) -> int:
+        return len(self._planned)
+
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def in_flight(self, req_id: str) -> bool:
+        return req_id in self._in_flight
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, request: "Request", num_computed_tokens: int) -> int:
+        """Blocks beyond the local hit that host RAM holds READY. Memoised for the admission only;
+        no effect on the index."""
+        local = num_computed_tokens // self.block_size
+        # Leave at least one token to compute: vLLM needs a token to sample from.
+        limit = (request.num_tokens - 1) // self.block_size
+        slots = self.index.ready_prefix(request.block_hashes[local:limit]) if limit > local else []
+        self._lookups[request.request_id] = _Lookup(local, slots, self.index.version)
+        return len(slots)
+
+    def take_lookup(self, req_id: str) -> _Lookup | None:
+        return self._lookups.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its lookup and any load not emitted yet."""
+        self._lookups.pop(req_id, None)
+        if self._planned.pop(req_id, None) is not None:
+            self.counters[C.LOADS_CANCELLED] += 1
+
+    def clear_lookups(self) -> None:
+        self._lookups.clear()
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, request: "Request", lookup: _Lookup | None, num_blocks: int, block_ids: list[int]) -> None:
+        """vLLM admitted ``request`` expecting ``num_blocks`` blocks from host RAM, right after
+        its local hit, into ``block_ids`` (all its block ids). Blocks promised but no longer READY
+        are listed as unavailable: the workers report them as load errors and vLLM recomputes."""
+        if lookup is not None and lookup.version == self.index.version:
+            local, slots = lookup.local, lookup.slots[:num_blocks]
+        else:  # no memo, or the index changed since: look again
+            local = lookup.local if lookup is not None else 0
+            slots = self.index.ready_prefix(request.block_hashes[local:local + num_blocks])
+        targets = block_ids[local:local + num_blocks]
+        ready = len(slots)
+        slot_arr = np.array(slots, dtype=np.int64)
+        self._planned[request.request_id] = _Planned(request, LoadRequest(
+            req_id=request.request_id,
+            block_ids=tuple(targets[:ready]),
+            slots=tuple(slots),
+            save_ids=tuple(self.index.save_ids(slot_arr).tolist()),
+            unavailable_block_ids=tuple(targets[ready:]),
+        ), slot_arr)
+
+    def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:
+        """This step's loads: the planned loads vLLM still waits for (``waiting(request)``), and
+        the slots they read, in load order (to pin while this step's saves are allocated)."""
+        if not self._planned:
+            return (), _EMPTY
+        loads, slots = [], []
+        for req_id, planned in self._planned.items():
+            if not waiting(planned.request):
+                self.counters[C.LOADS_CANCELLED] += 1
+                continue
+            loads.append(planned.load)
+            slots.append(planned.slots)
+            self._in_flight[req_id] = planned.load
+        self._planned.clear()
+        return tuple(loads), (np.concatenate(slots) if slots else _EMPTY)
+
+    # ------------------------------------------------------------------ reports
+    def finished(self, req_ids: Iterable[str]) -> int:
+        """The workers reported these loads done. Returns how many were not in flight."""
+        unknown = 0
+        for req_id in req_ids:
+            if self._in_flight.pop(req_id, None) is None:
+                unknown += 1
+        return unknown
+
+    def failed_blocks(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        """(slot, save_id) of the in-flight loads' chunks whose target block failed to load."""
+        bad = set(block_ids)
+        if not bad:
+            return []
+        out = []
+        for load in self._in_flight.values():
+            for block, slot, save_id in zip(load.block_ids, load.slots, load.save_ids):
+                if block in bad:
+                    out.append((slot, save_id))
+        return out

@@ -1,0 +1,244 @@
+"""``OffloadScheduler``: the scheduler half of the connector, one plan per engine step.
+
+Runs on vLLM's scheduler thread, on every step's critical path. It only routes vLLM's hooks to the
+parts that do the work, each with one job:
+
+* ``RequestLifecycle`` (lifecycle.py): vLLM's view of each request, reconciled in any hook order;
+  which blocks are still to be saved (eager) or flushed (lazy).
+* ``LoadTracker`` (load_tracker.py): lookups, loads planned at admission, loads in flight.
+* ``SavePlanner`` (save_planner.py): the one place that deduplicates and sizes saves.
+* ``ChunkIndex`` (index.py): content hash -> host slot, LRU eviction, pins, reset.
+* ``CompletionLedger`` (ledger.py): which hosts confirmed which saves; expected-reporter checks.
+* ``StagingBudget`` (staging.py): bytes of saves in flight.
+
+Per-step work is proportional to what changed (requests with blocks left to save, new loads,
+reports), never to the number of running requests or of chunks held, and per-chunk work is
+batched (numpy arrays, C-level dict calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from tpuoffload import counters as C
+from tpuoffload.config import OffloadConfig
+from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.scheduler.index import ChunkIndex
+from tpuoffload.scheduler.ledger import CompletionLedger
+from tpuoffload.scheduler.lifecycle import RequestLifecycle
+from tpuoffload.scheduler.load_tracker import LoadTracker
+from tpuoffload.scheduler.save_planner import EMPTY, SavePlanner
+from tpuoffload.scheduler.staging import StagingBudget
+from tpuoffload.snapshot import SnapshotWriter
+from tpuoffload.stats import OffloadStats, make_report
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def waits_for_load(request: "Request") -> bool:
+    """vLLM waits for a load of this request (and asserts on a load it does not wait for)."""
+    return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+class OffloadScheduler:
+    def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
+                 hosts_source: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        if block_size <= 0 or chunk_bytes <= 0:
+            raise ValueError(f"block_size ({block_size}) and chunk_bytes ({chunk_bytes}) must be positive")
+        self.config = config
+        self.block_size = block_size
+        self.chunk_bytes = chunk_bytes
+        host_bytes = config.host_bytes(chunk_bytes)
+        num_slots = host_bytes // chunk_bytes
+        if num_slots == 0:
+            raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than one chunk ({chunk_bytes} bytes per host)")
+        #: The scheduler's monotonic clock (save deadlines); replaceable, e.g. by tests.
+        self.clock = clock
+        self.counters: Counter[str] = Counter()  # since the last take_stats
+        self.totals: Counter[str] = Counter()  # since start, for snapshots
+        self.index = ChunkIndex(num_slots)
+        self.ledger = CompletionLedger(num_hosts, source=hosts_source)
+        self.staging = StagingBudget(config.staging_capacity(chunk_bytes))
+        self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
+                                 save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
+                                 counters=self.counters)
+        self.loads = LoadTracker(self.index, block_size, self.counters)
+        self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
+                                         save_decode_blocks=config.save_decode_blocks)
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._step = 0
+        self._stats_seq = 0
+        self._snapshot = (SnapshotWriter(config.stats_dir, "scheduler.json", config.stats_interval_s, self.snapshot)
+                          if config.stats_dir else None)
+
+    @property
+    def num_hosts(self) -> int:
+        return self.ledger.num_hosts
+
+    # ------------------------------------------------------------------ wiring
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+    # ------------------------------------------------------------------ admission
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond the local hit that host RAM can supply, and whether they load
+        asynchronously (always, when there are any). No side effect: vLLM asks again every step
+        until it admits the request."""
+        hits = self.loads.lookup(request, num_computed_tokens)
+        return hits * self.block_size, hits > 0
+
+    def update_state_after_alloc(self, request: "Request", num_external_tokens: int,
+                                 blocks: "KVCacheBlocks | None" = None) -> None:
+        """vLLM allocated ``blocks`` for ``request`` (admission or resumption), expecting
+        ``num_external_tokens`` tokens from host RAM."""
+        self.requests.admit(request)
+        lookup = self.loads.take_lookup(request.request_id)
+        if num_external_tokens == 0:
+            if lookup is not None:
+                self.counters[C.LOOKUP_TOKENS] += request.num_tokens
+            return
+        self.counters[C.LOOKUP_TOKENS] += request.num_tokens
+        self.counters[C.HIT_TOKENS] += num_external_tokens
+        block_ids = blocks.get_block_ids()[0] if blocks is not None else self._block_ids(request.request_id)
+        self.loads.plan(request, lookup, num_external_tokens // self.block_size, block_ids)
+
+    # ------------------------------------------------------------------ per-step plan
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> OffloadMetadata:
+        step = self._step
+        self.ledger.expire(self.clock())
+        self._apply_resolved()
+        self.ledger.check_reporters(step)
+        # Reconcile vLLM's view first: preemptions since the last plan (a reset may have preempted
+        # a request that this same schedule() already admitted again).
+        self.requests.preempted(scheduler_output.preempted_req_ids or ())
+        loads, load_slots = self.loads.emit(waits_for_load)
+        # The workers read the loaded slots in this step, before any later step can write to
+        # them, so the pins only have to outlive this plan's slot allocations.
+        self.index.pin(load_slots)
+        try:
+            flush = self.saves.plan(*self.requests.take_flush(), step)
+            if self.config.lazy_offload:
+                self.requests.track_computed(scheduler_output, self._block_ids)
+                save: SaveBatch = EMPTY
+            else:
+                save = self.saves.plan(*self.requests.step_candidates(scheduler_output, self._block_ids), step)
+        finally:
+            self.index.unpin(load_slots)
+        self._apply_resolved()  # early reports replayed by the new batches
+        meta = OffloadMetadata(step, self.index.num_slots, flush, save, loads, self.requests.take_release())
+        self._step += 1
+        if self._snapshot is not None:
+            self._snapshot.maybe_write()
+        return meta
+
+    # ------------------------------------------------------------------ finish
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Returns (delay_free, params). Blocks are held only when a flush of them has not been
+        dispatched yet (lazy mode): every save already in a plan is dispatched by the workers
+        before any later step can reuse the blocks."""
+        req_id = request.request_id
+        self.loads.forget(req_id)
+        return self.requests.finish(request, block_ids, self.loads.in_flight(req_id)), None
+
+    # ------------------------------------------------------------------ reports from workers
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(report, OffloadWorkerReport):
+            for host, ranges in report.saved.items():
+                self.ledger.report(host, ok=ranges)
+            for host, ranges in report.failed.items():
+                self.ledger.report(host, failed=ranges)
+            self._apply_resolved()
+        # A chunk that failed to load on some host is not offered again (vLLM recomputes it).
+        if output.invalid_block_ids:
+            for slot, save_id in self.loads.failed_blocks(output.invalid_block_ids):
+                self.index.discard(slot, save_id)
+        unknown = 0
+        if output.finished_recving:
+            unknown += self.loads.finished(output.finished_recving)
+        if output.finished_sending:
+            unknown += self.requests.released(output.finished_sending)
+        if unknown:
+            self.counters[C.UNKNOWN_REQUEST] += unknown
+
+    def _apply_resolved(self) -> None:
+        res = self.ledger.take_resolved()
+        if not len(res):
+            return
+        if len(res.ready_ids):
+            self.index.mark_ready(res.ready_slots, res.ready_ids)
+        if len(res.dropped_ids):
+            self.index.drop(res.dropped_slots, res.dropped_ids)
+        self.staging.release(len(res) * self.chunk_bytes)
+
+    # ------------------------------------------------------------------ reset
+    def reset_cache(self) -> bool:
+        """Nothing saved before this call is ever loaded after it, saves in flight included (their
+        late confirmations free their slots instead of making them loadable), and lazy mode never
+        saves blocks computed before it. vLLM calls it from
+        ``reset_prefix_cache(reset_connector=True)``, between steps."""
+        revoked = self.index.revoke_all()
+        self.loads.clear_lookups()
+        self.requests.forget_unsaved()
+        self.counters[C.RESETS] += 1
+        logger.info("tpuoffload: connector cache reset; %d chunks revoked", revoked)
+        return True
+
+    # ------------------------------------------------------------------ observability
+    def take_stats(self) -> OffloadStats | None:
+        values = self.counters.copy()
+        values.update(self.index.counters)
+        values.update(self.ledger.counters)
+        self.counters.clear()
+        self.index.counters.clear()
+        self.ledger.counters.clear()
+        if not values:
+            return None
+        self.totals.update(values)
+        self._stats_seq += 1
+        return OffloadStats(make_report("sched", self._stats_seq, values))
+
+    def leak_report(self) -> dict[str, int]:
+        """What this half holds right now; every value is zero when the engine is idle and every
+        save resolved. The public gauges (no private fields needed): chunks pinned by loads, saves
+        in flight, staging in use, requests held, and what is queued between steps."""
+        return {
+            "requests": self.requests.num_held(),
+            "awaiting_release": self.requests.num_awaiting_release(),
+            "queued_flush_or_release": self.requests.num_pending(),
+            "loads_planned": self.loads.num_planned(),
+            "loads_in_flight": self.loads.num_in_flight(),
+            "pinned_chunks": self.index.num_pinned(),
+            "saving_chunks": self.index.num_saving(),
+            "ledger_pending": len(self.ledger),
+            "staging_bytes": self.staging.in_use,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """The scheduler half's view, for ``scheduler.json``."""
+        totals = self.totals + self.counters + self.index.counters + self.ledger.counters
+        return {
+            "kind": "scheduler",
+            "step": self._step - 1,
+            "num_hosts": self.ledger.num_hosts,
+            "totals": dict(totals),
+            "slots_total": self.index.num_slots,
+            "slots_used": len(self.index),
+            "staging_capacity": self.staging.capacity,
+            **self.leak_report(),
+        }

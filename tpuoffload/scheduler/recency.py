@@ -1,0 +1,115 @@
+"""Least-recently-used order of host slots, kept as a log of touches with vectorized operations.
+
+Every ``touch`` appends ``(slot, stamp)`` pairs, stamps strictly increasing; ``_stamp[slot]`` is
+the slot's latest stamp (-1: not in the order). A logged pair whose stamp is no longer the slot's
+latest is stale and skipped when met. The oldest live pair is therefore the least recently used
+slot. Each pair is appended once and removed once, so every operation costs amortized O(1) per
+slot touched, whatever the number of slots held, and runs as a few numpy calls per batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class RecencyLog:
+    """Single-threaded (the scheduler thread)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._stamp = np.full(num_slots, -1, dtype=np.int64)
+        self._segments: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (slots, stamps), oldest first
+        self._head = 0  # pairs of _segments[0] before this offset are consumed
+        self._clock = 0
+        self._logged = 0  # pairs in the log from the head on, live or stale
+        self._compact_at = 2 * num_slots + 4096
+
+    def __len__(self) -> int:
+        """Slots in the order (O(num_slots): for reports, not the hot path)."""
+        return int(np.count_nonzero(self._stamp >= 0))
+
+    def contains(self, slots: np.ndarray) -> np.ndarray:
+        return self._stamp[slots] >= 0
+
+    def order(self) -> np.ndarray:
+        """The slots in the order, least recently used first. O(log length): for reports and tests."""
+        live = np.flatnonzero(self._stamp >= 0)
+        return live[np.argsort(self._stamp[live], kind="stable")]
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Make ``slots`` the most recently used, the last one most of all. A slot listed twice
+        ends where it is listed last."""
+        n = len(slots)
+        if not n:
+            return
+        stamps = np.arange(self._clock, self._clock + n, dtype=np.int64)
+        self._clock += n
+        slots = np.array(slots, dtype=np.int64)  # a private copy: the log outlives the caller's array
+        self._stamp[slots] = stamps  # repeated slots: numpy keeps the last assignment
+        self._segments.append((slots, stamps))
+        self._logged += n
+        if self._logged > self._compact_at:
+            self._compact()
+
+    def forget(self, slots: np.ndarray) -> None:
+        """Take ``slots`` out of the order (their logged pairs become stale)."""
+        if len(slots):
+            self._stamp[slots] = -1
+
+    def pop_oldest(self, k: int, usable: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Remove and return up to ``k`` least recently used slots for which ``usable`` (a
+        vectorized predicate) holds, oldest first. Slots in the order that are met but not usable
+        leave the order too: whoever made them unusable must ``touch`` them when they are usable
+        again (a pin is released with a touch)."""
+        out: list[np.ndarray] = []
+        need = k
+        while need > 0 and self._segments:
+            seg_slots, seg_stamps = self._segments[0]
+            s = seg_slots[self._head:]
+            live = self._stamp[s] == seg_stamps[self._head:]
+            pos = np.flatnonzero(live)
+            ok = pos[usable(s[pos])] if len(pos) else pos
+            if len(ok) >= need:
+                last = int(ok[need - 1])
+                took = s[ok[:need]]
+                skipped = pos[pos < last]  # live but unusable, met before the last taken pair
+                self._stamp[s[skipped]] = -1
+                out.append(took)
+                self._head += last + 1
+                self._logged -= last + 1
+                if self._head == len(seg_slots):
+                    self._segments.popleft()
+                    self._head = 0
+                need = 0
+            else:
+                out.append(s[ok])
+                self._stamp[s[pos]] = -1
+                self._logged -= len(s)
+                self._segments.popleft()
+                self._head = 0
+                need -= len(ok)
+        if not out:
+            return _EMPTY
+        victims = np.concatenate(out) if len(out) > 1 else out[0]
+        self._stamp[victims] = -1
+        return victims
+
+    def _compact(self) -> None:
+        """Drop stale pairs: rebuild the log as one segment of the live pairs, in order."""
+        if not self._segments:
+            return
+        first_slots, first_stamps = self._segments[0]
+        parts_s = [first_slots[self._head:]] + [s for s, _ in list(self._segments)[1:]]
+        parts_t = [first_stamps[self._head:]] + [t for _, t in list(self._segments)[1:]]
+        s = np.concatenate(parts_s)
+        t = np.concatenate(parts_t)
+        live = self._stamp[s] == t
+        self._segments = deque([(s[live], t[live])]) if live.any() else deque()
+        self._head = 0
+        self._logged = int(live.sum())
+        self._compact_at = max(2 * self.num_slots + 4096, 2 * self._logged)

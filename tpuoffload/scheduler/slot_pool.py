@@ -1,0 +1,50 @@
+"""A fixed pool of host slots, each able to hold one chunk (this host's share of one KV block)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SlotPool:
+    """Free list of slot numbers ``0 .. num_slots - 1``, handed out and taken back in batches.
+
+    Contract: ``take(n)`` returns up to ``n`` distinct slots that are not currently allocated
+    (fewer only when the pool runs out; never blocks, never grows), lowest numbers first on a
+    fresh pool. ``give`` of a slot that is not allocated, out of range, or listed twice raises:
+    a double free is a bookkeeping bug that would hand one slot to two chunks.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        self.num_slots = num_slots
+        # A stack: free slots are _stack[:_top], the next one handed out is _stack[_top - 1].
+        self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
+        self._top = num_slots
+        self._allocated = np.zeros(num_slots, dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    def take(self, n: int) -> np.ndarray:
+        k = min(max(n, 0), self._top)
+        out = self._stack[self._top - k:self._top][::-1].copy()
+        self._top -= k
+        self._allocated[out] = True
+        return out
+
+    def give(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        k = len(slots)
+        if not k:
+            return
+        if slots.min() < 0 or slots.max() >= self.num_slots:
+            raise ValueError(f"slots out of range 0..{self.num_slots - 1}: {slots[(slots < 0) | (slots >= self.num_slots)][:8]}")
+        if not self._allocated[slots].all():
+            raise ValueError(f"slots not allocated: {slots[~self._allocated[slots]][:8]}")
+        if k > 1 and len(np.unique(slots)) != k:
+            raise ValueError("a slot is freed twice in one batch")
+        self._allocated[slots] = False
+        self._stack[self._top:self._top + k] = slots[::-1]
+        self._top += k

@@ -1,0 +1,63 @@
+"""How many worker processes report each step, and how many bytes one of them stores per chunk.
+
+tpu-inference runs one JAX process per host, holding all of that host's chips
+(``platforms/tpu_platform.py`` picks the executor; ``executors/``):
+
+* one host, no pipeline parallelism: the ``uni`` executor, one process;
+* one host with pipeline parallelism: its ``MultiprocExecutor``, one process per stage
+  (``world_size = pipeline_parallel_size``);
+* several hosts: its Ray executors, one actor per placement-group bundle, one bundle per host.
+
+vLLM's ``parallel_config.world_size`` stays pp * tp * pcp (8 for ``--tensor-parallel-size 8`` on
+one host), so it is the wrong count there; with vLLM's own executors (``mp``, ``ray``) it is the
+right one (one process per rank). The count is both the number of confirmations a chunk needs
+(invariant 7) and what ``get_finished_count()`` tells vLLM's KVOutputAggregator to wait for.
+``kv_connector_extra_config['num_hosts']`` overrides the detection.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def _backend_name(backend: Any) -> str:
+    if backend is None or isinstance(backend, str):
+        return backend or ""
+    return f"{getattr(backend, '__module__', '')}.{getattr(backend, '__qualname__', type(backend).__name__)}"
+
+
+def reporting_workers(vllm_config: "VllmConfig", override: int | None = None) -> tuple[int, str]:
+    """(number of worker processes that report each step, how it was found)."""
+    if override is not None:
+        return override, "kv_connector_extra_config['num_hosts']"
+    pc = vllm_config.parallel_config
+    backend = pc.distributed_executor_backend
+    name = _backend_name(backend)
+    if name == "uni":
+        return 1, "the 'uni' executor: one worker process"
+    if name.startswith("tpu_inference.") and name.endswith(".MultiprocExecutor"):
+        pp = pc.pipeline_parallel_size
+        return pp, f"tpu-inference's MultiprocExecutor: one process per pipeline stage ({pp})"
+    if name.startswith("tpu_inference.") and getattr(backend, "uses_ray", False):
+        group = getattr(pc, "placement_group", None)
+        bundles = getattr(group, "bundle_specs", None)
+        if bundles:
+            return len(bundles), f"tpu-inference's Ray executor: one process per placement-group bundle ({len(bundles)})"
+    return pc.world_size, f"executor {name or 'default'}: one process per rank (world_size {pc.world_size})"
+
+
+def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int) -> int:
+    """Bytes one worker process stores per chunk (one block, all layers): vLLM's page sizes cover
+    the whole mesh, so the sum over KV cache groups of ``page_size_bytes * layers`` is divided by
+    the number of reporting processes."""
+    total = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    if total <= 0:
+        raise ValueError("the KV cache config has no layers: nothing to offload")
+    if total % num_workers:
+        raise ValueError(f"one block of every layer is {total} bytes, which does not divide over "
+                         f"{num_workers} reporting worker processes")
+    return total // num_workers
