@@ -698,7 +698,7 @@ def test_planner_dedups_once_and_accounts_every_candidate():
     assert [idx.hash_of(s) for s in batch.slots] == [h(3), h(4), h(5)]
     assert batch.block_ids[1:] == (14, 16) and batch.block_ids[0] in (12, 13, 15)
     assert isinstance(batch.save_ids, range) and list(batch.save_ids) == [0, 1, 2]
-    assert counters == {C.DEDUP_INDEX: 2, C.DEDUP_BATCH: 2, C.SAVES_ISSUED: 3}
+    assert +counters == {C.DEDUP_INDEX: 2, C.DEDUP_BATCH: 2, C.SAVES_ISSUED: 3}
     assert budget.in_use == 30 and len(led) == 3
 
 
@@ -706,7 +706,7 @@ def test_planner_staging_cut_keeps_the_first_and_counts_the_rest():
     p, idx, led, budget, counters = planner(staging_chunks=2)
     batch = p.plan([1, 2, 3, 4], [h(1), h(2), h(1), h(3)], 0)
     assert [idx.hash_of(s) for s in batch.slots] == [h(1), h(2)]
-    assert counters == {C.DEDUP_BATCH: 1, C.SKIPPED_STAGING: 1, C.SAVES_ISSUED: 2} and budget.in_use == 20
+    assert +counters == {C.DEDUP_BATCH: 1, C.SKIPPED_STAGING: 1, C.SAVES_ISSUED: 2} and budget.in_use == 20
     assert len(p.plan([5], [h(9)], 1)) == 0 and counters[C.SKIPPED_STAGING] == 2
 
 

@@ -186,7 +186,8 @@ class RunResult:
     expired: int = 0
     preemptions: int = 0
     resets: dict[str, int] = field(default_factory=dict)
-    resets_refused: int = 0  # vLLM refused (False or its RuntimeError): not a tpuoffload failure
+    resets_refused: int = 0  # vLLM raised "not supported yet": a running request waits for remote KV
+    resets_declined: int = 0  # returned False: blocks still in use (without reset_running_requests)
     mismatches: int = 0
     wrong_outputs: int = 0
     leaks: dict[str, Any] = field(default_factory=dict)
@@ -216,6 +217,12 @@ def _worker_leaks(states: list[dict]) -> dict[str, Any]:
         if held:
             out[f"host{s['host']}"] = held
     return out
+
+
+def _stuck(pod) -> str:
+    reqs = {rid: f"{r.status.name}@{r.num_computed_tokens}" for rid, r in pod.scheduler.requests.items()}
+    held = {k: v for k, v in pod.offload.leak_report().items() if v}
+    return f"requests left (status@computed tokens): {reqs}; scheduler half holds {held}"
 
 
 def _progress(pod) -> tuple:
@@ -260,11 +267,10 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
                 kind = rng.choice(RESET_KINDS)
                 res.resets[kind] = res.resets.get(kind, 0) + 1
                 try:
-                    ok = pod.scheduler.reset_prefix_cache(reset_running_requests="running" in kind,
-                                                          reset_connector="connector" in kind)
-                except RuntimeError:  # vLLM: running requests waiting for remote KV hold blocks
-                    ok = False
-                res.resets_refused += not ok
+                    res.resets_declined += not pod.scheduler.reset_prefix_cache(
+                        reset_running_requests="running" in kind, reset_connector="connector" in kind)
+                except RuntimeError:  # vLLM: requests waiting for remote KV hold blocks
+                    res.resets_refused += 1
             pod.step()
             step += 1
             now = time.monotonic()
@@ -272,13 +278,11 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
             if mark != last:
                 last, last_change = mark, now
             elif now - last_change > stall_s and not arrivals:
-                stuck = {rid: r.status.name for rid, r in pod.scheduler.requests.items()}
-                raise Hang(f"no progress for {stall_s:.0f} s after step {pod.steps}; requests left: {stuck}")
+                raise Hang(f"no progress for {stall_s:.0f} s after step {pod.steps}; {_stuck(pod)}")
             else:
                 time.sleep(0.002)  # nothing moved: do not spin empty steps
             if step >= max_steps:
-                stuck = {rid: r.status.name for rid, r in pod.scheduler.requests.items()}
-                raise Hang(f"not done after {max_steps} steps; requests left: {stuck}")
+                raise Hang(f"not done after {max_steps} steps; {_stuck(pod)}")
         if not pod.settle(30.0):
             res.leaks["unsettled"] = pod.offload.leak_report()
         states = pod.worker_state()
@@ -480,8 +484,9 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
         ("load errors", f"{sum(r.load_errors for r in results)} (recomputed)"),
         ("save failures", f"{sum(r.save_failures for r in results)}; expired {sum(r.expired for r in results)}"),
         ("preemptions", f"{sum(r.preemptions for r in results)}"),
-        ("resets", f"{sum(resets.values())} ({', '.join(f'{k} {resets[k]}' for k in RESET_KINDS)}); "
-                   f"refused by vLLM {sum(r.resets_refused for r in results)}"),
+        ("resets", f"{sum(resets.values())} ({', '.join(f'{k} {resets[k]}' for k in RESET_KINDS)}); vLLM "
+                   f"declined {sum(r.resets_declined for r in results)} (blocks in use), refused "
+                   f"{sum(r.resets_refused for r in results)} (a request waits for remote KV)"),
         ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none"),
         ("mismatches", f"{kinds['mismatch']} runs ({sum(r.mismatches for r in results)} context positions, "
                        f"{sum(r.wrong_outputs for r in results)} wrong outputs); digest divergences "

@@ -70,6 +70,11 @@ class GroupLayout:
         return tuple(stop - start for start, stop in self.tiles[0]) if self.tiles else ()
 
     @property
+    def wire_dtype(self) -> np.dtype:
+        """Unsigned integer of the dtype's width: how blocks travel and sit in slots (bit-exact)."""
+        return np.dtype(f"uint{8 * self.dtype.itemsize}")
+
+    @property
     def nbytes(self) -> int:
         """Bytes this group takes in one slot."""
         return len(self.layers) * len(self.tiles) * math.prod(self.tile_shape) * self.dtype.itemsize
@@ -94,7 +99,7 @@ class GroupLayout:
         """This group's typed view of slot storage ``(num_slots, slot_bytes)`` uint8:
         ``(num_slots, layers, tiles, *tile_shape)``."""
         part = storage[:, self.offset:self.offset + self.nbytes]
-        return part.view(self.dtype).reshape(storage.shape[0], len(self.layers), len(self.tiles), *self.tile_shape)
+        return part.view(self.wire_dtype).reshape(storage.shape[0], len(self.layers), len(self.tiles), *self.tile_shape)
 
     def describe(self) -> str:
         return (f"{len(self.layers)} layers of {self.shape} {self.dtype} sharded {self.sharding.spec}: "

@@ -293,13 +293,13 @@ class DiskTier:
             if self._closed:
                 return self._done_write(key, "closed")
             current = self._entries.get(key.hash)
-            if key.hash in self._writing or key.hash in self._doomed or (current is not None and current.readers):
-                self.counters[DISK_WRITE_BUSY] += 1
-                return self._done_write(key, "busy")
             if current is not None and current.key == key:
                 self.counters[DISK_WRITE_DEDUP] += 1
                 self._lru.move_to_end(key.hash)
                 return self._done_write(key, None)
+            if key.hash in self._writing or key.hash in self._doomed or (current is not None and current.readers):
+                self.counters[DISK_WRITE_BUSY] += 1
+                return self._done_write(key, "busy")
             victim = current  # another save of this hash: it goes first (its file and the new
             if victim is None and self._units >= self.capacity_chunks:  # one never coexist)
                 victim = self._lru_victim()

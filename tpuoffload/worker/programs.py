@@ -5,6 +5,9 @@ no collective is added, whatever the sharding: each device gathers (or scatters)
 blocks that fall in its batch shard's block range and ignores the others. The gathered batch is
 ``(num_shards, P, layers, *block dims)``: one row of ``P`` chunks per batch shard, every block dim
 sharded as in the cache. ``P`` is padded to a power of two so the programs compile a few times.
+
+Blocks travel as unsigned integers of the cache dtype's width (a bitcast, free on the device), so
+every bit pattern, NaN payloads included, arrives unchanged: no float op ever touches the bytes.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ class GroupPrograms:
 
 def _gather_local(ids, caches, *, group: GroupLayout):
     local = _local_ids(ids, group)
-    rows = jnp.stack([jnp.take(c, local, axis=0, mode="clip") for c in caches], axis=1)
+    wire = group.wire_dtype
+    rows = jnp.stack([jnp.take(jax.lax.bitcast_convert_type(c, wire), local, axis=0, mode="clip") for c in caches],
+                     axis=1)
     return rows[None]  # (1, P, layers, *tile)
 
 
@@ -74,4 +79,7 @@ def _scatter_local(ids, rows, caches, *, group: GroupLayout):
     local = _local_ids(ids, group)
     per_shard = group.blocks_per_shard
     local = jnp.where((local >= 0) & (local < per_shard), local, per_shard)  # not ours: dropped
-    return tuple(c.at[local].set(rows[0, :, i], mode="drop") for i, c in enumerate(caches))
+    wire, dtype = group.wire_dtype, group.dtype
+    return tuple(jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(c, wire).at[local].set(rows[0, :, i], mode="drop"), dtype)
+        for i, c in enumerate(caches))

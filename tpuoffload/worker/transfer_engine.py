@@ -295,7 +295,7 @@ class TransferEngine:
 
         def host_part(index) -> np.ndarray:
             shape = (1, padded, len(group.layers), *group.tile_shape)
-            out = np.zeros(shape, group.dtype)
+            out = np.zeros(shape, group.wire_dtype)
             if errors:
                 return out
             try:
@@ -304,7 +304,7 @@ class TransferEngine:
                 self._faults.hit(FaultPoint.H2D, len(block_ids))
                 pos = np.nonzero(usable & (shards == s))[0]
                 if pos.size:
-                    buf = np.empty((pos.size, *shape[2:]), group.dtype)
+                    buf = np.empty((pos.size, *shape[2:]), group.wire_dtype)
                     self.backend.read_tile(group, [slots[i] for i in pos], t, buf)
                     out[0, pos] = buf
             except Exception as exc:  # noqa: BLE001
@@ -319,7 +319,7 @@ class TransferEngine:
             logger.warning("tpuoffload: building the load's device array failed on this host: %s", errors[0])
             rows = jax.make_array_from_callback(
                 prog.rows_shape(padded), prog.device_sharding,
-                lambda index: np.zeros((1, padded, len(group.layers), *group.tile_shape), group.dtype))
+                lambda index: np.zeros((1, padded, len(group.layers), *group.tile_shape), group.wire_dtype))
             failed = set(range(len(block_ids)))
         return rows, failed
 

@@ -1,0 +1,111 @@
+"""Issue 8: every KV cache tpu-inference 0.32 allocates, built by tpu-inference's own code.
+
+The caches come from tpu-inference's ``create_kv_caches`` on meshes built by its runner's own mesh
+methods (``tpuoffload.sim.tpu_layouts`` says exactly what is run and how), on CPU devices. Each is
+saved, overwritten, loaded elsewhere and compared byte for byte; the rest of the cache must be
+untouched and the sharding preserved.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from tpuoffload.layout import CacheLayout, UnsupportedCache
+from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches, tpu_inference
+from tpuoffload.worker.offload_worker import OffloadWorker
+from tpuoffload.worker.transfer_engine import TransferEngine
+from tpuoffload.config import parse_config
+
+
+def _random_bytes_like(caches, seed):
+    """Each layer filled with random bytes (as its dtype), with the layer's sharding."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in caches:
+        raw = rng.integers(0, 256, size=c.size * c.dtype.itemsize, dtype=np.uint8)
+        out.append(jax.device_put(raw.view(c.dtype).reshape(c.shape), c.sharding))
+    return out
+
+
+def _bytes(arr) -> np.ndarray:
+    a = np.asarray(arr)
+    return a.view(np.uint8).reshape(a.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_round_trip_byte_exact(name):
+    spec = LAYOUTS[name]
+    caches, mesh = create_caches(spec)
+    layout = CacheLayout.from_caches(caches)
+    assert layout.slot_bytes > 0
+    first = _random_bytes_like(caches, seed=1)
+    engine = TransferEngine(first, 64 * layout.slot_bytes)
+    nb = spec.num_blocks
+    # Sources and destinations straddle every batch shard (data / attention-data parallelism).
+    src_a = [1, nb // 2 + 3, nb - 2, 5]
+    src_b = [nb - 1, 2, nb // 2, 7]
+    dst = [nb // 2 + 1, 0, nb - 3, nb // 4]
+    slots, ids_a, ids_b = [4, 9, 0, 63], [10, 11, 12, 13], [20, 21, 22, 23]
+    engine.save(first, src_a, slots, ids_a)
+    second = _random_bytes_like(caches, seed=2)
+    engine.save(second, src_b, slots, ids_b)  # overwrites the same slots: write-after-write
+    assert engine.wait_idle(30)
+    assert {(r.save_id, r.ok) for r in engine.drain_results()} == {(i, True) for i in ids_a + ids_b}
+    before = [_bytes(c) for c in first]
+    want = [_bytes(c)[src_b] for c in second]
+    loaded, failed = engine.load(first, dst, slots, ids_b)
+    assert failed == []
+    others = [b for b in range(nb) if b not in dst]
+    for i, (arr, old, new) in enumerate(zip(loaded, before, want)):
+        got = _bytes(arr)
+        assert np.array_equal(got[dst], new), f"layer {i}: loaded bytes differ"
+        assert np.array_equal(got[others], old[others]), f"layer {i}: other blocks changed"
+        assert arr.sharding == caches[i].sharding and arr.shape == caches[i].shape and arr.dtype == caches[i].dtype
+    # The first save's ids were overwritten: reading them is an error for exactly those blocks.
+    loaded, failed = engine.load(loaded, dst, slots, ids_a)
+    assert failed == dst
+    engine.close()
+
+
+def test_layouts_cover_issue_list():
+    """The layouts exercised above are tpu-inference's real shapes: 5-D packed RPA caches, MLA, DP."""
+    shapes = {name: create_caches(spec)[0][0] for name, spec in LAYOUTS.items()}
+    assert shapes["bf16-8kv-tp4"].ndim == 5 and shapes["bf16-8kv-tp4"].shape[3] == 2  # bf16 packing 2
+    assert shapes["fp8-8kv-tp4"].shape[3] == 4 and shapes["int8-8kv-tp4"].shape[3] == 4  # packing 4
+    assert shapes["mla-tp4"].ndim == 4
+    assert shapes["bf16-dcp2-tp2"].shape[1] == 2 * LAYOUTS["bf16-dcp2-tp2"].block_size  # DCP scales block_size
+    dp = CacheLayout.from_caches([shapes["bf16-dp2-tp4"]]).groups[0]
+    assert dp.num_shards == 2 and dp.batch_axes == ("data",)  # blocks really split
+    adp = CacheLayout.from_caches([shapes["bf16-attndp4-tp2"]]).groups[0]
+    assert adp.num_shards == 4
+    mixed = CacheLayout.from_caches(create_caches(LAYOUTS["bf16-mixed-hd256-512-tp4"])[0])
+    assert len(mixed.groups) == 2  # layers of two shapes, grouped
+
+
+def test_mamba_state_is_refused_by_name():
+    """A hybrid model's mamba layer is a tuple of state arrays: refused at register_runner, naming it."""
+    ti = tpu_inference()
+    caches, mesh = create_caches(LAYOUTS["bf16-8kv-tp4"])
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    conv = ti.kv_cache.create_mamba_cache((caches[0].shape[0], 4, 64), jax.numpy.bfloat16,
+                                          NamedSharding(mesh, PartitionSpec()))
+    runner = types.SimpleNamespace(kv_caches=[caches[0], (conv, conv)], mesh=mesh)
+    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 24}), host_id=0)
+    with pytest.raises(UnsupportedCache, match="mamba"):
+        worker.register_runner(runner)
+    assert worker.engine is None
+
+
+def test_layout_describes_per_host_part():
+    """Per-host slot bytes: the whole block on one host; the replicated-over-data-axis case counts once."""
+    spec = LAYOUTS["bf16-8kv-tp4"]
+    caches, _ = create_caches(spec)
+    layout = CacheLayout.from_caches(caches)
+    per_layer = int(np.prod(caches[0].shape[1:])) * caches[0].dtype.itemsize
+    assert layout.slot_bytes == spec.num_layers * per_layer
+    assert layout.groups[0].tile_shape == (spec.block_size, caches[0].shape[2] // spec.tp, 2, 128)
