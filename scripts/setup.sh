@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Creates .venv with everything tpuoffload and its tests need (CPU JAX, vLLM on a CPU torch).
+# Creates .venv with everything tpuoffload and its tests need (CPU JAX, vLLM on a CPU torch, and
+# the parts of tpu-inference whose KV cache layouts and meshes the tests run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpuoffload, vllm, jax, orbax.checkpoint, pytest" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpuoffload, vllm, jax, orbax.checkpoint, pytest, flax, importlib.util as u; assert u.find_spec('tpu_inference') and u.find_spec('torchax')" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
   # torch first, pinned: vLLM 0.32's pin, whose CPU build is what this machine offers.
@@ -10,4 +11,10 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpuoffload, vllm, 
   .venv/bin/pip install -q "vllm==0.32.0" -e ".[test]"
   # CUDA builds of these break `import vllm` on a CPU torch; tpuoffload needs none of them.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # tpu-inference 0.32.0 (the runtime that hosts the connector) without its TPU dependency pins
+  # (jax 0.11.2 / libtpu): the tests run its own layout, sharding and mesh code on CPU JAX. Those
+  # modules need flax and torchax's ops/mappings (torchax's package __init__ fails on torch 2.13;
+  # tpuoffload.sim.tpu_layouts enters the package without it).
+  .venv/bin/pip install -q "flax==0.12.8"
+  .venv/bin/pip install -q --no-deps "tpu-inference==0.32.0" "torchax==0.0.13"
 fi

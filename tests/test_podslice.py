@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec, _misplaced_op
+from tpuoffload.sim.podslice import (Chaos, DigestMismatch, PodSlice, PointFaults, SliceError, SliceSpec,
+                                     _misplaced_op)
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty
 
@@ -37,8 +38,8 @@ def make_slice(tmp_path):
     """Build PodSlices whose logs go to tmp_path; after the test every worker must be gone."""
     pods: list[PodSlice] = []
 
-    def make(spec: SliceSpec, chaos: Chaos | None = None) -> PodSlice:
-        pod = PodSlice(spec, chaos, log_dir=str(tmp_path / f"slice{len(pods)}"))
+    def make(spec: SliceSpec, chaos: Chaos | None = None, **kw) -> PodSlice:
+        pod = PodSlice(spec, chaos, log_dir=str(tmp_path / f"slice{len(pods)}"), **kw)
         pods.append(pod)
         return pod
 
@@ -106,6 +107,49 @@ def test_prefix_repetition_chaos(make_slice, num_hosts, devices_per_host):
     totals = pod.stats.totals()
     assert totals["chunks_loaded"] > 0, res.stats
     assert totals["load_errors"] > 0 and totals["save_failures"] > 0, res.stats
+    _assert_clean_end(pod)
+
+
+@pytest.mark.timeout(420)
+def test_qwen3_coder_480b_layout_four_hosts_chaos(make_slice):
+    """configs/qwen3-coder-480b-multihost: fp8, tensor parallel 16, 8 KV heads, as tpu-inference's
+    create_kv_caches lays it out over its runner's mesh, spread over 4 processes x 4 devices."""
+    spec = _spec(4, 4, num_blocks=32)
+    spec.layout = "qwen3-coder-480b-fp8-tp16"
+    pod = make_slice(spec, Chaos.storm(4, seed=3))
+    res = run_prefix_repetition(pod, WORKLOAD)
+    assert res.finished + res.aborted == res.requests and res.wrong_outputs == []
+    totals = pod.stats.totals()
+    assert totals["chunks_saved"] > 0 and totals["chunks_loaded"] > 0, res.stats
+    _assert_clean_end(pod)
+
+
+@pytest.mark.timeout(300)
+def test_blocks_split_across_hosts_by_data_parallelism(make_slice):
+    """DP 2 x TP 4 over 2 hosts: each host's devices hold only their data shard's blocks. Every host
+    issues the same programs; a chunk saved from one host's shard and loaded into the other's is a
+    load error there (recomputed), never garbage."""
+    spec = _spec(2, 4, num_blocks=48)
+    spec.layout = "bf16-dp2-tp4"
+    pod = make_slice(spec)
+    res = run_prefix_repetition(pod, WORKLOAD)
+    assert res.finished == res.requests and res.wrong_outputs == []
+    assert pod.stats.totals()["chunks_saved"] > 0, res.stats
+    _assert_clean_end(pod)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["READ_SLOTS", "H2D", "D2H", "WRITE_SLOTS"])
+def test_exception_at_each_fault_point_on_one_host(make_slice, point):
+    """Invariant 2 (issue 12): host 1 raises at one fault point half the time; every host still
+    issues identical programs at every step (the harness compares digests), the outputs are exact,
+    and the failures are reported and counted."""
+    pod = make_slice(_spec(2, 1, num_blocks=48), point_faults=PointFaults(host=1, rate=0.5, points=(point,)))
+    res = run_prefix_repetition(pod, WORKLOAD)
+    assert res.finished == res.requests and res.wrong_outputs == []
+    totals = pod.stats.totals()
+    counter = "load_errors" if point in ("READ_SLOTS", "H2D") else "save_failures"
+    assert totals[counter] > 0, res.stats
     _assert_clean_end(pod)
 
 

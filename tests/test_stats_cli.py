@@ -198,8 +198,19 @@ def test_console_script(real_run):
     assert rep["total"]["hit_rate"] == pytest.approx(EXPECT_HIT_TOKENS / EXPECT_LOOKUP_TOKENS)
 
 
+def _settled_listing(directory: str) -> list[str]:
+    """The directory's files once no heartbeat is in the middle of a write (its temporary file
+    exists only during one write): a temporary file that stays is a leak."""
+    deadline = time.monotonic() + 5
+    while True:
+        names = sorted(os.listdir(directory))
+        if not any(n.startswith(".tmp-") for n in names) or time.monotonic() > deadline:
+            return names
+        time.sleep(0.01)
+
+
 def test_snapshot_files_are_complete_and_readable(real_run):
-    names = sorted(os.listdir(real_run.stats_dir))
+    names = _settled_listing(real_run.stats_dir)
     assert names == ["host-0.json", "host-1.json", "scheduler.json"]  # no temporary file left behind
     for name in names:
         path = os.path.join(real_run.stats_dir, name)
@@ -236,7 +247,7 @@ def test_reader_never_sees_a_torn_file(tmp_path):
         return {"kind": "host", "host": 0, "step": seq[0], "totals": {"chunks_saved": seq[0]},
                 "blob": "x" * size, "size": size}
 
-    writer = SnapshotWriter(str(tmp_path), "host-0.json", 0.0, build)
+    writer = SnapshotWriter(str(tmp_path), "host-0.json", 0.0, build, heartbeat=False)
     writer.maybe_write(force=True)
     stop = threading.Event()
 
@@ -305,7 +316,7 @@ def test_torn_file_control(tmp_path):
 def test_write_failure_never_raises(tmp_path, caplog):
     """The writer runs on the engine's step path: a vanished stats directory is logged, not raised."""
     d = tmp_path / "stats"
-    w = SnapshotWriter(str(d), "host-0.json", 0.0, lambda: {"kind": "host", "host": 0})
+    w = SnapshotWriter(str(d), "host-0.json", 0.0, lambda: {"kind": "host", "host": 0}, heartbeat=False)
     assert w.maybe_write()
     shutil.rmtree(d)
     with caplog.at_level("WARNING", logger="tpuoffload.snapshot"):
@@ -418,6 +429,174 @@ def test_lagging_host(copies, capsys):
     assert flags_of(out) == {"host 1": ["LAGGING (100 steps behind)"]}
     rc, out, _ = run_main(capsys, copies.path, "--max-step-lag", "200")
     assert rc == 0
+
+
+# ============================================================================ heartbeat
+def _flags(capsys, *args) -> tuple[int, dict[str, list[str]]]:
+    rc, out, _ = run_main(capsys, *args, "--json")
+    return rc, {r["name"]: r["flags"] for r in json.loads(out)["hosts"]}
+
+
+def test_idle_engine_heartbeats(real_run, tmp_path, capsys):
+    """The real engine, idle since its last step: no hook runs, yet every snapshot stays fresh,
+    so no host is STOPPED. Control: a writer without a heartbeat, last written at the same
+    moment, is flagged after the same wait (the wait really was long enough)."""
+    real_run.refresh()  # a last step, then idle
+    control = SnapshotWriter(real_run.stats_dir, "host-7.json", 0.0,
+                             lambda: {"kind": "host", "host": 7, "step": -1}, heartbeat=False)
+    try:
+        assert control.maybe_write()
+        last_step = time.time()
+        time.sleep(4.5)
+        rc, flags = _flags(capsys, real_run.stats_dir, "--stale-after", "3", "--max-step-lag", "1000000")
+        assert rc == 1
+        assert flags["host 0"] == flags["host 1"] == flags["scheduler"] == []
+        assert len(flags["host 7"]) == 1 and flags["host 7"][0].startswith("STOPPED (last report"), flags
+        for name in ("host-0.json", "host-1.json", "scheduler.json"):
+            data = json.load(open(os.path.join(real_run.stats_dir, name)))
+            assert data["time"] > last_step + 1.5, (name, data["time"] - last_step)  # rewritten while idle
+            assert data["busy_s"] == 0.0 and data["heartbeat_s"] == 1.0
+    finally:
+        os.unlink(control.path)
+
+
+_HOST_SCRIPT = """
+import sys, time
+from tpuoffload.snapshot import SnapshotWriter
+step = [-1]
+w = SnapshotWriter(sys.argv[1], "host-0.json", 0.2,
+                   lambda: {"kind": "host", "host": 0, "step": step[0], "totals": {}}, heartbeat_s=0.3,
+                   build_when_idle=True)
+for _ in range(3):
+    w.step_begin()
+    step[0] += 1
+    w.step_end()
+if sys.argv[2] == "hung":
+    w.step_begin()  # a step that never ends, as a host stuck in a collective or a wait
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def host_process(tmp_path):
+    """Start a process that writes host-0.json like a worker, then idles (or hangs in a step)."""
+    procs = []
+
+    def start(mode: str):
+        proc = subprocess.Popen([sys.executable, "-c", _HOST_SCRIPT, str(tmp_path), mode], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "ready"
+        return proc
+
+    yield start
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_stopped_process_flagged_idle_one_not(host_process, tmp_path, capsys):
+    proc = host_process("idle")
+    time.sleep(2.5)  # idle well past --stale-after: only the heartbeat keeps it fresh
+    assert _flags(capsys, tmp_path, "--stale-after", "2") == (0, {"host 0": []})
+    os.kill(proc.pid, signal.SIGSTOP)  # the process freezes: nothing writes any more
+    try:
+        time.sleep(2.5)
+        rc, flags = _flags(capsys, tmp_path, "--stale-after", "2")
+        assert rc == 1 and len(flags["host 0"]) == 1
+        assert re.fullmatch(r"STOPPED \(last report \d+s ago\)", flags["host 0"][0]), flags
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(1.0)  # heartbeating again
+    assert _flags(capsys, tmp_path, "--stale-after", "2") == (0, {"host 0": []})
+    proc.kill()  # a host that died
+    proc.wait(timeout=30)
+    time.sleep(2.5)
+    rc, flags = _flags(capsys, tmp_path, "--stale-after", "2")
+    assert rc == 1 and flags["host 0"][0].startswith("STOPPED (last report")
+
+
+@pytest.mark.timeout(120)
+def test_hung_step_flagged(host_process, tmp_path, capsys):
+    """A process stuck inside a step keeps heartbeating (its file stays fresh) but reports how long
+    the step has been running: STOPPED (hung) past --hung-after, not before."""
+    host_process("hung")
+    time.sleep(1.5)
+    assert _flags(capsys, tmp_path, "--stale-after", "2", "--hung-after", "30") == (0, {"host 0": []})
+    time.sleep(1.5)
+    rc, flags = _flags(capsys, tmp_path, "--stale-after", "2", "--hung-after", "2")
+    assert rc == 1 and len(flags["host 0"]) == 1
+    assert re.fullmatch(r"STOPPED \(hung: one step running for \ds, still heartbeating\)", flags["host 0"][0]), flags
+    data = json.load(open(tmp_path / "host-0.json"))
+    assert time.time() - data["time"] < 1.5 and data["busy_s"] > 1.5  # fresh file, long step
+
+
+def _bracketing_owner(writer, state, seconds: float, bracket: bool) -> None:
+    """An engine main thread: each step changes ``state`` (what build() reads) in two halves that
+    are only consistent together; with ``bracket`` inside step_begin()/step_end()."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if bracket:
+            writer.step_begin()
+        state["a"] += 1
+        time.sleep(0.0005)
+        state["b"] += 1
+        if bracket:
+            writer.step_end(write=False)
+        time.sleep(0.002)  # idle between steps: the heartbeat may build now
+
+
+@pytest.mark.parametrize("bracket", [True, False], ids=["bracketed", "control-unbracketed"])
+def test_heartbeat_builds_only_between_steps(tmp_path, bracket):
+    """build_when_idle: the heartbeat builds fresh data only while no step is open, so it never
+    sees a half-done step. Control: an owner that does not bracket its steps is caught."""
+    state = {"a": 0, "b": 0}
+    torn, builds = [], [0]
+
+    def build():
+        builds[0] += 1
+        if state["a"] != state["b"]:
+            torn.append(dict(state))
+        return {"kind": "host", "host": 0, "step": state["a"]}
+
+    writer = SnapshotWriter(str(tmp_path), "host-0.json", 3600.0, build, heartbeat_s=0.005, build_when_idle=True)
+    try:
+        writer.maybe_write(force=True)
+        _bracketing_owner(writer, state, 3.0, bracket)
+    finally:
+        writer.close()
+    assert builds[0] > 50, builds  # the heartbeat really built, many times, while the owner ran
+    if bracket:
+        assert torn == [], torn[:3]
+    else:
+        assert torn, "the unbracketed control never caught the heartbeat mid-step"
+    assert json.load(open(tmp_path / "host-0.json"))["step"] == state["a"]
+
+
+def test_heartbeat_restamps_without_building(tmp_path):
+    """Without build_when_idle the heartbeat never calls build(): it rewrites the last data with a
+    fresh time (what the scheduler half, whose state changes outside steps, needs)."""
+    builds = [0]
+
+    def build():
+        builds[0] += 1
+        return {"kind": "scheduler", "step": builds[0]}
+
+    writer = SnapshotWriter(str(tmp_path), "scheduler.json", 3600.0, build, heartbeat_s=0.1)
+    try:
+        assert writer.maybe_write()
+        first = json.load(open(tmp_path / "scheduler.json"))
+        time.sleep(0.6)
+        later = json.load(open(tmp_path / "scheduler.json"))
+    finally:
+        writer.close()
+    assert builds[0] == 1
+    assert later["time"] > first["time"] and later["built"] == first["built"] and later["step"] == 1
 
 
 # ============================================================================ malformed input

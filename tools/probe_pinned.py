@@ -24,7 +24,10 @@ Options (each timed end to end, median of ``--iters`` after one warm-up):
       load.ds.*         slots in one pinned array; one jitted program reads each slot out of
                         pinned memory onto the device (XLA host offload) and scatters: ``unroll``
                         (one dynamic slice per slot, up to --unroll-max), ``loop`` (fori_loop),
-                        ``gather`` (an indexed gather in host memory space).
+                        ``gather`` (an indexed gather in host memory space), ``loopN`` (fori_loop
+                        unrolled N times, --loop-unroll), ``splitP`` (P independent loops, --split).
+      load.ds.runR      the same with slots in aligned runs of R consecutive slots: one copy per
+                        run (--runs).
   (c) save.copy.tN      gather + device_put to pinned, then N threads copy from the pinned result
                         into the slot array through its view. ``main ms`` = main thread's time.
       save.dus.*        one jitted program: gather, move to host, write each row into the donated
@@ -32,10 +35,12 @@ Options (each timed end to end, median of ``--iters`` after one warm-up):
                         ``scatter`` as for load.ds.
       save.chunks       one jitted gather into per-chunk outputs, one device_put of the list to
                         pinned: the per-chunk arrays are the slots.
+  dispatch              main-thread time of the dispatch calls alone (numpy vs device-resident ids).
   (d) index             whether ``slots[i:j]`` and ``slots[idx]`` work on a pinned array, where
                         the result lives, and a device_put of the slice.
 
     python tools/probe_pinned.py --expect-platform gpu                  # 512 MiB and 2 GiB, 2 and 8 MiB chunks
+    python tools/probe_pinned.py --expect-platform gpu --only ref load.ds save.dus dispatch --loop-unroll 4 16 --split 2 --runs 16
     python tools/probe_pinned.py --expect-platform cpu --check          # CPU: correctness of the same APIs, tiny sizes
 """
 
@@ -64,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--split", type=int, nargs="*", default=[], help="load.ds.splitP: P independent loops")
+    p.add_argument("--runs", type=int, nargs="*", default=[], help="load.ds.runR: slots in aligned runs of R")
     p.add_argument("--loop-unroll", type=int, nargs="*", default=[], help="extra fori_loop unroll factors to try")
     p.add_argument("--unroll-max", type=int, default=64, help="largest step the unrolled in-program variants compile")
     p.add_argument("--only", nargs="*", default=None, help="option name prefixes to run (default all)")
@@ -325,6 +332,47 @@ def main(argv=None) -> int:
                     rows_out.append({"step": tag, "option": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     print(f"{tag:<20} {name:<18} ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
 
+            def ds_split(store, slot_ids, parts=2, unroll=4):
+                """Independent fori_loops over parts of the rows (can their copies overlap?)."""
+                k = slot_ids.shape[0] // parts
+                return jnp.concatenate([ds_loop(store, slot_ids[p * k:(p + 1) * k], unroll) for p in range(parts)])
+
+            for parts in args.split:
+                name = f"load.ds.split{parts}"
+                if not want(name) or n % parts:
+                    continue
+                ds_jit = jax.jit(lambda cs, store, slot_ids, ids, p=parts: scatter_rows(cs, ids, ds_split(store, slot_ids, p)),
+                                 donate_argnums=0, out_shardings=tuple(dsh for _ in caches))
+
+                def load_split(_):
+                    state["caches"] = ds_jit(state["caches"], storage, slots, dst)
+                    jax.block_until_ready(state["caches"])
+                record(name, med(load_split, reset_dst), verified=check_dst(name))
+
+            # Slots in aligned runs of R consecutive slots: one copy per run instead of one per slot.
+            for run in args.runs:
+                name = f"load.ds.run{run}"
+                if not want(name) or n % run or num_slots % run:
+                    continue
+                starts = (np.random.default_rng(3).permutation(num_slots // run)[:n // run] * run).astype(np.int32)
+                run_slots = (starts[:, None] + np.arange(run)).ravel()
+                sview[run_slots] = expect
+
+                def ds_runs(store, run_starts, r=run):
+                    def body(j, rows):
+                        part = jax.device_put(jax.lax.dynamic_slice_in_dim(store, run_starts[j], r), DEVICE)
+                        return jax.lax.dynamic_update_slice_in_dim(rows, part, j * r, 0)
+                    return jax.lax.fori_loop(0, run_starts.shape[0], body,
+                                             jnp.zeros((run_starts.shape[0] * r, store.shape[1]), store.dtype), unroll=4)
+                ds_jit = jax.jit(lambda cs, store, st, ids: scatter_rows(cs, ids, ds_runs(store, st)),
+                                 donate_argnums=0, out_shardings=tuple(dsh for _ in caches))
+
+                def load_runs(_):
+                    state["caches"] = ds_jit(state["caches"], storage, starts, dst)
+                    jax.block_until_ready(state["caches"])
+                record(name, med(load_runs, reset_dst), verified=check_dst(name), copies=n // run)
+                sview[slots] = expect
+
             # ---------------- (c) save paths ----------------
             if want("save.copy"):
                 for nt in args.threads:
@@ -438,6 +486,9 @@ def main(argv=None) -> int:
                     "gather+device_put(np ids)": lambda: jax.device_put(gather(state["caches"], src), hsh),
                     "dus.loop8(np ids)": lambda: store.__setitem__("s", dus8(state["caches"], store["s"], src, slots)) or store["s"],
                     "dus.loop8(dev ids)": lambda: store.__setitem__("s", dus8(state["caches"], store["s"], src_dev, slots_dev)) or store["s"],
+                    "device_put(np ids)": lambda: jax.device_put(np.concatenate([src, slots]), dsh),
+                    "dus.loop8(device_put ids)": lambda: store.__setitem__("s", dus8(
+                        state["caches"], store["s"], *jax.device_put([src, slots], dsh))) or store["s"],
                 }
                 res = {"step": tag, "option": "dispatch"}
                 for label, fn in cases.items():

@@ -69,7 +69,8 @@ class Scenario:
     chaos: dict[str, Any]  # tpuoffload.sim.podslice.Chaos fields
     point_faults: dict[str, Any] | None  # tpuoffload.sim.inproc_slice.PointFaults fields (fast mode)
     reset_rate: float  # per step
-    requests: list[dict[str, Any]]  # {"req_id", "prompt", "max_tokens", "arrival_step"}
+    requests: list[dict[str, Any]]  # {"req_id", "prompt", "max_tokens", "wave", "arrival_step"}
+    settle_between_waves: bool = True
     stall: tuple[int, int] | None = None  # negative control (fast mode): (host, step) that never answers
 
     def knobs(self) -> str:
@@ -81,25 +82,30 @@ class Scenario:
             on.append(f"resets({self.reset_rate:.2f}/step)")
         if self.stall:
             on.append(f"stall(host {self.stall[0]} at step {self.stall[1]})")
-        return (f"{len(self.requests)} requests, {self.num_blocks} GPU blocks, "
+        return (f"{len(self.requests)} requests in {len({r['wave'] for r in self.requests})} waves, "
+                f"{self.num_blocks} GPU blocks, "
                 f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots, "
                 f"{'lazy' if self.extra_config.get('lazy_offload') else 'eager'}; chaos: {', '.join(on) or 'none'}")
 
 
 def _workload(rng: random.Random, block_size: int) -> list[dict[str, Any]]:
-    num_prefixes = rng.randint(1, 4)
-    prefixes = [[rng.randrange(3, 30000) for _ in range(rng.randint(1, 6) * block_size)] for _ in range(num_prefixes)]
-    spread = rng.randint(0, 12)  # arrivals over this many steps
+    """1 to 3 waves of requests on the same few shared prefixes (some requests with none), n > 1
+    siblings, arrivals spread over the first steps of each wave. Before each later wave the soak
+    resets vLLM's prefix cache, so that wave finds the prefixes only in host RAM."""
+    prefixes = [[rng.randrange(3, 30000) for _ in range(rng.randint(1, 6) * block_size)]
+                for _ in range(rng.randint(1, 4))]
     out: list[dict[str, Any]] = []
-    while len(out) < rng.randint(8, 16):
-        prefix = rng.choice(prefixes) if rng.random() < 0.85 else []
-        prompt = prefix + [rng.randrange(3, 30000) for _ in range(rng.randint(1 if not prefix else 0, 24))]
-        if not prompt:
-            continue
-        n = rng.choice((2, 3)) if rng.random() < 0.15 else 1  # n > 1: the frontend's siblings, one prompt
-        step, max_tokens = rng.randint(0, spread), rng.randint(1, 8)
-        for _ in range(n):
-            out.append({"req_id": f"s{len(out):03d}", "prompt": prompt, "max_tokens": max_tokens, "arrival_step": step})
+    for wave in range(rng.choice((1, 2, 2, 3))):
+        spread = rng.randint(0, 8)  # arrivals over this many steps
+        target = len(out) + rng.randint(4, 10)
+        while len(out) < target:
+            prefix = rng.choice(prefixes) if rng.random() < 0.85 else []
+            prompt = prefix + [rng.randrange(3, 30000) for _ in range(rng.randint(0 if prefix else 1, 24))]
+            n = rng.choice((2, 3)) if rng.random() < 0.15 else 1  # n > 1: the frontend's siblings, one prompt
+            step, max_tokens = rng.randint(0, spread), rng.randint(1, 8)
+            for _ in range(n):
+                out.append({"req_id": f"w{wave}-s{len(out):03d}", "prompt": prompt, "max_tokens": max_tokens,
+                            "wave": wave, "arrival_step": step})
     return out
 
 
@@ -155,6 +161,7 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -
     if rng.random() >= 0.3 or mode != "fast":  # podslice's Chaos has no knob for these yet
         point_faults = None
     reset_rate = 0.0 if rng.random() < 0.3 else round(rng.uniform(0.02, 0.08), 3)
+    settle_between_waves = rng.random() < 0.7  # else a wave's lookups race the last wave's saves
     stall = None
     if broken == "stall":
         stall = (hosts - 1, 3)
@@ -165,7 +172,7 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -
     return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
                     extra_config=extra, chaos=chaos, point_faults=point_faults, reset_rate=reset_rate,
-                    requests=requests, stall=stall)
+                    requests=requests, stall=stall, settle_between_waves=settle_between_waves)
 
 
 # ================================================================ one run (child process)
@@ -256,33 +263,40 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
             pod = InProcSlice(spec, chaos, log_dir=log_dir, point_faults=pf, stall=sc.stall)
         else:
             pod = PodSlice(spec, chaos, log_dir=log_dir)
-        arrivals: dict[int, list[dict]] = {}
-        for r in sc.requests:
-            arrivals.setdefault(r["arrival_step"], []).append(r)
-        step, last, last_change = 0, None, time.monotonic()
-        while arrivals or pod.scheduler.has_requests():
-            for r in arrivals.pop(step, ()):
-                pod.add_request(make_request(r["req_id"], r["prompt"], max_tokens=r["max_tokens"]))
-            if sc.reset_rate and rng.random() < sc.reset_rate:
-                kind = rng.choice(RESET_KINDS)
-                res.resets[kind] = res.resets.get(kind, 0) + 1
-                try:
-                    res.resets_declined += not pod.scheduler.reset_prefix_cache(
-                        reset_running_requests="running" in kind, reset_connector="connector" in kind)
-                except RuntimeError:  # vLLM: requests waiting for remote KV hold blocks
-                    res.resets_refused += 1
-            pod.step()
-            step += 1
-            now = time.monotonic()
-            mark = _progress(pod)
-            if mark != last:
-                last, last_change = mark, now
-            elif now - last_change > stall_s and not arrivals:
-                raise Hang(f"no progress for {stall_s:.0f} s after step {pod.steps}; {_stuck(pod)}")
-            else:
-                time.sleep(0.002)  # nothing moved: do not spin empty steps
-            if step >= max_steps:
-                raise Hang(f"not done after {max_steps} steps; {_stuck(pod)}")
+        last, last_change = None, time.monotonic()
+        for wave in sorted({r["wave"] for r in sc.requests}):
+            if wave:
+                if sc.settle_between_waves and not pod.settle(30.0):
+                    raise Hang(f"saves unresolved 30 s after wave {wave - 1}; {_stuck(pod)}")
+                res.resets_declined += not pod.scheduler.reset_prefix_cache()  # HBM forgets; host RAM remains
+            arrivals: dict[int, list[dict]] = {}
+            for r in sc.requests:
+                if r["wave"] == wave:
+                    arrivals.setdefault(r["arrival_step"], []).append(r)
+            step = 0
+            while arrivals or pod.scheduler.has_requests():
+                for r in arrivals.pop(step, ()):
+                    pod.add_request(make_request(r["req_id"], r["prompt"], max_tokens=r["max_tokens"]))
+                if sc.reset_rate and rng.random() < sc.reset_rate:
+                    kind = rng.choice(RESET_KINDS)
+                    res.resets[kind] = res.resets.get(kind, 0) + 1
+                    try:
+                        res.resets_declined += not pod.scheduler.reset_prefix_cache(
+                            reset_running_requests="running" in kind, reset_connector="connector" in kind)
+                    except RuntimeError:  # vLLM: requests waiting for remote KV hold blocks
+                        res.resets_refused += 1
+                pod.step()
+                step += 1
+                now = time.monotonic()
+                mark = _progress(pod)
+                if mark != last:
+                    last, last_change = mark, now
+                elif now - last_change > stall_s and not arrivals:
+                    raise Hang(f"no progress for {stall_s:.0f} s after step {pod.steps}; {_stuck(pod)}")
+                else:
+                    time.sleep(0.002)  # nothing moved: do not spin empty steps
+                if pod.steps >= max_steps:
+                    raise Hang(f"not done after {max_steps} steps; {_stuck(pod)}")
         if not pod.settle(30.0):
             res.leaks["unsettled"] = pod.offload.leak_report()
         states = pod.worker_state()
@@ -519,8 +533,8 @@ def _next_result(args: argparse.Namespace, child: _Child, seed: int) -> tuple[Ru
     timed_out = event is None and child.proc.poll() is None
     status = f"killed after {args.run_timeout:.0f} s" if timed_out else f"child {child.exit_status()}"
     child.kill()
-    return RunResult(seed=seed, kind="hang" if timed_out else "crash",
-                     knobs=make_scenario(seed, args.mode, args.hosts, args.broken).knobs(),
+    sc = make_scenario(seed, args.mode, args.hosts, args.broken)
+    return RunResult(seed=seed, kind="hang" if timed_out else "crash", knobs=sc.knobs(), requests=len(sc.requests),
                      message=f"run {status}; last lines of {child.log_path}:\n{child.tail()}"), True
 
 

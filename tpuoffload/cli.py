@@ -1,5 +1,7 @@
 """``tpuoffload stats``: read per-host snapshots, print a per-host table and the slice total, and
-flag hosts that diverge, stall or stopped reporting.
+flag hosts that diverge, stall or stopped reporting. An idle engine keeps its snapshots fresh with
+a heartbeat (tpuoffload.snapshot), so STOPPED means a process that died or froze, or one that
+keeps heartbeating from inside a step that has run for longer than --hung-after.
 
     tpuoffload stats /var/run/tpuoffload [more dirs or files] [--watch 2] [--json]
 
@@ -73,7 +75,7 @@ def _check_fields(data: dict[str, Any]) -> str | None:
     totals = data.get("totals", {})
     if not isinstance(totals, dict) or not all(_is_num(v) for v in totals.values()):
         return "'totals' is not a mapping of counter names to numbers"
-    for key in ("interval_s", "oldest_inflight_age_s", "slots_used", "slots_total", "staging_bytes",
+    for key in ("interval_s", "heartbeat_s", "busy_s", "oldest_inflight_age_s", "slots_used", "slots_total", "staging_bytes",
                 "inflight_chunks", "saving_chunks"):
         if key in data and not _is_num(data[key]):
             return f"{key!r} is {data[key]!r}, not a number"
@@ -113,16 +115,28 @@ def load_snapshots(paths: list[str]) -> list[Snapshot]:
     return snaps
 
 
+def stale_limit(data: dict[str, Any]) -> float:
+    """Seconds after its last write when a snapshot counts as stopped: three missed writes (the
+    step interval or the idle heartbeat, whichever is longer) plus 5 s of slack."""
+    period = max(float(data.get("interval_s", 5.0)), float(data.get("heartbeat_s", 0.0)))
+    return 3 * period + 5
+
+
 def analyse(snaps: list[Snapshot], *, now: float, stale_after_s: float | None, inflight_age_s: float,
-            max_step_lag: int) -> None:
-    """Attach flags: STOPPED (no snapshot lately), STUCK (old in-flight save), LAGGING (far behind
-    the leading host's step), DIVERGED (different dispatch digest at a step another host also ran)."""
+            max_step_lag: int, hung_after_s: float = 600.0) -> None:
+    """Attach flags: STOPPED (no snapshot lately: the process died or froze; or it keeps
+    heartbeating but one step has been running for longer than ``hung_after_s``: hung), STUCK (old
+    in-flight save), LAGGING (far behind the leading host's step), DIVERGED (different dispatch
+    digest at a step another host also ran). An idle host heartbeats with no step open: not flagged."""
     hosts = [s for s in snaps if s.data["kind"] == "host"]
     for s in snaps:
-        limit = stale_after_s if stale_after_s is not None else 3 * float(s.data.get("interval_s", 5.0)) + 5
+        limit = stale_after_s if stale_after_s is not None else stale_limit(s.data)
         age = now - float(s.data["time"])
+        busy = float(s.data.get("busy_s", 0.0))
         if age > limit:
             s.flags.append(f"STOPPED (last report {age:.0f}s ago)")
+        elif busy and busy + age > hung_after_s:
+            s.flags.append(f"STOPPED (hung: one step running for {busy + age:.0f}s, still heartbeating)")
     for s in hosts:
         age = float(s.data.get("oldest_inflight_age_s", 0.0))
         if age > inflight_age_s:
@@ -176,6 +190,7 @@ def _row(s: Snapshot, now: float) -> dict[str, Any]:
         "save_GiBps": t.get("bytes_saved", 0) / GiB / t["save_seconds"] if t.get("save_seconds") else 0.0,
         "load_GiBps": t.get("bytes_loaded", 0) / GiB / t["load_seconds"] if t.get("load_seconds") else 0.0,
         "age_s": now - float(d["time"]),
+        "busy_s": float(d.get("busy_s", 0.0)),
         "flags": s.flags,
     }
 
@@ -230,7 +245,7 @@ def stats_main(args: argparse.Namespace) -> int:
         if snaps is not None:
             now = time.time()
             analyse(snaps, now=now, stale_after_s=args.stale_after, inflight_age_s=args.inflight_age,
-                    max_step_lag=args.max_step_lag)
+                    max_step_lag=args.max_step_lag, hung_after_s=args.hung_after)
             rep = report(snaps, now)
         if args.watch:
             if args.json:  # one JSON document per line, no terminal control codes
@@ -255,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="refresh in place every SECONDS (with --json: one JSON document per line)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--stale-after", type=float, metavar="SECONDS",
-                    help="flag a host whose snapshot is older (default: 3 x its interval + 5 s)")
+                    help="flag a host whose snapshot is older (default: 3 x its interval or heartbeat + 5 s)")
+    st.add_argument("--hung-after", type=float, default=600.0, metavar="SECONDS",
+                    help="flag a host whose current step has been running longer (default 600: first-step "
+                         "compiles can take minutes)")
     st.add_argument("--inflight-age", type=float, default=60.0, metavar="SECONDS",
                     help="flag saves in flight for longer (default 60)")
     st.add_argument("--max-step-lag", type=int, default=50, help="flag hosts this many steps behind (default 50)")

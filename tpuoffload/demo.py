@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-bytes", type=int, default=8 << 20, help="host RAM per host for KV (cpu_bytes_to_use)")
     p.add_argument("--stats-dir", default=None, help="where hosts write snapshots (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default=None,
+                   help="a named tpu-inference deployment from tpuoffload.sim.tpu_layouts.LAYOUTS (its devices must "
+                        "equal hosts x devices-per-host); default: bf16, 8 KV heads, tensor parallel over every device")
     args = p.parse_args(argv)
     if args.hosts < 1 or args.devices_per_host < 1 or args.prompts < args.prefixes or args.prefixes < 1:
         p.error("need --hosts >= 1, --devices-per-host >= 1 and --prompts >= --prefixes >= 1")
@@ -56,17 +59,20 @@ def main(argv: list[str] | None = None) -> int:
 
     stats_dir = args.stats_dir or tempfile.mkdtemp(prefix="tpuoffload-stats-")
     interval = 0.5
-    heads = 2 * args.hosts * args.devices_per_host
     spec = SliceSpec(
         num_hosts=args.hosts, devices_per_host=args.devices_per_host, num_blocks=256, block_size=args.block_size,
-        num_kv_heads=heads, head_dim=16, max_num_seqs=16, max_num_batched_tokens=512,
+        num_kv_heads=8, head_dim=128, dtype="bfloat16", layout=args.layout, max_num_seqs=16,
+        max_num_batched_tokens=512,
         extra_config={"cpu_bytes_to_use": args.cpu_bytes, "stats_dir": stats_dir, "stats_interval_s": interval},
     )
+    layout = spec.slice_layout()
     requests = prefix_repetition(args.prompts, args.prefixes, args.prefix_len, args.suffix_len, args.output_len,
                                  seed=args.seed, block_size=args.block_size)
-    print(f"tpuoffload demo: {args.hosts} hosts x {args.devices_per_host} CPU devices, {heads} KV heads "
-          f"sharded across them; {args.prompts} prompts over {args.prefixes} shared prefixes of "
-          f"{args.prefix_len} tokens; stats in {stats_dir}")
+    print(f"tpuoffload demo: {args.hosts} hosts x {args.devices_per_host} CPU devices; {args.prompts} prompts over "
+          f"{args.prefixes} shared prefixes of {args.prefix_len} tokens; stats in {stats_dir}")
+    print(f"KV cache: tpu-inference 0.32's own create_kv_caches and runner mesh, layout {layout.name}: "
+          f"{layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}, {layout.dtype}, "
+          f"tensor parallel {layout.tp} x data {layout.dp} x attention-data {layout.attn_dp} x dcp {layout.dcp}")
     t0 = time.monotonic()
     with PodSlice(spec, log_dir=stats_dir) as pod:
         print(f"slice up in {time.monotonic() - t0:.1f}s")

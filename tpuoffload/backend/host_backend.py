@@ -66,6 +66,8 @@ class HostBackend:
     def read_tile(self, group: GroupLayout, slots: Sequence[int], tile: int, out: np.ndarray) -> None:
         """Copy tile ``tile`` of ``group`` from ``slots[i]`` into ``out[i]``."""
         idx = self._check_slots(slots)
+        if out.shape[0] != idx.size:  # numpy would broadcast one slot into every row
+            raise ValueError(f"{out.shape[0]} output rows for {idx.size} slots")
         with self._lock:
             out[...] = group.slot_view(self._storage)[idx, :, tile]
 

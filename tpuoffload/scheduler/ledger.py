@@ -67,6 +67,9 @@ class Resolved:
         return len(self.ready_ids) + len(self.dropped_ids)
 
 
+_NOTHING = Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+
 class CompletionLedger:
     """Single-threaded: it lives on vLLM's scheduler thread."""
 
@@ -160,12 +163,17 @@ class CompletionLedger:
         """READY and dropped saves since the last call, READY ones newest first (so a prefix's
         first chunk, saved first, ends up the most recently used)."""
         res, self._res = self._res, []
+        if not res:
+            return _NOTHING
         ready = [(i, s) for r, i, s in res if r]
         dropped = [(i, s) for r, i, s in res if not r]
-        ri, rs = _cat(ready)
-        if len(ri) > 1:
-            order = np.argsort(-ri, kind="stable")
-            ri, rs = ri[order], rs[order]
+        if len(ready) == 1:  # one ascending run: reverse it
+            ri, rs = ready[0][0][::-1], ready[0][1][::-1]
+        else:
+            ri, rs = _cat(ready)
+            if len(ri) > 1:
+                order = np.argsort(-ri, kind="stable")
+                ri, rs = ri[order], rs[order]
         di, ds = _cat(dropped)
         return Resolved(ri, rs, di, ds)
 

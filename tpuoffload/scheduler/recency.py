@@ -65,34 +65,35 @@ class RecencyLog:
         """Remove and return up to ``k`` least recently used slots for which ``usable`` (a
         vectorized predicate) holds, oldest first. Slots in the order that are met but not usable
         leave the order too: whoever made them unusable must ``touch`` them when they are usable
-        again (a pin is released with a touch)."""
+        again (a pin is released with a touch). Looks at a window of the log proportional to
+        ``k`` (widened while it holds too few usable slots), never at the whole log."""
         out: list[np.ndarray] = []
         need = k
+        window = max(2 * k, 256)
         while need > 0 and self._segments:
             seg_slots, seg_stamps = self._segments[0]
-            s = seg_slots[self._head:]
-            live = self._stamp[s] == seg_stamps[self._head:]
+            end = min(self._head + window, len(seg_slots))
+            s = seg_slots[self._head:end]
+            live = self._stamp[s] == seg_stamps[self._head:end]
             pos = np.flatnonzero(live)
             ok = pos[usable(s[pos])] if len(pos) else pos
             if len(ok) >= need:
                 last = int(ok[need - 1])
-                took = s[ok[:need]]
-                skipped = pos[pos < last]  # live but unusable, met before the last taken pair
-                self._stamp[s[skipped]] = -1
-                out.append(took)
-                self._head += last + 1
-                self._logged -= last + 1
-                if self._head == len(seg_slots):
-                    self._segments.popleft()
-                    self._head = 0
+                self._stamp[s[pos[pos < last]]] = -1  # live but unusable, met before the last one taken
+                out.append(s[ok[:need]])
+                consumed = last + 1
                 need = 0
             else:
                 out.append(s[ok])
                 self._stamp[s[pos]] = -1
-                self._logged -= len(s)
+                consumed = len(s)
+                need -= len(ok)
+                window *= 2
+            self._head += consumed
+            self._logged -= consumed
+            if self._head == len(seg_slots):
                 self._segments.popleft()
                 self._head = 0
-                need -= len(ok)
         if not out:
             return _EMPTY
         victims = np.concatenate(out) if len(out) > 1 else out[0]

@@ -9,18 +9,20 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is C-level (dict construction, ``filterfalse``, ``map``); the
-rest is a fixed number of numpy and dict calls per batch.
+never waited for). The per-chunk work is C-level (one dict construction for the batch); the rest
+is a fixed number of numpy calls per batch (``ChunkIndex`` and its ``HashTable``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from itertools import filterfalse
+from itertools import compress
 
+import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch
+from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.staging import StagingBudget
@@ -47,19 +49,29 @@ class SavePlanner:
         if not n:
             return EMPTY
         # Within the batch: one block per hash (any of them: equal hashes mean equal content, and
-        # every candidate block is computed by the time the workers gather it). dict keeps the
+        # every candidate block is computed by the time the workers gather it). A dict keeps the
         # first occurrence's position, so the order stays the candidates' order.
         by_hash = dict(zip(hashes, block_ids))
-        fresh = list(filterfalse(self.index.contains, by_hash))
+        if len(by_hash) == n:  # no duplicate (the usual prefill step): use the lists as they are
+            keys, blocks = HashKeys.of(hashes), list(block_ids)
+        else:
+            keys, blocks = HashKeys.of(list(by_hash)), list(by_hash.values())
         counters = self.counters
-        counters[C.DEDUP_BATCH] += n - len(by_hash)
-        counters[C.DEDUP_INDEX] += len(by_hash) - len(fresh)
-        if not fresh:
+        if len(by_hash) < n:
+            counters[C.DEDUP_BATCH] += n - len(by_hash)
+        # Against the index: held, or being saved (in flight).
+        held = self.index.find(keys) >= 0
+        n_held = int(np.count_nonzero(held))
+        if n_held:
+            counters[C.DEDUP_INDEX] += n_held
+            keep = ~held
+            keys, blocks = keys.take(keep), list(compress(blocks, keep.tolist()))
+        if not blocks:
             return EMPTY
-        granted = self.staging.reserve_up_to(len(fresh), self.chunk_bytes)
-        if granted < len(fresh):
-            counters[C.SKIPPED_STAGING] += len(fresh) - granted
-            del fresh[granted:]
+        granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
+        if granted < len(blocks):
+            counters[C.SKIPPED_STAGING] += len(blocks) - granted
+            keys, blocks = keys.take(slice(0, granted)), blocks[:granted]
         if not granted:
             return EMPTY
         slots = self.index.allocate(granted)
@@ -67,11 +79,10 @@ class SavePlanner:
         if got < granted:
             counters[C.SKIPPED_NO_SPACE] += granted - got
             self.staging.release((granted - got) * self.chunk_bytes)
-            del fresh[got:]
+            keys, blocks = keys.take(slice(0, got)), blocks[:got]
         if not got:
             return EMPTY
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        self.index.add_saving(fresh, slots, base)
+        self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=tuple(map(by_hash.__getitem__, fresh)), slots=tuple(slots.tolist()),
-                         save_ids=range(base, base + got))
+        return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got))
