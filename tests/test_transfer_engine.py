@@ -68,8 +68,8 @@ def host(caches) -> list[np.ndarray]:
 
 
 def chunk(host_caches, block: int) -> np.ndarray:
-    """A block's bytes in every layer."""
-    return np.stack([h[block] for h in host_caches])
+    """A block's bytes in every layer, layers back to back (they may differ in size)."""
+    return np.concatenate([h[block] for h in host_caches])
 
 
 def expected_slot(layout: CacheLayout, caches, block: int) -> np.ndarray:

@@ -540,8 +540,8 @@ def _next_result(args: argparse.Namespace, child: _Child, seed: int) -> tuple[Ru
 
 def parent_main(args: argparse.Namespace) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
-    seeds = [args.seed + i for i in range(args.runs)]
-    print(f"soak: {args.runs} {args.mode} runs on {args.hosts} hosts, seeds {seeds[0]}..{seeds[-1]}, "
+    seeds = [args.seed + i for i in range(args.runs) for _ in range(args.repeat)]
+    print(f"soak: {len(seeds)} {args.mode} runs on {args.hosts} hosts, seeds {seeds[0]}..{seeds[-1]}, "
           f"deadline {args.run_timeout:.0f} s per run; logs in {args.log_dir}", flush=True)
     t0 = time.monotonic()
     results: list[RunResult] = []
@@ -582,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=2, help="hosts of the slice (podslice: 2, 4 or 8 processes)")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="first seed; run i uses seed + i")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each seed this many times (to replay a failure that depends on thread timing)")
     p.add_argument("--run-timeout", type=float, default=None,
                    help="per-run deadline in seconds, then the run is killed and counts as a hang "
                         "(default 60 fast, 240 podslice)")
@@ -600,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--seeds", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.hosts < 1 or args.runs < 1:
-        p.error("--hosts and --runs must be positive")
+    if args.hosts < 1 or args.runs < 1 or args.repeat < 1:
+        p.error("--hosts, --runs and --repeat must be positive")
     if args.broken == "stall" and args.mode != "fast":
         p.error("--broken stall is a fast-mode control")
     if args.child:

@@ -74,29 +74,29 @@ class ChaosInjector(FaultInjector):
         self.chaos = chaos
         self.host = host
         self.point_faults = point_faults if point_faults is not None and point_faults.host == host else None
-        self._rng = random.Random(chaos.seed * 1000 + host)
-        self._lock = threading.Lock()  # guards _rng (hit runs on the main thread and the save threads)
+        # One stream per point: the main-thread points (READ_SLOTS, H2D) then draw in an order fixed
+        # by the step sequence, whatever the timing of the save threads.
+        self._rngs = {p.name: random.Random(f"{chaos.seed}-{host}-{p.name}") for p in FaultPoint}
+        self._lock = threading.Lock()  # guards _rngs and hits (hit runs on the main thread and the save threads)
         self.hits: dict[str, int] = {}  # point name -> faults injected there; guarded by _lock
-
-    def _draw(self, rate: float) -> bool:
-        return rate > 0 and self._rng.random() < rate
 
     def hit(self, point: FaultPoint, n: int) -> set[int]:
         c, name = self.chaos, point.name
         delay, fail, lost = 0.0, None, set()
         with self._lock:
+            rng = self._rngs[name]
             pf = self.point_faults
-            if pf is not None and name in pf.points and self._draw(pf.rate):
+            if pf is not None and name in pf.points and rng.random() < pf.rate:
                 fail = f"chaos: {name} failed on host {self.host}"
             elif name == "WRITE_SLOTS":
                 if c.write_delay_s:
-                    delay = self._rng.uniform(0, c.write_delay_s)
+                    delay = rng.uniform(0, c.write_delay_s)
                 if c.slow_host == self.host:
                     delay += c.slow_host_delay_s
-            elif name == "D2H" and c.fail_d2h_host == self.host and self._draw(c.fail_d2h_rate):
+            elif name == "D2H" and c.fail_d2h_host == self.host and rng.random() < c.fail_d2h_rate:
                 fail = f"chaos: device-to-host copy failed on host {self.host}"
-            elif name == "READ_SLOTS" and c.lose_slot_host == self.host and n and self._draw(c.lose_slot_rate):
-                lost = {self._rng.randrange(n)}
+            elif name == "READ_SLOTS" and c.lose_slot_host == self.host and n and rng.random() < c.lose_slot_rate:
+                lost = {rng.randrange(n)}
             if fail is not None or lost:
                 self.hits[name] = self.hits.get(name, 0) + 1
         if delay:

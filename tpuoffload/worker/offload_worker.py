@@ -169,14 +169,14 @@ class OffloadWorker:
         return out
 
     def build_report(self) -> OffloadWorkerReport | None:
-        results = Counter()
-        for r in self.engine.drain_results() if self.engine is not None else ():
-            results[(self.host_id, r.save_id, r.ok)] = 1
-        for save_id in self._report_failures:
-            results[(self.host_id, save_id, False)] = 1
+        results = self.engine.drain_results() if self.engine is not None else []
+        saved = [r.save_id for r in results if r.ok]
+        failed = [r.save_id for r in results if not r.ok] + self._report_failures
         self._count("save_failures", len(self._report_failures))
         self._report_failures = []
-        return OffloadWorkerReport(results) if results else None
+        if not saved and not failed:
+            return None
+        return OffloadWorkerReport.from_host(self.host_id, saved, failed)
 
     def _count(self, name: str, n: int) -> None:
         """Count what the worker itself decided (dispatch-level failures); the engine counts the rest."""
