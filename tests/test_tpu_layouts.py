@@ -43,12 +43,13 @@ def test_layout_round_trip_byte_exact(name):
     layout = CacheLayout.from_caches(caches)
     assert layout.slot_bytes > 0
     first = _random_bytes_like(caches, seed=1)
-    engine = TransferEngine(first, 64 * layout.slot_bytes)
+    engine = TransferEngine(first, 64 * layout.device_bytes_per_chunk)
+    assert engine.backend.num_slots == 64
     nb = spec.num_blocks
     # Sources and destinations straddle every batch shard (data / attention-data parallelism).
     src_a = [1, nb // 2 + 3, nb - 2, 5]
     src_b = [nb - 1, 2, nb // 2, 7]
-    dst = [nb // 2 + 1, 0, nb - 3, nb // 4]
+    dst = [nb // 2 + 1, 0, nb - 3, nb // 2 + 5]
     slots, ids_a, ids_b = [4, 9, 0, 63], [10, 11, 12, 13], [20, 21, 22, 23]
     engine.save(first, src_a, slots, ids_a)
     second = _random_bytes_like(caches, seed=2)
@@ -58,11 +59,18 @@ def test_layout_round_trip_byte_exact(name):
     before = [_bytes(c) for c in first]
     want = [_bytes(c)[src_b] for c in second]
     loaded, failed = engine.load(first, dst, slots, ids_b)
-    assert failed == []
+    # A chunk is stored in its source block's batch shard: a load into another shard (data
+    # parallelism) is a load error with zeros in place, never another shard's bytes.
+    group = layout.groups[0]
+    cross = [d for s, d in zip(src_b, dst) if group.shard_of(s) != group.shard_of(d)]
+    assert failed == cross
+    assert (group.num_shards > 1) == bool(cross)
+    same = [i for i, (s, d) in enumerate(zip(src_b, dst)) if d not in cross]
     others = [b for b in range(nb) if b not in dst]
     for i, (arr, old, new) in enumerate(zip(loaded, before, want)):
         got = _bytes(arr)
-        assert np.array_equal(got[dst], new), f"layer {i}: loaded bytes differ"
+        assert np.array_equal(got[[dst[j] for j in same]], new[same]), f"layer {i}: loaded bytes differ"
+        assert not got[cross].any(), f"layer {i}: a failed block must hold zeros"
         assert np.array_equal(got[others], old[others]), f"layer {i}: other blocks changed"
         assert arr.sharding == caches[i].sharding and arr.shape == caches[i].shape and arr.dtype == caches[i].dtype
     # The first save's ids were overwritten: reading them is an error for exactly those blocks.

@@ -10,7 +10,7 @@ workload (shared prefixes, n > 1 siblings, staggered arrivals), the engine setti
 block pool for preemption storms, a small host RAM for eviction, a small staging budget, lazy or
 eager offload) and the chaos: random write and step delays, a persistently slow host, failed
 device-to-host copies, lost slots, dropped and duplicated worker reports, aborts, exceptions at the
-worker's fault points (fast mode), and vLLM's resets between steps
+worker's fault points, and vLLM's resets between steps
 (``scheduler.reset_prefix_cache(reset_running_requests=..., reset_connector=...)``). Timing still
 varies between replays (background save threads), so a timing-dependent failure may need a few.
 
@@ -62,12 +62,14 @@ class Scenario:
     mode: str
     hosts: int
     devices_per_host: int
+    num_kv_heads: int
+    dtype: str
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
     extra_config: dict[str, Any]
     chaos: dict[str, Any]  # tpuoffload.sim.podslice.Chaos fields
-    point_faults: dict[str, Any] | None  # tpuoffload.sim.inproc_slice.PointFaults fields (fast mode)
+    point_faults: dict[str, Any] | None  # tpuoffload.sim.podslice.PointFaults fields
     reset_rate: float  # per step
     requests: list[dict[str, Any]]  # {"req_id", "prompt", "max_tokens", "wave", "arrival_step"}
     settle_between_waves: bool = True
@@ -83,6 +85,7 @@ class Scenario:
         if self.stall:
             on.append(f"stall(host {self.stall[0]} at step {self.stall[1]})")
         return (f"{len(self.requests)} requests in {len({r['wave'] for r in self.requests})} waves, "
+                f"{self.num_kv_heads} KV heads {self.dtype} on {self.hosts}x{self.devices_per_host} devices, "
                 f"{self.num_blocks} GPU blocks, "
                 f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots, "
                 f"{'lazy' if self.extra_config.get('lazy_offload') else 'eager'}; chaos: {', '.join(on) or 'none'}")
@@ -114,13 +117,16 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -
     block_size = 16
     # The same draws in both modes, so that a pod-slice failure can be replayed in fast mode.
     devices_per_host = rng.choice((1, 2))
+    kv_heads_per_host = rng.choice((1, 2, 4))  # 1 on 2 devices: KV heads fewer than the TP shards (padded)
+    dtype = rng.choice(("bfloat16", "bfloat16", "float8_e4m3fn", "int8"))
     requests = _workload(rng, block_size)
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
-    need = -(-longest // block_size) + 1  # one request must fit on its own
+    need = -(-longest // block_size) + 1  # one request must fit on its own (at most 10 blocks)
+    # A few pool sizes only, so the JAX compilation cache serves every run after the first few.
     if rng.random() < 0.4:  # preemption storms
-        num_blocks = need + rng.randint(1, 6)
+        num_blocks = rng.choice([n for n in (12, 16, 24) if n > need])
     else:
-        num_blocks = max(need + 8, rng.choice((48, 96)))
+        num_blocks = rng.choice((48, 96))
     extra: dict[str, Any] = {"save_timeout_s": 1.0, "load_wait_timeout_s": 1.0,
                              "lazy_offload": rng.random() < 0.3, "save_decode_blocks": rng.random() < 0.3,
                              "save_threads": rng.choice((1, 2, 4))}
@@ -158,7 +164,7 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -
     names = [p.name for p in FaultPoint]
     point_faults = {"host": host(), "rate": round(rng.uniform(0.05, 0.2), 2),
                     "points": tuple(rng.sample(names, rng.randint(1, len(names))))}
-    if rng.random() >= 0.3 or mode != "fast":  # podslice's Chaos has no knob for these yet
+    if rng.random() >= 0.3:
         point_faults = None
     reset_rate = 0.0 if rng.random() < 0.3 else round(rng.uniform(0.02, 0.08), 3)
     settle_between_waves = rng.random() < 0.7  # else a wave's lookups race the last wave's saves
@@ -169,7 +175,8 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -
         chaos["broken"] = broken
     if mode == "podslice":
         devices_per_host = 1  # processes are the expensive part; each holds one device
-    return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host, num_blocks=num_blocks,
+    return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host,
+                    num_kv_heads=kv_heads_per_host * hosts, dtype=dtype, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
                     extra_config=extra, chaos=chaos, point_faults=point_faults, reset_rate=reset_rate,
                     requests=requests, stall=stall, settle_between_waves=settle_between_waves)
@@ -242,27 +249,27 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
     """One run. Never raises: every failure becomes the result's kind and message."""
     from vllm.v1.request import RequestStatus
 
-    from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, SliceError, SliceSpec
+    from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, PointFaults, SliceError, SliceSpec
     from tpuoffload.sim.vllm_setup import make_request
     from tpuoffload.sim.workload import expected_output
 
     t0 = time.monotonic()
     res = RunResult(seed=sc.seed, knobs=sc.knobs(), requests=len(sc.requests))
     rng = random.Random(f"soak-driver-{sc.seed}")
-    spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host,
-                     num_kv_heads=2 * sc.hosts * sc.devices_per_host, num_blocks=sc.num_blocks,
+    spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host, num_kv_heads=sc.num_kv_heads,
+                     dtype=sc.dtype, num_blocks=sc.num_blocks,
                      max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
                      extra_config=dict(sc.extra_config), step_timeout_s=30.0)
     chaos = Chaos(**sc.chaos)
+    pf = PointFaults(**sc.point_faults) if sc.point_faults else None
     pod = None
     try:
         if sc.mode == "fast":
-            from tpuoffload.sim.inproc_slice import InProcSlice, PointFaults
+            from tpuoffload.sim.inproc_slice import InProcSlice
 
-            pf = PointFaults(**sc.point_faults) if sc.point_faults else None
             pod = InProcSlice(spec, chaos, log_dir=log_dir, point_faults=pf, stall=sc.stall)
         else:
-            pod = PodSlice(spec, chaos, log_dir=log_dir)
+            pod = PodSlice(spec, chaos, log_dir=log_dir, point_faults=pf)
         last, last_change = None, time.monotonic()
         for wave in sorted({r["wave"] for r in sc.requests}):
             if wave:

@@ -13,21 +13,21 @@ A REVOKED slot keeps its slot until nothing can be writing or reading it, but no
 nothing saved before a reset is ever offered again.
 
 Per-slot state lives in flat arrays (numpy views over a bytearray for the state byte, so Python
-reads it at list speed and numpy writes it in bulk); the LRU order is a ``RecencyLog``. Operations
-take or return slot arrays and cost a fixed number of numpy calls per batch; the only per-chunk work
-is the hash map's (one C-level dict call per batch: ``update``, a keys-view intersection, a
-``map`` of deletions), which a numpy hash table did not beat at batches of a few hundred chunks
-(measured: both about 100-250 ns per chunk for lookup + insert + delete at one million chunks).
+reads it at list speed and numpy writes it in bulk); hashes map to slots through a numpy
+``HashTable``; the LRU order is a ``RecencyLog``. Every operation takes or returns slot arrays and
+costs a fixed number of numpy calls per batch, not Python work per chunk, so its cost does not grow
+with the number of chunks held.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from tpuoffload import counters as C
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable
 from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
 
@@ -35,10 +35,6 @@ ChunkHash = bytes
 
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3
 STATE_NAMES = {FREE: "free", SAVING: "saving", READY: "ready", REVOKED: "revoked"}
-
-
-def _consume(iterator) -> None:
-    deque(iterator, maxlen=0)
 
 
 class ChunkIndex:
@@ -52,8 +48,9 @@ class ChunkIndex:
     def __init__(self, num_slots: int) -> None:
         self._pool = SlotPool(num_slots)
         self._lru = RecencyLog(num_slots)
-        self._by_hash: dict[ChunkHash, int] = {}  # SAVING and READY chunks
-        self._hash_of = np.empty(num_slots, dtype=object)  # slot -> hash (None when no hash names it)
+        self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
+        self._key2 = np.zeros(num_slots, dtype=np.uint64)  # slot -> k2 of its hash (confirms a match)
+        self._cell = np.zeros(num_slots, dtype=np.int64)  # slot -> its cell in the table
         self._state = bytearray(num_slots)  # slot -> FREE/SAVING/READY/REVOKED
         self._state_np = np.frombuffer(self._state, dtype=np.uint8)  # the same memory, for bulk ops
         self._save_id = np.full(num_slots, -1, dtype=np.int64)
@@ -61,10 +58,6 @@ class ChunkIndex:
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
         self.counters: Counter[str] = Counter()
-        #: True if the hash is held or being saved (a save of it would be a duplicate). C-level.
-        self.contains = self._by_hash.__contains__
-        #: A live view of every hash held or being saved, for C-level set operations.
-        self.keys = self._by_hash.keys
 
     # ------------------------------------------------------------------ queries (no side effects)
     @property
@@ -77,7 +70,7 @@ class ChunkIndex:
 
     def __len__(self) -> int:
         """Chunks a hash names (READY or SAVING)."""
-        return len(self._by_hash)
+        return len(self._table)
 
     def num_in_state(self, state: int) -> int:
         return self._counts[state]
@@ -91,10 +84,23 @@ class ChunkIndex:
         return int(np.count_nonzero(self._pins))
 
     def slot_of(self, chunk_hash: ChunkHash) -> int | None:
-        return self._by_hash.get(chunk_hash)
+        """The slot of a chunk held or being saved (None if there is none)."""
+        k1, k2 = HashKeys.one(chunk_hash)
+        slot = self._table.find_one(k1)
+        return slot if slot >= 0 and int(self._key2[slot]) == k2 else None
 
-    def hash_of(self, slot: int) -> ChunkHash | None:
-        return self._hash_of[slot]
+    def contains(self, chunk_hash: ChunkHash) -> bool:
+        """True if the hash is held or being saved (a save of it would be a duplicate)."""
+        return self.slot_of(chunk_hash) is not None
+
+    def find(self, keys: HashKeys) -> np.ndarray:
+        """Slot of each key held or being saved, -1 for the others."""
+        slots = self._table.find(keys.k1)
+        hit = slots >= 0
+        if hit.any():
+            bad = np.flatnonzero(hit)[self._key2[slots[hit]] != keys.k2[hit]]
+            slots[bad] = -1
+        return slots
 
     def state_of(self, slot: int) -> int:
         return self._state[slot]
@@ -105,22 +111,26 @@ class ChunkIndex:
     def save_ids(self, slots: np.ndarray) -> np.ndarray:
         return self._save_id[slots]
 
-    def lru_order(self) -> list[ChunkHash]:
-        """Hashes of the eviction candidates, least recently used first. O(num_slots): for reports
+    def lru_order(self) -> list[int]:
+        """Slots of the eviction candidates, least recently used first. O(num_slots): for reports
         and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
-        return [self._hash_of[s] for s in self._lru.order().tolist()]
+        return self._lru.order().tolist()
 
     def ready_prefix(self, hashes: Sequence[ChunkHash]) -> list[int]:
         """Slots of the leading hashes that are READY (stops at the first that is not). Does not
-        touch the LRU order."""
-        get, state = self._by_hash.get, self._state
-        out = []
-        for h in hashes:
-            slot = get(h)
-            if slot is None or state[slot] != READY:
-                break
-            out.append(slot)
-        return out
+        touch the LRU order. A miss on the first hash (the usual answer) costs one scalar probe."""
+        if not len(hashes):
+            return []
+        first = self.slot_of(hashes[0])
+        if first is None or self._state[first] != READY:
+            return []
+        if len(hashes) == 1:
+            return [first]
+        slots = self.find(HashKeys.of(hashes))
+        ok = slots >= 0
+        ok[ok] = self._state_np[slots[ok]] == READY
+        n = len(ok) if ok.all() else int(ok.argmin())
+        return slots[:n].tolist()
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:
@@ -138,20 +148,17 @@ class ChunkIndex:
                 slots = np.concatenate((slots, victims)) if len(slots) else victims
         return slots
 
-    def add_saving(self, hashes: list[ChunkHash], slots: np.ndarray, first_save_id: int) -> None:
-        """Name ``slots`` (from ``allocate``) by ``hashes``, SAVING under save ids
-        ``first_save_id, first_save_id + 1, ...``. The hashes must be distinct and new to the index
-        (the save planner checks; checked here too, at the cost of one length comparison)."""
+    def add_saving(self, keys: HashKeys, slots: np.ndarray, first_save_id: int) -> None:
+        """Name ``slots`` (from ``allocate``) by ``keys``, SAVING under save ids
+        ``first_save_id, first_save_id + 1, ...``. The keys must be distinct and new to the index
+        (``find`` says -1): the save planner checks."""
         n = len(slots)
-        if len(hashes) != n:
-            raise ValueError(f"{len(hashes)} hashes for {n} slots")
+        if len(keys) != n:
+            raise ValueError(f"{len(keys)} keys for {n} slots")
         if not n:
             return
-        before = len(self._by_hash)
-        self._by_hash.update(zip(hashes, slots.tolist()))
-        if len(self._by_hash) != before + n:
-            raise ValueError("add_saving: a hash is repeated or already in the index")
-        self._hash_of[slots] = hashes
+        self._cell[slots] = self._table.insert(keys.k1, slots)
+        self._key2[slots] = keys.k2
         self._state_np[slots] = SAVING
         self._save_id[slots] = np.arange(first_save_id, first_save_id + n, dtype=np.int64)
         self._counts[FREE] -= n
@@ -242,7 +249,7 @@ class ChunkIndex:
         """Nothing held or being saved may ever be loaded again (connector reset). READY chunks
         are freed (or REVOKED while pinned); SAVING chunks become REVOKED and keep their slot
         until their save resolves. Returns how many chunks were revoked. O(num_slots)."""
-        n = len(self._by_hash)
+        n = len(self._table)
         state = self._state_np
         ready = np.flatnonzero(state == READY)
         self._lru.forget(ready)
@@ -253,8 +260,7 @@ class ChunkIndex:
         saving = np.flatnonzero(state == SAVING)
         if len(saving):
             self._set_state(saving, SAVING, REVOKED)
-        self._by_hash.clear()
-        self._hash_of[:] = None
+        self._table.clear()
         if len(idle):
             self._free(idle, READY)
         self.counters[C.REVOKED] += n
@@ -286,9 +292,10 @@ class ChunkIndex:
         self.version += 1
 
     def _unname(self, slots: np.ndarray) -> None:
-        """Remove the hashes that name ``slots`` from the hash map."""
-        _consume(map(self._by_hash.__delitem__, self._hash_of[slots].tolist()))
-        self._hash_of[slots] = None
+        """Remove the keys that name ``slots`` from the hash table (by cell: no lookup)."""
+        if self._table.delete_cells(self._cell[slots]):
+            vals, cells = self._table.rebuild()
+            self._cell[vals] = cells
 
     def _set_state(self, slots: np.ndarray, old: int, new: int) -> None:
         self._state_np[slots] = new

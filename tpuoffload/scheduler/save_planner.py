@@ -9,16 +9,20 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is C-level (one dict construction and a keys-view
-intersection per batch); the rest is a fixed number of numpy calls per batch.
+never waited for). The per-chunk work is C-level (one dict construction for the batch); the rest
+is a fixed number of numpy calls per batch (``ChunkIndex`` and its ``HashTable``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import compress
+
+import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch
+from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.staging import StagingBudget
@@ -48,25 +52,26 @@ class SavePlanner:
         # every candidate block is computed by the time the workers gather it). A dict keeps the
         # first occurrence's position, so the order stays the candidates' order.
         by_hash = dict(zip(hashes, block_ids))
+        if len(by_hash) == n:  # no duplicate (the usual prefill step): use the lists as they are
+            keys, blocks = HashKeys.of(hashes), list(block_ids)
+        else:
+            keys, blocks = HashKeys.of(list(by_hash)), list(by_hash.values())
         counters = self.counters
         if len(by_hash) < n:
             counters[C.DEDUP_BATCH] += n - len(by_hash)
-        # Against the index: held, or being saved (in flight). C-level; iterates the smaller side.
-        held = by_hash.keys() & self.index.keys()
-        if held:
-            counters[C.DEDUP_INDEX] += len(held)
-            for h in held:
-                del by_hash[h]
-        if len(by_hash) == n:  # nothing removed (the usual prefill step): copy the lists as they are
-            fresh, blocks = list(hashes), list(block_ids)
-        else:
-            fresh, blocks = list(by_hash), list(by_hash.values())
-        if not fresh:
+        # Against the index: held, or being saved (in flight).
+        held = self.index.find(keys) >= 0
+        n_held = int(np.count_nonzero(held))
+        if n_held:
+            counters[C.DEDUP_INDEX] += n_held
+            keep = ~held
+            keys, blocks = keys.take(keep), list(compress(blocks, keep.tolist()))
+        if not blocks:
             return EMPTY
-        granted = self.staging.reserve_up_to(len(fresh), self.chunk_bytes)
-        if granted < len(fresh):
-            counters[C.SKIPPED_STAGING] += len(fresh) - granted
-            del fresh[granted:], blocks[granted:]
+        granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
+        if granted < len(blocks):
+            counters[C.SKIPPED_STAGING] += len(blocks) - granted
+            keys, blocks = keys.take(slice(0, granted)), blocks[:granted]
         if not granted:
             return EMPTY
         slots = self.index.allocate(granted)
@@ -74,10 +79,10 @@ class SavePlanner:
         if got < granted:
             counters[C.SKIPPED_NO_SPACE] += granted - got
             self.staging.release((granted - got) * self.chunk_bytes)
-            del fresh[got:], blocks[got:]
+            keys, blocks = keys.take(slice(0, got)), blocks[:got]
         if not got:
             return EMPTY
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        self.index.add_saving(fresh, slots, base)
+        self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
         return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got))

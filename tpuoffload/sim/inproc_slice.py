@@ -10,9 +10,11 @@ hosts here), ``_exchange_once`` (hand each host the message in turn), ``_tail`` 
 
 Each host is what a worker process of the pod slice is: a WORKER-role ``TPUOffloadConnector``
 whose ``OffloadWorker`` has ``host_id=i`` and its own injected ``ChaosInjector``, and a
-``SyntheticRunner`` on its own ``Mesh`` of a disjoint subset of this process's CPU devices
+``SyntheticRunner`` on its own mesh of a disjoint subset of this process's CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count`` must provide ``num_hosts x
-devices_per_host``), holding its own cache: its shard of ``num_kv_heads // num_hosts`` heads.
+devices_per_host``), holding its own cache as tpu-inference allocates it: ``SliceSpec.host_layout()``,
+the host's part of the slice's cache (its ``num_kv_heads // num_hosts`` heads), so each host's slot
+shape and bytes are those of a host of the multi-process slice.
 Every host gets its own unpickled copy of each message and every reply is pickled back, as
 between processes, so nothing is shared by reference and the stats survive serialization.
 
@@ -34,76 +36,13 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from tpuoffload.sim.podslice import Chaos, PodSlice, SliceError, SliceSpec, _mark_hooks
-from tpuoffload.worker.faults import FaultInjector, FaultPoint
+from tpuoffload.sim.podslice import Chaos, ChaosInjector, PodSlice, PointFaults, SliceError, SliceSpec, _mark_hooks
+from tpuoffload.sim.tpu_layouts import create_caches
 
 _LOG_DIR = os.path.join(tempfile.gettempdir(), "tpuoffload-inproc-slice")
-
-
-@dataclass(frozen=True)
-class PointFaults:
-    """Exceptions at the worker's declared fault points on one host (beyond ``Chaos``):
-    at each point named in ``points``, the whole operation raises with probability ``rate``."""
-
-    host: int = 0
-    rate: float = 0.0
-    points: tuple[str, ...] = field(default_factory=lambda: tuple(p.name for p in FaultPoint))
-
-
-class ChaosInjector(FaultInjector):
-    """``Chaos`` (and optional ``PointFaults``) for one host, as a ``FaultInjector``.
-
-    ================  ===========================================================
-    point             what this host does there
-    ================  ===========================================================
-    WRITE_SLOTS       sleeps up to ``write_delay_s`` (every host), plus
-                      ``slow_host_delay_s`` on ``slow_host``
-    D2H               raises with ``fail_d2h_rate`` on ``fail_d2h_host`` (the save fails)
-    READ_SLOTS        with ``lose_slot_rate`` on ``lose_slot_host``: one random position
-                      fails alone (a lost slot: a load error, recomputed on every host)
-    any point         raises with ``PointFaults.rate`` on ``PointFaults.host``
-    ================  ===========================================================
-
-    Seeded per host. ``hit`` runs on the engine's main thread and on its save threads.
-    """
-
-    def __init__(self, chaos: Chaos, host: int, point_faults: PointFaults | None = None) -> None:
-        self.chaos = chaos
-        self.host = host
-        self.point_faults = point_faults if point_faults is not None and point_faults.host == host else None
-        # One stream per point: the main-thread points (READ_SLOTS, H2D) then draw in an order fixed
-        # by the step sequence, whatever the timing of the save threads.
-        self._rngs = {p.name: random.Random(f"{chaos.seed}-{host}-{p.name}") for p in FaultPoint}
-        self._lock = threading.Lock()  # guards _rngs and hits (hit runs on the main thread and the save threads)
-        self.hits: dict[str, int] = {}  # point name -> faults injected there; guarded by _lock
-
-    def hit(self, point: FaultPoint, n: int) -> set[int]:
-        c, name = self.chaos, point.name
-        delay, fail, lost = 0.0, None, set()
-        with self._lock:
-            rng = self._rngs[name]
-            pf = self.point_faults
-            if pf is not None and name in pf.points and rng.random() < pf.rate:
-                fail = f"chaos: {name} failed on host {self.host}"
-            elif name == "WRITE_SLOTS":
-                if c.write_delay_s:
-                    delay = rng.uniform(0, c.write_delay_s)
-                if c.slow_host == self.host:
-                    delay += c.slow_host_delay_s
-            elif name == "D2H" and c.fail_d2h_host == self.host and rng.random() < c.fail_d2h_rate:
-                fail = f"chaos: device-to-host copy failed on host {self.host}"
-            elif name == "READ_SLOTS" and c.lose_slot_host == self.host and n and rng.random() < c.lose_slot_rate:
-                lost = {rng.randrange(n)}
-            if fail is not None or lost:
-                self.hits[name] = self.hits.get(name, 0) + 1
-        if delay:
-            time.sleep(delay)
-        if fail is not None:
-            raise RuntimeError(fail)
-        return lost
 
 
 @dataclass
@@ -125,15 +64,12 @@ class InProcSlice(PodSlice):
     def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None, *,
                  point_faults: PointFaults | None = None, stall: tuple[int, int] | None = None) -> None:
         self.hosts: list[_Host] = []
-        self._point_faults = point_faults
         self._stall = stall
-        super().__init__(spec, chaos, log_dir=log_dir or _LOG_DIR)
+        super().__init__(spec, chaos, log_dir=log_dir or _LOG_DIR, point_faults=point_faults)
 
     # ---------------------------------------------------------------- hosts
     def _start(self) -> None:
         import jax
-        import numpy as np
-        from jax.sharding import Mesh
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from tpuoffload.connector import TPUOffloadConnector
@@ -146,14 +82,14 @@ class InProcSlice(PodSlice):
         if len(devices) < need:
             raise SliceError(f"{spec.num_hosts} hosts x {spec.devices_per_host} devices need {need} devices; JAX has "
                              f"{len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+        host_layout = spec.host_layout()  # this host's part of the slice's cache, as a cache of its own
         for rank in range(spec.num_hosts):
-            mesh = Mesh(np.array(devices[rank * spec.devices_per_host:(rank + 1) * spec.devices_per_host]), ("model",))
-            runner = SyntheticRunner(mesh, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                                     num_layers=spec.num_layers, num_heads=spec.num_kv_heads // spec.num_hosts,
-                                     head_dim=spec.head_dim)
+            own = devices[rank * spec.devices_per_host:(rank + 1) * spec.devices_per_host]
+            caches, mesh = create_caches(host_layout, own)
+            runner = SyntheticRunner(caches, mesh, block_size=spec.block_size)
             connector = TPUOffloadConnector(self.scheduler.vllm_config, KVConnectorRole.WORKER,
                                             self.scheduler.kv_cache_config)
-            injector = ChaosInjector(chaos, rank, self._point_faults)
+            injector = ChaosInjector(chaos, rank, self.point_faults)
             connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector)
             connector.register_runner(runner)
             _mark_hooks(connector, runner)
@@ -187,9 +123,7 @@ class InProcSlice(PodSlice):
                      "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
                      "backend_bytes": engine.backend.nbytes, "backend_slots_used": engine.backend.num_used(),
                      "steps": runner.stats.steps, "faults_injected": dict(host.injector.hits)}
-            idle_report = getattr(connector.worker, "idle_report", None)
-            if idle_report is not None:
-                state["idle_report"] = idle_report()
+            state["idle_report"] = connector.worker.idle_report()
             return state
         raise ValueError(f"unknown message {msg[0]!r}")
 

@@ -76,7 +76,7 @@ class OffloadWorker:
     def register_runner(self, runner: CacheOwner) -> None:
         caches = list(runner.kv_caches)
         layout = CacheLayout.from_caches(caches)  # UnsupportedCache names what cannot be offloaded
-        host_bytes = self.config.host_bytes(layout.slot_bytes)
+        host_bytes = self.config.host_bytes(layout.device_bytes_per_chunk)
         check_fits_in_ram(host_bytes)
         self._runner = runner
         self.engine = TransferEngine(
@@ -105,7 +105,9 @@ class OffloadWorker:
         if meta.num_slots > self.engine.backend.num_slots:
             raise ValueError(
                 f"the scheduler plans {meta.num_slots} host slots but this host (host {self.host_id}) has "
-                f"{self.engine.backend.num_slots}: the scheduler and workers disagree on the chunk size"
+                f"{self.engine.backend.num_slots}: the scheduler and workers disagree on the chunk size (this host "
+                f"stores {self.engine.backend.slot_bytes} bytes per chunk, replicas included). Set "
+                f"num_cpu_chunks={self.engine.backend.num_slots} in kv_connector_extra_config instead of cpu_bytes_to_use"
             )
         if meta.step == 0 and meta.num_slots < self.engine.backend.num_slots:
             logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "

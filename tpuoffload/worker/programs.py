@@ -1,13 +1,23 @@
-"""The jitted programs that move a group of layers' blocks: one gather and one donating scatter.
+"""The jitted programs that move a group of layers' blocks between the KV cache and host slots.
 
-Both run as ``shard_map`` over the cache's own mesh, so every device works on its own shard and
-no collective is added, whatever the sharding: each device gathers (or scatters) the requested
-blocks that fall in its batch shard's block range and ignores the others. The gathered batch is
-``(num_shards, P, layers, *block dims)``: one row of ``P`` chunks per batch shard, every block dim
-sharded as in the cache. ``P`` is padded to a power of two so the programs compile a few times.
+Host slots live in one preallocated *store* per layer group: a jax.Array in pinned host memory,
+``(num_shards, num_slots, layers, *block dims)``, sharded like the cache on the block dims (each
+device's part of every slot sits in the host memory attached to that device). A save is ONE
+program: gather the blocks on the devices, move each row to host memory and write it into its
+slot of the donated store (XLA updates it in place); a load is ONE program: read each slot's row
+from the store into device memory, then scatter the rows into the donated cache. No host thread
+copies a byte, and the runtime orders every program after the previous one that produced or read
+the store version it takes: write-after-write and read-after-write hold by data dependency.
 
-Blocks travel as unsigned integers of the cache dtype's width (a bitcast, free on the device), so
-every bit pattern, NaN payloads included, arrives unchanged: no float op ever touches the bytes.
+Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
+own shard and no collective is added: each device moves the requested blocks that fall in its
+batch shard's block range and ignores the others. Blocks travel as unsigned integers of the cache
+dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives unchanged.
+
+The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
+a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
+``P`` is padded to a power of two so the programs compile a few times; padding rows repeat the
+last real save (an idempotent rewrite) or target no block (loads).
 """
 
 from __future__ import annotations
@@ -21,16 +31,30 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload.layout import GroupLayout, stacked_spec
 
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+SAVE_UNROLL = 4  # measured on an H200 (tools/probe_pinned.py): 92-97% of a raw device_put
+LOAD_UNROLL = 16
+
 
 def bucket(n: int, cap: int) -> int:
     """Pad batch sizes to powers of two (>= 8 unless ``cap``, a power of two >= n, is smaller)."""
     return max(min(8, cap), 1 << (n - 1).bit_length())
 
 
-def padded_ids(block_ids, num_blocks: int, cap: int) -> np.ndarray:
-    """Block ids padded to ``bucket(n, cap)`` with ``num_blocks``, which is outside every batch shard."""
-    ids = np.full(bucket(len(block_ids), cap), num_blocks, np.int32)
-    ids[:len(block_ids)] = block_ids
+def save_ids(block_ids, slots, num_blocks: int, cap: int) -> np.ndarray:
+    """``(3, P)`` ids of a save; padding rows repeat the last chunk (the same bytes, rewritten)."""
+    ids = np.empty((3, bucket(len(block_ids), cap)), np.int32)
+    ids[0, :len(block_ids)], ids[1, :len(slots)] = block_ids, slots
+    ids[0, len(block_ids):], ids[1, len(slots):] = block_ids[-1], slots[-1]
+    ids[2] = 1
+    return ids
+
+
+def load_ids(block_ids, slots, valid, num_blocks: int, cap: int) -> np.ndarray:
+    """``(3, P)`` ids of a load; padding rows target ``num_blocks``, outside every batch shard."""
+    ids = np.zeros((3, bucket(len(block_ids), cap)), np.int32)
+    ids[0] = num_blocks
+    ids[0, :len(block_ids)], ids[1, :len(slots)], ids[2, :len(valid)] = block_ids, slots, valid
     return ids
 
 
@@ -40,31 +64,6 @@ def _local_ids(ids, group: GroupLayout):
         return ids
     shard = jax.lax.axis_index(group.batch_axes)
     return ids - shard * group.blocks_per_shard
-
-
-class GroupPrograms:
-    """The gather and scatter of one layer group, and the shardings of what they move."""
-
-    def __init__(self, group: GroupLayout, host_memory_kind: str) -> None:
-        self.group = group
-        mesh = group.sharding.mesh
-        cache_spec = PartitionSpec(*group.spec)
-        rows_spec = stacked_spec(group)
-        self.device_sharding = NamedSharding(mesh, rows_spec)
-        self.host_sharding = NamedSharding(mesh, rows_spec, memory_kind=host_memory_kind)
-        n = len(group.layers)
-        gather = jax.shard_map(partial(_gather_local, group=group), mesh=mesh,
-                               in_specs=(PartitionSpec(), (cache_spec,) * n), out_specs=rows_spec, check_vma=False)
-        scatter = jax.shard_map(partial(_scatter_local, group=group), mesh=mesh,
-                                in_specs=(PartitionSpec(), rows_spec, (cache_spec,) * n),
-                                out_specs=(cache_spec,) * n, check_vma=False)
-        self.gather = jax.jit(lambda caches, ids: gather(ids, caches), out_shardings=self.device_sharding)
-        self.scatter = jax.jit(lambda caches, ids, rows: scatter(ids, rows, caches), donate_argnums=0,
-                               out_shardings=(group.sharding,) * n)
-
-    def rows_shape(self, padded: int) -> tuple[int, ...]:
-        g = self.group
-        return (g.num_shards, padded, len(g.layers), *g.shape[1:])
 
 
 def _gather_local(ids, caches, *, group: GroupLayout):
@@ -83,3 +82,56 @@ def _scatter_local(ids, rows, caches, *, group: GroupLayout):
     return tuple(jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(c, wire).at[local].set(rows[0, :, i], mode="drop"), dtype)
         for i, c in enumerate(caches))
+
+
+class GroupPrograms:
+    """The store, save and load programs of one layer group."""
+
+    def __init__(self, group: GroupLayout, host_memory_kind: str, num_slots: int) -> None:
+        self.group = group
+        self.num_slots = num_slots
+        mesh = group.sharding.mesh
+        cache_spec = PartitionSpec(*group.spec)
+        rows_spec = stacked_spec(group)
+        self.device_sharding = NamedSharding(mesh, rows_spec)
+        self.store_sharding = NamedSharding(mesh, rows_spec, memory_kind=host_memory_kind)
+        n = len(group.layers)
+        self._gather = jax.shard_map(partial(_gather_local, group=group), mesh=mesh,
+                                     in_specs=(PartitionSpec(), (cache_spec,) * n), out_specs=rows_spec,
+                                     check_vma=False)
+        self._scatter = jax.shard_map(partial(_scatter_local, group=group), mesh=mesh,
+                                      in_specs=(PartitionSpec(), rows_spec, (cache_spec,) * n),
+                                      out_specs=(cache_spec,) * n, check_vma=False)
+        token_sharding = NamedSharding(mesh, PartitionSpec())
+        self.save = jax.jit(self._save, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
+        self.load = jax.jit(self._load, donate_argnums=0, out_shardings=(group.sharding,) * n)
+        self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
+
+    def allocate(self) -> jax.Array:
+        """The zeroed store (one dispatch, main thread, same on every host)."""
+        shape, dtype = self.store_shape, self.group.wire_dtype
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
+
+    def _save(self, caches, store, ids):
+        rows = self._gather(ids[0], caches)
+
+        def write(i, st):
+            row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
+            return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, i], axis=1)
+
+        store = jax.lax.fori_loop(0, ids.shape[1], write, store, unroll=SAVE_UNROLL)
+        # A small output that is ready when the program is (PJRT marks an execution's outputs ready
+        # together): what a background thread waits on, since the store itself is donated onward.
+        return store, ids[0, 0] + 0
+
+    def _load(self, caches, store, ids):
+        rows_shape = (self.group.num_shards, ids.shape[1], len(self.group.layers), *self.group.shape[1:])
+        rows = jax.lax.with_sharding_constraint(jnp.zeros(rows_shape, self.group.wire_dtype), self.device_sharding)
+
+        def read(i, acc):
+            row = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, i], 1, axis=1), DEVICE)
+            row = jnp.where(ids[2, i] != 0, row, jnp.zeros_like(row))  # placeholder for a missing chunk
+            return jax.lax.dynamic_update_slice_in_dim(acc, row, i, axis=1)
+
+        rows = jax.lax.fori_loop(0, ids.shape[1], read, rows, unroll=LOAD_UNROLL)
+        return self._scatter(ids[0], rows, caches)

@@ -1,22 +1,26 @@
-"""Moves KV blocks between a sharded JAX KV cache and this host's slots in host RAM.
+"""Moves KV blocks between a sharded JAX KV cache and this host's slots in pinned host memory.
 
 Threading contract (invariants 1-4):
 
-* Every JAX dispatch (per layer group: the gather, the device-to-host transfer; the host-to-device
-  transfer, the scatter) happens in ``save``/``load`` on the thread that created the engine, in an
-  order that depends only on the arguments. Calls from any other thread raise RuntimeError before
-  touching JAX.
-* Background threads only wait for device-to-host transfers that were already issued and copy the
-  bytes into backend slots. Writes to the same slot are chained: each write task first waits for
-  the previous write to that slot, so first issued is first done. The pool is FIFO, so the task a
-  write waits for was dequeued earlier and is running or done: chaining cannot deadlock.
-* A load waits (bounded by ``load_wait_timeout_s``) for an in-flight write to the slots it reads.
+* Every JAX dispatch happens in ``save``/``load`` on the thread that created the engine, in an
+  order that depends only on the arguments: per layer group and piece, ONE save program (gather,
+  device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
+  scatter); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
+  JAX.
+* The bytes never pass through a host thread: the programs read and write the store, and the
+  runtime orders each program after the one that produced the store version it takes, so writes
+  land in issue order and a load sees every earlier write. Background threads only wait for a
+  save program to finish and then record, in the slot table, which chunk each slot holds; those
+  records for one slot are chained, first issued first done.
+* A load waits (bounded by ``load_wait_timeout_s``) for the record of an earlier save to the
+  slots it reads; a save still unconfirmed then is a load error, never a hang.
 
 Local trouble never changes what is dispatched (invariant 2): a slot that is late, lost, failed,
 does not hold the expected save id, or lacks the bytes this host needs for the destination block,
-and any exception while reading slots or building the device array, yields a load error for
-exactly those blocks and zeros in their place; a failure while completing a save marks its chunks
-failed (never loadable). Fault points are injected through ``FaultInjector`` (worker/faults.py).
+and any exception while preparing a load, only turns rows of the load's ids into placeholders
+(zeros scattered, the blocks reported as load errors); a failure while completing a save marks
+its chunks failed (never loadable). Fault points are injected through ``FaultInjector``
+(worker/faults.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
-from tpuoffload.worker.programs import GroupPrograms, padded_ids
+from tpuoffload.worker.programs import GroupPrograms
+from tpuoffload.worker.programs import load_ids as load_ids_array
+from tpuoffload.worker.programs import save_ids as save_ids_array
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +80,13 @@ class TransferEngine:
         self.num_blocks = self.layout.num_blocks
         self._load_wait_timeout_s = load_wait_timeout_s
         self._faults = faults or NO_FAULTS
-        self.backend = HostBackend(cpu_bytes_to_use, self.layout.slot_bytes)
+        # A chunk takes device_bytes_per_chunk of this host's memory in the store (replicas included).
+        self.backend = HostBackend(cpu_bytes_to_use, self.layout.device_bytes_per_chunk)
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
-        self._programs = [GroupPrograms(g, host_memory_kind) for g in self.layout.groups]
+        self._programs = [GroupPrograms(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
+        self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
         self.log = DispatchLog()
 
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
@@ -132,39 +140,34 @@ class TransferEngine:
 
     def _save_piece(self, kv_caches, block_ids, slots, save_ids) -> None:
         n = len(block_ids)
-        ids = padded_ids(block_ids, self.num_blocks, self.max_chunks_per_transfer)
-        on_host = []
-        for prog in self._programs:
-            gathered = prog.gather(self._group_caches(kv_caches, prog.group), ids)
-            self.log.record("gather", shape=gathered.shape, dtype=gathered.dtype, blocks=list(map(int, block_ids)))
-            on_host.append(jax.device_put(gathered, prog.host_sharding))
-            self.log.record("d2h", shape=gathered.shape, sharding=prog.host_sharding.spec,
-                            kind=prog.host_sharding.memory_kind)
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
+        ids = save_ids_array(block_ids, slots, self.num_blocks, self.max_chunks_per_transfer)
+        tokens = []
+        for i, prog in enumerate(self._programs):
+            self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+            self.log.record("save", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
+            tokens.append(token)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
-        fut = self._pool.submit(self._complete_save, on_host, block_ids, slots, save_ids, previous)
+        fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous)
         with self._lock:
             self._inflight[fut] = (time.monotonic(), n, n * self.backend.slot_bytes)
         fut.add_done_callback(self._forget_inflight)
         for s in slots:
             self._last_write[s] = fut
 
-    def _complete_save(self, on_host: list[jax.Array], block_ids: list[int], slots: list[int],
+    def _complete_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
                        save_ids: list[int], previous: set[futures.Future]) -> None:
-        futures.wait(previous)  # write-after-write: older writes to these slots land first
+        futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
         failed: set[int] = set()
         t0 = time.monotonic()
         try:
             self.backend.invalidate(slots)
             failed |= self._faults.hit(FaultPoint.D2H, n)
-            for arr in on_host:
-                arr.block_until_ready()
+            jax.block_until_ready(tokens)  # the program, hence its writes into the store, finished
             failed |= self._faults.hit(FaultPoint.WRITE_SLOTS, n)
-            for prog, arr in zip(self._programs, on_host):
-                self._write_group(prog.group, arr, block_ids, slots)
             ok = [i for i in range(n) if i not in failed]
             self.backend.commit([slots[i] for i in ok], [save_ids[i] for i in ok], [block_ids[i] for i in ok])
         except Exception as exc:  # noqa: BLE001 - any failure makes the whole batch unloadable
@@ -179,21 +182,6 @@ class TransferEngine:
             self.counters["save_failures"] += len(failed)
             if done:
                 self.counters["save_seconds"] += time.monotonic() - t0
-
-    def _write_group(self, group: GroupLayout, arr: jax.Array, block_ids: list[int], slots: list[int]) -> None:
-        """Copy each local shard of a gathered batch into the slots of the chunks it holds."""
-        shards = np.array([group.shard_of(b) for b in block_ids])
-        done = set()
-        for shard in arr.addressable_shards:
-            s = shard.index[0].indices(group.num_shards)[0]
-            t = group.tile_index(shard.index[3:])
-            if (s, t) in done:  # replicated over another mesh axis
-                continue
-            done.add((s, t))
-            pos = np.nonzero(shards == s)[0]
-            if pos.size:
-                rows = np.asarray(shard.data)[0]
-                self.backend.write_tile(group, [slots[i] for i in pos], t, rows[pos])
 
     def _forget_inflight(self, fut: futures.Future) -> None:
         with self._lock:
@@ -250,18 +238,18 @@ class TransferEngine:
         try:
             failed |= self._faults.hit(FaultPoint.READ_SLOTS, n)
             failed |= self._unusable(block_ids, slots, save_ids)
-        except Exception as exc:  # noqa: BLE001 - placeholders below keep the dispatch identical
-            logger.warning("tpuoffload: reading %d slots failed on this host: %s", n, exc)
+            failed |= self._faults.hit(FaultPoint.H2D, n)
+        except Exception as exc:  # noqa: BLE001 - placeholders keep the dispatch identical
+            logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
-        ids = padded_ids(block_ids, self.num_blocks, self.max_chunks_per_transfer)
+        valid = [0 if i in failed else 1 for i in range(n)]
+        ids = load_ids_array(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer)
         new = list(kv_caches)
-        for prog in self._programs:
-            rows, failed = self._device_rows(prog, block_ids, slots, failed, len(ids))
-            self.log.record("h2d", shape=rows.shape, sharding=prog.device_sharding.spec)
-            out = prog.scatter(self._group_caches(kv_caches, prog.group), ids, rows)
-            self.log.record("scatter", shape=rows.shape, blocks=block_ids)
-            for i, arr in zip(prog.group.layers, out):
-                new[i] = arr
+        for i, prog in enumerate(self._programs):
+            out = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+            self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
+            for layer, arr in zip(prog.group.layers, out):
+                new[layer] = arr
         with self._lock:
             self.counters["chunks_loaded"] += n - len(failed)
             self.counters["bytes_loaded"] += (n - len(failed)) * self.backend.slot_bytes
@@ -275,53 +263,10 @@ class TransferEngine:
         ok, sources = self.backend.lookup(slots, save_ids)
         bad = set(np.nonzero(~ok)[0].tolist())
         for g in self.layout.groups:
-            if g.num_shards == 1:
-                continue
-            for i, (dst, src) in enumerate(zip(block_ids, sources)):
-                needed = {t for s, t in g.held if s == g.shard_of(dst)}
-                have = {t for s, t in g.held if s == g.shard_of(int(src))}
-                if not needed <= have:
-                    bad.add(i)
+            if g.num_shards > 1:  # the store keeps a chunk in its source block's batch shard only
+                bad |= {i for i, (dst, src) in enumerate(zip(block_ids, sources))
+                        if g.shard_of(dst) != g.shard_of(int(src))}
         return bad
-
-    def _device_rows(self, prog: GroupPrograms, block_ids: list[int], slots: list[int], failed: set[int],
-                     padded: int) -> tuple[jax.Array, set[int]]:
-        """The group's rows on the device: host bytes where usable, zeros elsewhere. A failure here
-        still yields an array of the same shape and sharding (all zeros, all positions failed)."""
-        group = prog.group
-        shards = np.array([group.shard_of(b) for b in block_ids])
-        usable = np.array([i not in failed for i in range(len(block_ids))])
-        errors: list[Exception] = []
-
-        def host_part(index) -> np.ndarray:
-            shape = (1, padded, len(group.layers), *group.tile_shape)
-            out = np.zeros(shape, group.wire_dtype)
-            if errors:
-                return out
-            try:
-                s = index[0].indices(group.num_shards)[0]
-                t = group.tile_index(index[3:])
-                self._faults.hit(FaultPoint.H2D, len(block_ids))
-                pos = np.nonzero(usable & (shards == s))[0]
-                if pos.size:
-                    buf = np.empty((pos.size, *shape[2:]), group.wire_dtype)
-                    self.backend.read_tile(group, [slots[i] for i in pos], t, buf)
-                    out[0, pos] = buf
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
-                out[...] = 0
-            return out
-
-        rows = jax.make_array_from_callback(prog.rows_shape(padded), prog.device_sharding, host_part)
-        if errors:
-            # Other local shards may already hold bytes: replace the whole array with zeros by the
-            # same call, so this host dispatches what every other host does.
-            logger.warning("tpuoffload: building the load's device array failed on this host: %s", errors[0])
-            rows = jax.make_array_from_callback(
-                prog.rows_shape(padded), prog.device_sharding,
-                lambda index: np.zeros((1, padded, len(group.layers), *group.tile_shape), group.wire_dtype))
-            failed = set(range(len(block_ids)))
-        return rows, failed
 
     def _wait_for_writes(self, slots: Sequence[int]) -> set[int]:
         """Read-after-write: wait for in-flight writes to these slots. Returns the positions whose
