@@ -1,36 +1,35 @@
 """TPUOffloadConnector against vLLM 0.32's REAL Scheduler and AsyncScheduler.
 
-Every test drives ``tpuoffload.sim.engine.InProcessEngine``: vLLM's scheduler, the connector's
-scheduler half, and one SyntheticRunner + worker half per simulated host (merged by vLLM's
-KVOutputAggregator when there are two). The runner verifies every context position of a request on
-its first step after (re)admission, so ``engine.mismatches() == 0`` means that no step ever read a
-wrong KV value; loads are also checked byte for byte against ``SyntheticRunner.expected_block``.
+Every test drives ``tpuoffload.sim.engine.InProcessEngine`` through ``tests/offload_harness.py``:
+vLLM's scheduler, the connector's scheduler half, and one SyntheticRunner + worker half per
+simulated host (merged by vLLM's KVOutputAggregator when there are two). The runner verifies every
+context position of a request on its first step after (re)admission, so
+``engine.mismatches() == 0`` means that no step ever read a wrong KV value; loads are also checked
+byte for byte against ``SyntheticRunner.expected_block``.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 from collections import Counter
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from offload_harness import BS, Harness, chunk_bytes, rand_tokens
+from tpuoffload import counters as C
 from tpuoffload.connector import TPUOffloadConnector
-from tpuoffload.manager import ChunkState
-from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport
-from tpuoffload.sim.engine import EngineSpec, InProcessEngine
-from tpuoffload.sim.vllm_setup import assert_scheduler_empty, make_request
+from tpuoffload.messages import OffloadWorkerReport
+from tpuoffload.scheduler.index import READY, SAVING
+from tpuoffload.sim.engine import InProcessEngine
+from tpuoffload.sim.vllm_setup import make_request
 from tpuoffload.stats import OffloadStats
-from tpuoffload.worker.transfer_engine import Faults
+from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
-BS = 16
-SHAPE = dict(block_size=BS, num_layers=2, num_kv_heads=4, head_dim=16, devices_per_host=2)
 # hosts x scheduler kind: the four combinations the connector must survive.
 VARIANTS = [
     pytest.param(1, False, id="1host-sync"),
@@ -38,156 +37,13 @@ VARIANTS = [
     pytest.param(1, True, id="1host-async"),
     pytest.param(2, True, id="2host-async"),
 ]
-CHUNK = 2 * BS * 4 * 16 * 4  # one host slot: layers x block x heads (K and V) x head_dim x f32
-
-
-# ============================================================================ helpers
-class Harness:
-    """An InProcessEngine plus recorders: every SchedulerOutput (preemptions, connector metadata),
-    every request_finished answer, and a byte snapshot of every block right after it was loaded."""
-
-    def __init__(self, hosts=1, async_scheduling=False, num_blocks=64, extra=None, faults=None,
-                 max_num_batched_tokens=256, max_num_seqs=16):
-        extra = {"cpu_bytes_to_use": 1 << 22} if extra is None else extra
-        self.eng = InProcessEngine(
-            EngineSpec(num_hosts=hosts, num_blocks=num_blocks, async_scheduling=async_scheduling,
-                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                       extra_config=extra, **SHAPE),
-            faults=faults,
-        )
-        # The scheduler plans in units of one host slot: both halves must agree on its size.
-        assert self.eng.offload.chunk_bytes == CHUNK
-        assert all(c.worker.engine.backend.slot_bytes == CHUNK for c in self.eng.connectors)
-        self.prompts: dict[str, list[int]] = {}
-        self.requests: dict = {}  # req_id -> vllm Request
-        self.outputs: list = []  # SchedulerOutputs, in schedule order
-        self.finished_answers: dict[str, bool] = {}  # req_id -> delay_free returned to vLLM
-        self.finished_blocks: dict[str, list[int]] = {}  # req_id -> block ids vLLM passed
-        self.released_too_early: list[str] = []  # released before the step whose flush saves them
-        self.loaded: list[tuple[int, str, int, int, np.ndarray]] = []  # host, req, block idx, block id, bytes
-        self.load_failed: list[tuple[int, str, int]] = []  # host, req, block id
-
-        sched = self.eng.scheduler
-        orig_schedule = sched.schedule
-
-        def schedule():
-            so = orig_schedule()
-            self.outputs.append(so)
-            return so
-
-        sched.schedule = schedule
-        off = self.eng.offload
-        orig_finished = off.request_finished
-
-        def request_finished(request, block_ids):
-            delay, params = orig_finished(request, block_ids)
-            self.finished_answers[request.request_id] = delay
-            self.finished_blocks[request.request_id] = list(block_ids)
-            return delay, params
-
-        off.request_finished = request_finished
-        for host, (runner, conn) in enumerate(zip(self.eng.runners, self.eng.connectors)):
-            self._wrap_load(host, runner, conn.worker)
-            self._wrap_bind(conn.worker)
-
-    def _wrap_bind(self, worker):
-        orig = worker.bind
-        sched = self.eng.scheduler
-
-        def bind(meta):
-            # When a step's flush is dispatched, vLLM must still hold the blocks of every request
-            # this step releases (delay_free): they are freed only after this step's output.
-            self.released_too_early.extend(r for r in meta.release_req_ids if r not in sched.requests)
-            return orig(meta)
-
-        worker.bind = bind
-
-    def _wrap_load(self, host, runner, worker):
-        orig = worker.start_load
-        kvm = self.eng.scheduler.kv_cache_manager
-
-        def start_load():
-            meta, already = worker._meta, worker._loaded
-            orig()
-            if meta is None or already:
-                return
-            errors = worker._load_errors
-            for load in meta.loads:
-                req_blocks = kvm.get_block_ids(load.req_id)[0]
-                for b in load.block_ids:
-                    if b in errors:
-                        self.load_failed.append((host, load.req_id, b))
-                        continue
-                    data = np.stack([np.asarray(c[b]) for c in runner.kv_caches])
-                    self.loaded.append((host, load.req_id, req_blocks.index(b), b, data))
-
-        worker.start_load = start_load
-
-    # ---- driving
-    def add(self, req_id, tokens, max_tokens=4):
-        self.prompts[req_id] = list(tokens)
-        self.requests[req_id] = make_request(req_id, tokens, max_tokens=max_tokens)
-        self.eng.add_request(self.requests[req_id])
-
-    def run(self, **kw):
-        return self.eng.run(**kw)
-
-    def metas(self) -> list[OffloadMetadata]:
-        return [so.kv_connector_metadata for so in self.outputs]
-
-    def preempted(self) -> list[str]:
-        return [r for so in self.outputs for r in (so.preempted_req_ids or ())]
-
-    def totals(self) -> dict:
-        return self.eng.stats.reduce()
-
-    def wipe_device_caches(self):
-        """Zero every host's KV cache, so a block that holds the right bytes after a load can only
-        have come from host RAM (vLLM may hand the same physical blocks out again)."""
-        for runner in self.eng.runners:
-            runner.kv_caches = [jax.device_put(jnp.zeros(c.shape, c.dtype), c.sharding) for c in runner.kv_caches]
-
-    def new_wave(self, wipe=True):
-        """Forget vLLM's prefix cache (and the device bytes) so the next requests must hit host RAM."""
-        self.eng.settle()
-        assert self.eng.scheduler.reset_prefix_cache()
-        if wipe:
-            self.wipe_device_caches()
-
-    # ---- checks
-    def check_loaded_bytes(self, min_blocks=1):
-        """Every block snapshotted right after a load equals what the synthetic model computes."""
-        runner = self.eng.runners[0]
-        for host, req_id, idx, block_id, data in self.loaded:
-            tokens = self.prompts[req_id] + self.eng.outputs.get(req_id, [])  # a resumed request's context
-            want = runner.expected_block(tokens, idx)
-            assert want.shape == (SHAPE["num_layers"], BS, SHAPE["num_kv_heads"], SHAPE["head_dim"])
-            assert data.shape == want.shape
-            np.testing.assert_array_equal(data, want, err_msg=f"host {host} {req_id} block #{idx} (id {block_id})")
-        assert len(self.loaded) >= min_blocks
-
-    def check_idle(self):
-        eng = self.eng
-        eng.settle()
-        assert eng.mismatches() == 0, [r.stats.mismatched_requests for r in eng.runners]
-        leaks = eng.offload.leak_report()
-        assert all(v == 0 for v in leaks.values()), leaks
-        # private bookkeeping that must drain too
-        off = eng.offload
-        assert not off._loading_blocks and not off._loading_reqs and not off._pending_loads
-        assert not off._flush_queue and not off._release_queue
-        assert_scheduler_empty(eng.scheduler)
-        assert not self.released_too_early
-        for conn in eng.connectors:
-            assert conn.worker.engine.inflight()[0] == 0
-
-
-def rand_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10, 30000) for _ in range(n)]
 
 
 def full_blocks(n_tokens: int) -> int:
     return n_tokens // BS
+
+
+CHUNK = chunk_bytes()
 
 
 @pytest.fixture(autouse=True)
@@ -294,12 +150,12 @@ def test_parallel_sampling_n8_saves_each_chunk_once(hosts, async_sched):
     assert t["saves_issued"] == 4
     assert t["chunks_saved"] == 4 * hosts
     assert "save_failures" not in t
-    save_ids = [s for m in h.metas() for s in m.save.save_ids + m.flush.save_ids]
+    save_ids = [s for m in h.metas() for s in [*m.save.save_ids, *m.flush.save_ids]]
     assert len(save_ids) == len(set(save_ids)) == 4
     index = h.eng.offload.index
     assert len(index) == 4
-    hashes = make_request("x", prompt).block_hashes[:4]
-    assert [index.get(hh).state for hh in hashes] == [ChunkState.READY] * 4
+    hashes = make_request("x", prompt, block_size=BS).block_hashes[:4]
+    assert [index.state_of(index.slot_of(hh)) for hh in hashes] == [READY] * 4
 
     # All 8 siblings of a second batch read the same 4 host slots, concurrently.
     h.new_wave()
@@ -503,7 +359,7 @@ def test_host_ram_pressure_skips_and_evicts(hosts, async_sched, limit):
     index = h.eng.offload.index
     # Every full prompt block of every request (16 requests x 3) is accounted exactly once: saved,
     # already held (dedup), or skipped for lack of host RAM or of staging.
-    assert (t["saves_issued"] + t.get("dedup_index", 0) + t.get("skipped_no_space", 0)
+    assert (t["saves_issued"] + t.get("dedup_batch", 0) + t.get("dedup_index", 0) + t.get("skipped_no_space", 0)
             + t.get("skipped_staging", 0)) == 16 * 3
     # Every save was confirmed; what is not held any more was evicted.
     assert t["ledger_confirmed"] == t["saves_issued"] and len(index) == t["saves_issued"] - t.get("evicted", 0)
@@ -539,28 +395,31 @@ def test_staging_budget_is_not_spent_on_sibling_duplicates():
     h.check_idle()
     first = h.metas()[0]
     assert len(first.save) == 2 and len(set(first.save.save_ids)) == 2
-    hashes = make_request("x", prompt).block_hashes[:4]
+    hashes = make_request("x", prompt, block_size=BS).block_hashes[:4]
     index = h.eng.offload.index
-    assert [index.get(x) is not None for x in hashes] == [True, True, False, False]
+    assert [index.contains(x) for x in hashes] == [True, True, False, False]
     t = h.totals()
-    assert t["saves_issued"] == 2 and t["skipped_staging"] == 2 and t["dedup_index"] == 32 - 4
+    # The 28 copies are the siblings' (one step: within the batch); never counted as skipped.
+    assert t["saves_issued"] == 2 and t["skipped_staging"] == 2 and t["dedup_batch"] == 32 - 4
+    assert "dedup_index" not in t
 
 
 # ============================================================================ 7. failed loads
-class LoseSlots(Faults):
-    """Local loss on one host: the host's copy of some slots vanishes just before a load reads it."""
+class LoseSlots(FaultInjector):
+    """Local loss on one host: reading some of a load's slots fails (the second one, or all)."""
 
-    def __init__(self, times: int, pick=lambda slots: slots[1:2] or slots[:1]):
+    def __init__(self, times: int, every: bool = False):
         self.times = times
-        self.pick = pick
-        self.lost: list[int] = []
+        self.every = every
+        self.lost = 0
 
-    def before_load(self, backend, slots):
-        if self.times > 0:
-            self.times -= 1
-            victims = list(self.pick(list(slots)))
-            backend.invalidate(victims)
-            self.lost.extend(victims)
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        if point is not FaultPoint.READ_SLOTS or self.times <= 0 or not n:
+            return set()
+        self.times -= 1
+        victims = set(range(n)) if self.every else {min(1, n - 1)}
+        self.lost += len(victims)
+        return victims
 
 
 @pytest.mark.parametrize("hosts,async_sched", VARIANTS)
@@ -578,18 +437,19 @@ def test_failed_load_on_one_host_recomputes(hosts, async_sched):
     h.run(max_steps=200)
     h.check_idle()
     t = h.totals()
-    assert fault.lost and t["load_errors"] == len(fault.lost) == 1
+    assert t["load_errors"] == fault.lost == 1
     assert h.eng.stats.totals()["discarded"] == 1
     assert len(h.load_failed) == 1 and h.load_failed[0][0] == hosts - 1
     # vLLM recomputed: every request finished with the outputs the model gives without offload.
     assert h.eng.finished == set(h.prompts)
     for i in range(2):
         assert h.eng.outputs[f"b{i}"] == h.eng.outputs[f"a{i}"]
-    # The lost chunk (slot, save_id) is never offered again.
-    lost_slot = fault.lost[0]
-    loads = [(step, s, sid) for step, m in enumerate(h.metas()) for ld in m.loads for s, sid in zip(ld.slots, ld.save_ids)]
-    lost_step, _, lost_sid = next(x for x in loads if x[1] == lost_slot)
-    assert not [x for x in loads if x[2] == lost_sid and x[0] != lost_step]
+    # The lost chunk (its save id) is never offered again.
+    _, lost_req, lost_block = h.load_failed[0]
+    loads = [(step, ld.req_id, b, sid) for step, m in enumerate(h.metas()) for ld in m.loads
+             for b, sid in zip(ld.block_ids, ld.save_ids)]
+    lost_step, _, _, lost_sid = next(x for x in loads if x[1:3] == (lost_req, lost_block))
+    assert not [x for x in loads if x[3] == lost_sid and x[0] != lost_step]
     h.check_loaded_bytes(min_blocks=hosts)
 
 
@@ -597,7 +457,7 @@ def test_failed_load_on_one_host_recomputes(hosts, async_sched):
 def test_persistent_load_failures_do_not_loop(hosts, async_sched):
     """Host 1 loses every slot it is asked to load: each attempt fails, the chunk is dropped, vLLM
     recomputes, the recomputed chunk is saved again, and the requests still finish."""
-    fault = LoseSlots(times=10**9, pick=lambda slots: slots)
+    fault = LoseSlots(times=10**9, every=True)
     h = Harness(hosts, async_sched, faults=[None, fault])
     rng = random.Random(8)
     prompt = rand_tokens(rng, 3 * BS + 4)
@@ -610,7 +470,7 @@ def test_persistent_load_failures_do_not_loop(hosts, async_sched):
         h.run(max_steps=100)
     h.check_idle()
     t = h.totals()
-    assert t["load_errors"] == len(fault.lost) > 0
+    assert t["load_errors"] == fault.lost > 0
     attempts = Counter(ld.req_id for m in h.metas() for ld in m.loads)
     assert attempts and max(attempts.values()) <= 2
     # a failed chunk is offered to the requests of one scheduling step at most
@@ -625,7 +485,10 @@ def test_persistent_load_failures_do_not_loop(hosts, async_sched):
 def report(*entries) -> KVConnectorOutput:
     """A KVConnectorOutput as vLLM hands it to update_connector_output, carrying worker reports
     (host, save_id, ok) already merged the way KVOutputAggregator merges them."""
-    return KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerReport(Counter({e: 1 for e in entries})))
+    merged = OffloadWorkerReport()
+    for host, sid, ok in entries:
+        merged = merged.aggregate(OffloadWorkerReport.from_host(host, [sid] if ok else [], [] if ok else [sid]))
+    return KVConnectorOutput(kv_connector_worker_meta=merged)
 
 
 def test_odd_completion_signals_are_tolerated_and_counted_once():
@@ -637,53 +500,56 @@ def test_odd_completion_signals_are_tolerated_and_counted_once():
     h.add("a", rand_tokens(rng, 3 * BS + 2), max_tokens=2)
     h.run()
     eng.settle()
-    s0, s1, s2 = [sid for m in h.metas() for sid in m.save.save_ids]
+    saved = [(sid, slot) for m in h.metas() for sid, slot in zip(m.save.save_ids, m.save.slots)]
+    (s0, _), (s1, _), (s2, _) = saved
+    slot = dict(saved)
     assert len(off.ledger) == 3 and off.index.num_saving() == 3 and off.staging.in_use == 3 * CHUNK
-    chunk = {sid: off.index._by_save_id[sid] for sid in (s0, s1, s2)}
     led = off.ledger.counters
     led.clear()
 
+    def state(sid):
+        return off.index.state_of(slot[sid]) if off.index.save_id_of(slot[sid]) == sid else None
+
     off.update_connector_output(report((0, s0, True)))
-    assert chunk[s0].state is ChunkState.SAVING  # one host of two
+    assert state(s0) == SAVING  # one host of two
     off.update_connector_output(report((0, s0, True)))  # duplicate
-    assert led["duplicate"] == 1 and chunk[s0].state is ChunkState.SAVING
+    assert led[C.LEDGER_DUPLICATE] == 1 and state(s0) == SAVING
     assert off.staging.in_use == 3 * CHUNK
     off.update_connector_output(report((1, s0, True)))
-    assert chunk[s0].state is ChunkState.READY and off.staging.in_use == 2 * CHUNK
+    assert state(s0) == READY and off.staging.in_use == 2 * CHUNK
     off.update_connector_output(report((1, s0, True), (0, s0, True)))  # late: already resolved
-    assert led["late"] == 2 and chunk[s0].state is ChunkState.READY and off.staging.in_use == 2 * CHUNK
-    assert led["confirmed"] == 1
+    assert led[C.LEDGER_LATE] == 2 and state(s0) == READY and off.staging.in_use == 2 * CHUNK
+    assert led[C.LEDGER_CONFIRMED] == 1
 
     # Both hosts in one merged report; then the same merged report again (all late).
     off.update_connector_output(report((0, s1, True), (1, s1, True)))
     off.update_connector_output(report((0, s1, True), (1, s1, True)))
-    assert chunk[s1].state is ChunkState.READY and led["confirmed"] == 2 and led["late"] == 4
+    assert state(s1) == READY and led[C.LEDGER_CONFIRMED] == 2 and led[C.LEDGER_LATE] == 4
     # A failure from one host drops the chunk at once; the other host's success is then late.
     off.update_connector_output(report((1, s2, False)))
     off.update_connector_output(report((0, s2, True)))
-    assert off.index.get(chunk[s2].hash) is None and led["failed"] == 1 and led["late"] == 5
+    assert state(s2) is None and led[C.LEDGER_FAILED] == 1 and led[C.LEDGER_LATE] == 5
     assert off.staging.in_use == 0 and len(off.ledger) == 0 and off.index.num_saving() == 0
     # Unknown hosts, unknown requests, blocks that were never loading: counted, never raised.
     off.update_connector_output(report((7, s0, True)))
-    assert led["unknown_host"] == 1
-    before = off.counters["unknown_request"]
+    assert led[C.LEDGER_UNKNOWN_HOST] == 1
+    before = off.counters[C.UNKNOWN_REQUEST]
     off.update_connector_output(KVConnectorOutput(finished_sending={"never-seen"}, finished_recving={"nor-this"},
                                                   invalid_block_ids={1, 2, 3}))
-    assert off.counters["unknown_request"] == before + 1
-    assert chunk[s0].state is ChunkState.READY and chunk[s1].state is ChunkState.READY
+    assert off.counters[C.UNKNOWN_REQUEST] == before + 2
+    assert state(s0) == READY and state(s1) == READY
 
     # Early: host 1's confirmation of a save id the scheduler has not handed out yet is staged,
     # then resolves that save when it is registered (host 1's real report is lost).
-    nxt = off.index._next_save_id
+    nxt = off.ledger.next_save_id
     off.update_connector_output(report((1, nxt, True)))
-    assert led["early"] == 1 and off.index.num_saving() == 0
+    assert led[C.LEDGER_EARLY] == 1 and off.index.num_saving() == 0
     eng.drop_report = lambda step, host: host == 1
     h.add("b", rand_tokens(rng, BS + 3), max_tokens=2)  # exactly one full block: one save, id nxt
     h.run()
     eng.settle()
     assert [sid for m in h.metas() for sid in m.save.save_ids][-1] == nxt
-    assert off.index._by_save_id.get(nxt) is None and off.index.count_ready_prefix(
-        make_request("x", h.prompts["b"]).block_hashes[:1]) == 1
+    assert len(off.index.ready_prefix(make_request("x", h.prompts["b"], block_size=BS).block_hashes[:1])) == 1
     assert len(off.ledger) == 0 and off.staging.in_use == 0
 
     # The confirmed chunks really load, byte for byte, on both hosts.
@@ -702,7 +568,7 @@ def test_dropped_reports_expire_and_release_staging(hosts, async_sched):
     h = Harness(hosts, async_sched, extra={"cpu_bytes_to_use": 1 << 22, "save_timeout_s": 1.0})
     eng, off = h.eng, h.eng.offload
     now = [100.0]
-    off._clock = lambda: now[0]  # the scheduler's monotonic clock, under the test's control
+    off.clock = lambda: now[0]  # the scheduler's monotonic clock, under the test's control
     eng.drop_report = lambda step, host: host == hosts - 1  # one host's reports never arrive
     prompt = rand_tokens(random.Random(10), 2 * BS + 1)
     h.add("a", prompt, max_tokens=2)
@@ -719,7 +585,7 @@ def test_dropped_reports_expire_and_release_staging(hosts, async_sched):
     assert eng.stats.totals()["ledger_expired"] == 2
     # A report that shows up after all is late, never resurrects the chunk.
     off.update_connector_output(report(*[(hosts - 1, sid, True) for sid in sids]))
-    assert off.ledger.counters["late"] == 2 and len(off.index) == 0
+    assert off.ledger.counters[C.LEDGER_LATE] == 2 and len(off.index) == 0
     # Never loadable: the same prompt is recomputed (and saved again, this time confirmed).
     eng.drop_report = None
     h.new_wave()

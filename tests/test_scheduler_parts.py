@@ -12,6 +12,7 @@ import pytest
 
 from tpuoffload import counters as C
 from tpuoffload.messages import OffloadWorkerReport, id_ranges, merge_ranges
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable
 from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.recency import RecencyLog
@@ -159,7 +160,7 @@ def test_recency_log_against_a_list_with_compaction():
 # ---------------------------------------------------------------- ChunkIndex
 def save(index: ChunkIndex, hashes, first_id: int) -> np.ndarray:
     slots = index.allocate(len(hashes))
-    index.add_saving(list(hashes[:len(slots)]), slots, first_id)
+    index.add_saving(HashKeys.of(list(hashes[:len(slots)])), slots, first_id)
     return slots
 
 
@@ -176,8 +177,9 @@ def test_index_lru_evicts_oldest_ready_unpinned_and_reuses_its_slot():
     got = idx.allocate(1)
     assert got.tolist() == [slots[0]] and idx.slot_of(h(1)) is None  # the oldest went first
     assert idx.counters[C.EVICTED] == 1
-    idx.add_saving([h(4)], got, 10)
+    idx.add_saving(HashKeys.of([h(4)]), got, 10)
     assert idx.state_of(int(got[0])) == SAVING and idx.save_id_of(int(got[0])) == 10
+    assert idx.slot_of(h(4)) == int(got[0])
 
 
 def test_index_mark_ready_order_sets_recency():
@@ -186,7 +188,7 @@ def test_index_mark_ready_order_sets_recency():
     idx = ChunkIndex(3)
     slots = save(idx, [h(1), h(2), h(3)], 0)
     idx.mark_ready(slots[::-1], idx.save_ids(slots[::-1]))
-    assert idx.lru_order() == [h(3), h(2), h(1)]
+    assert idx.lru_order() == slots[::-1].tolist()
 
 
 def test_index_saving_pinned_and_revoked_never_evicted():
@@ -199,7 +201,7 @@ def test_index_saving_pinned_and_revoked_never_evicted():
     assert len(got) == 2 and idx.slot_of(h(2)) is None and idx.slot_of(h(4)) is None
     assert idx.slot_of(h(1)) is not None and idx.slot_of(h(3)) is not None
     assert idx.allocate(1).tolist() == []
-    idx.add_saving([h(5), h(6)], got, 7)
+    idx.add_saving(HashKeys.of([h(5), h(6)]), got, 7)
     idx.unpin(r[:1])
     assert idx.allocate(1).tolist() == [r[0]]  # unpinned: evictable again
 
@@ -221,11 +223,13 @@ def test_index_pin_twice_needs_two_unpins_and_bad_pins_raise():
     assert len(idx.allocate(1)) == 1
 
 
-def test_index_add_saving_refuses_a_held_hash():
+def test_index_find_confirms_with_the_second_key_word():
     idx = ChunkIndex(4)
-    ready(idx, [h(1)])
-    with pytest.raises(ValueError):
-        idx.add_saving([h(1)], idx.allocate(1), 9)
+    a, b = b"A" * 8 + b"x" * 8, b"A" * 8 + b"y" * 8  # equal first 8 bytes (the table's key)
+    (sa,) = ready(idx, [a])
+    assert idx.slot_of(a) == sa and idx.slot_of(b) is None and not idx.contains(b)
+    assert idx.find(HashKeys.of([b, a])).tolist() == [-1, sa]
+    assert idx.ready_prefix([a, b]) == [sa]
 
 
 def test_index_drop_frees_slot_and_late_confirmation_cannot_resurrect():
@@ -341,7 +345,7 @@ def test_index_randomized_against_model(seed):
                 model.lru.remove(x)
                 del model.chunks[x]
                 model.evicted += 1
-            idx.add_saving(fresh[:len(slots)], slots, next_id)
+            idx.add_saving(HashKeys.of(fresh[:len(slots)]), slots, next_id)
             for x, s in zip(fresh, slots.tolist()):
                 model.chunks[x] = _Rec(x, next_id, s)
                 next_id += 1
@@ -436,7 +440,7 @@ def test_index_randomized_against_model(seed):
         assert len(held) == len(set(held)), "two chunks share a slot"
         assert idx.num_free_slots == num_slots - len(held)
         pinned_slots = {r.slot for r in model.chunks.values() if r.pins}
-        assert [x for x in idx.lru_order() if idx.slot_of(x) not in pinned_slots] == model.evictable()
+        assert [s for s in idx.lru_order() if s not in pinned_slots] == [model.chunks[x].slot for x in model.evictable()]
         assert idx.counters[C.EVICTED] == model.evicted
         assert idx.num_pinned() == len({r.slot for r in pins})
 
@@ -449,7 +453,7 @@ def test_lru_evicts_prefixes_from_the_tail():
     slots = ready(idx, hashes)
     idx.pin(slots)
     idx.unpin(slots)
-    idx.add_saving([b"other"], idx.allocate(1), 10)  # pool full: one eviction
+    idx.add_saving(HashKeys.of([b"other"]), idx.allocate(1), 10)  # pool full: one eviction
     assert len(idx.ready_prefix(hashes)) == 2 and not idx.contains(b"p2")
 
 
@@ -695,7 +699,7 @@ def test_planner_dedups_once_and_accounts_every_candidate():
     blocks = [10, 11, 12, 13, 14, 15, 16]
     hashes = [h(1), h(2), h(3), h(3), h(4), h(3), h(5)]
     batch = p.plan(blocks, hashes, step=0)
-    assert [idx.hash_of(s) for s in batch.slots] == [h(3), h(4), h(5)]
+    assert list(batch.slots) == [idx.slot_of(x) for x in (h(3), h(4), h(5))]
     assert batch.block_ids[1:] == (14, 16) and batch.block_ids[0] in (12, 13, 15)
     assert isinstance(batch.save_ids, range) and list(batch.save_ids) == [0, 1, 2]
     assert +counters == {C.DEDUP_INDEX: 2, C.DEDUP_BATCH: 2, C.SAVES_ISSUED: 3}
@@ -705,7 +709,7 @@ def test_planner_dedups_once_and_accounts_every_candidate():
 def test_planner_staging_cut_keeps_the_first_and_counts_the_rest():
     p, idx, led, budget, counters = planner(staging_chunks=2)
     batch = p.plan([1, 2, 3, 4], [h(1), h(2), h(1), h(3)], 0)
-    assert [idx.hash_of(s) for s in batch.slots] == [h(1), h(2)]
+    assert list(batch.slots) == [idx.slot_of(h(1)), idx.slot_of(h(2))] and not idx.contains(h(3))
     assert +counters == {C.DEDUP_BATCH: 1, C.SKIPPED_STAGING: 1, C.SAVES_ISSUED: 2} and budget.in_use == 20
     assert len(p.plan([5], [h(9)], 1)) == 0 and counters[C.SKIPPED_STAGING] == 2
 
@@ -716,3 +720,74 @@ def test_planner_no_space_releases_unspent_staging():
     batch = p.plan([1, 2, 3], [h(1), h(2), h(3)], 0)
     assert len(batch) == 1 and counters[C.SKIPPED_NO_SPACE] == 2
     assert budget.in_use == 10  # only what was issued stays reserved
+
+
+# ---------------------------------------------------------------- HashTable
+@pytest.mark.parametrize("seed", range(4))
+def test_hash_table_randomized_against_a_dict(seed):
+    """Small tables, clustered keys (many share a home bucket, so buckets fill, overflow, get
+    deleted markers and rebuilds): every find agrees with a dict."""
+    rng = random.Random(seed)
+    cap = (4, 16, 64, 64)[seed]
+    t = HashTable(cap)
+    model: dict[int, int] = {}
+    cells: dict[int, int] = {}
+    universe = [2 + (rng.randrange(4) << 8) + (i << 20) if rng.random() < 0.7 else rng.randrange(2, 1 << 63)
+                for i in range(4 * cap)]
+    next_val = 0
+    rebuilds = 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            absent = [k for k in universe if k not in model]
+            room = cap - len(model)
+            new = rng.sample(absent, min(len(absent), room, rng.randrange(0, 6)))
+            vals = np.arange(next_val, next_val + len(new))
+            next_val += len(new)
+            got = t.insert(np.array(new, dtype=np.uint64), vals)
+            for k, v, c in zip(new, vals.tolist(), got.tolist()):
+                model[k], cells[k] = v, c
+        elif op < 0.8 and model:
+            gone = rng.sample(sorted(model), rng.randrange(1, min(len(model), 5) + 1))
+            if t.delete_cells(np.array([cells[k] for k in gone], dtype=np.int64)):
+                vals, new_cells = t.rebuild()
+                by_val = {v: k for k, v in model.items()}
+                for v, c in zip(vals.tolist(), new_cells.tolist()):
+                    cells[by_val[v]] = c
+                rebuilds += 1
+            for k in gone:
+                del model[k], cells[k]
+        q = rng.sample(universe, 8)
+        assert t.find(np.array(q, dtype=np.uint64)).tolist() == [model.get(k, -1) for k in q]
+        assert [t.find_one(k) for k in q] == [model.get(k, -1) for k in q]
+        assert len(t) == len(model)
+    if cap == 64:
+        assert rebuilds > 0, "the test must reach the rebuild path"
+
+
+def test_hash_table_overflow_past_full_buckets():
+    t = HashTable(16)  # 8 buckets of 8 cells
+    keys = np.array([2 + (i << 20) for i in range(20)], dtype=np.uint64)  # all home in bucket 0
+    cells = t.insert(keys, np.arange(20))
+    assert sorted((cells >> 3).tolist()) == [0] * 8 + [1] * 8 + [2] * 4
+    assert t.find(keys).tolist() == list(range(20))
+    gone = np.flatnonzero((cells >> 3) == 0)[:3]
+    t.delete_cells(cells[gone])  # bucket 0 was full: deleted markers, lookups still go past it
+    want = [-1 if i in gone else i for i in range(20)]
+    assert t.find(keys).tolist() == want
+    new = np.array([2 + (100 << 20)], dtype=np.uint64)
+    assert (t.insert(new, [99]) >> 3).tolist() == [0]  # a deleted cell is reused
+    assert t.find(np.concatenate((keys, new))).tolist() == want + [99]
+
+
+def test_hash_keys_of_vllm_hashes_and_odd_input():
+    hs = [bytes(range(i, i + 32)) for i in range(3)]
+    k = HashKeys.of(hs)
+    assert k.k1.tolist() == [int.from_bytes(x[:8], "little") for x in hs]
+    assert k.k2.tolist() == [int.from_bytes(x[8:16], "little") for x in hs]
+    assert [HashKeys.one(x) for x in hs] == list(zip(k.k1.tolist(), k.k2.tolist()))
+    assert HashKeys.of([b"\0" * 16]).k1.tolist() == [2]  # 0 and 1 mark empty/deleted cells
+    odd = HashKeys.of([b"short", b"x" * 20])  # normalised to 16 bytes
+    assert len(odd) == 2 and odd.k1[0] == max(int.from_bytes(b"short\0\0\0", "little"), 2)
+    with pytest.raises(TypeError, match="bytes"):
+        HashKeys.of([1, 2])

@@ -62,7 +62,7 @@ def real_run(tmp_path_factory):
     from tpuoffload.sim.workload import prefix_repetition
 
     stats_dir = str(tmp_path_factory.mktemp("stats"))
-    eng = InProcessEngine(EngineSpec(num_hosts=2, devices_per_host=2, block_size=BS, extra_config={
+    eng = InProcessEngine(EngineSpec(num_hosts=2, block_size=BS, extra_config={  # 2 devices per host (SIM_LAYOUT)
         "cpu_bytes_to_use": 1 << 22, "stats_dir": stats_dir, "stats_interval_s": 0.0}))
     try:
         requests = prefix_repetition(PROMPTS, PREFIXES, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN, seed=0, block_size=BS)
@@ -460,6 +460,63 @@ def test_idle_engine_heartbeats(real_run, tmp_path, capsys):
         os.unlink(control.path)
 
 
+class _SlowReads:
+    """A FaultInjector whose next READ_SLOTS (inside the worker's bind) blocks for ``block_s``."""
+
+    def __init__(self) -> None:
+        self.block_s = 0.0
+        self.blocked = threading.Event()
+
+    def hit(self, point, n: int) -> set[int]:
+        if point.name == "READ_SLOTS" and self.block_s:
+            self.blocked.set()
+            time.sleep(self.block_s)
+            self.block_s = 0.0
+        return set()
+
+
+@pytest.mark.timeout(300)
+def test_worker_stuck_in_a_step_is_flagged(tmp_path):
+    """The real worker brackets its steps for the heartbeat: while host 0 is stuck inside a step
+    (a load whose slot read blocks), its file stays fresh but reports the step's age, and the CLI
+    flags it hung; host 1, between steps, and the scheduler are not flagged; afterwards neither is."""
+    from tpuoffload.sim.engine import EngineSpec, InProcessEngine, run_waves
+    from tpuoffload.sim.workload import prefix_repetition
+
+    slow = _SlowReads()
+    stats_dir = str(tmp_path / "stats")
+    eng = InProcessEngine(EngineSpec(num_hosts=2, block_size=BS, extra_config={
+        "cpu_bytes_to_use": 1 << 22, "stats_dir": stats_dir, "stats_interval_s": 0.0}), faults=[slow, None])
+    seen: dict[str, list[str]] = {}
+
+    def look():
+        assert slow.blocked.wait(120)
+        time.sleep(2.5)
+        snaps = cli.load_snapshots([stats_dir])
+        cli.analyse(snaps, now=time.time(), stale_after_s=None, inflight_age_s=60, max_step_lag=1000,
+                    hung_after_s=1.5)
+        seen.update({s.name: s.flags for s in snaps})
+
+    watcher = threading.Thread(target=look)
+    try:
+        requests = prefix_repetition(4, 1, 64, 16, 2, seed=1, block_size=BS)
+        run_waves(eng, [requests[:1]])
+        slow.block_s = 5.0
+        watcher.start()
+        run_waves(eng, [[], requests[1:]])  # reset, then loads from host RAM: host 0 blocks in one
+        watcher.join(timeout=120)
+        assert slow.blocked.is_set() and eng.stats.totals()["chunks_loaded"] > 0
+        assert seen["host 1"] == [] and seen["scheduler"] == [], seen
+        assert len(seen["host 0"]) == 1 and seen["host 0"][0].startswith("STOPPED (hung: one step running for"), seen
+        time.sleep(1.5)  # idle again: fresh files, no open step
+        snaps = cli.load_snapshots([stats_dir])
+        cli.analyse(snaps, now=time.time(), stale_after_s=None, inflight_age_s=60, max_step_lag=1000,
+                    hung_after_s=1.5)
+        assert {s.name: s.flags for s in snaps} == {"host 0": [], "host 1": [], "scheduler": []}
+    finally:
+        eng.close()
+
+
 _HOST_SCRIPT = """
 import sys, time
 from tpuoffload.snapshot import SnapshotWriter
@@ -568,6 +625,7 @@ def test_heartbeat_builds_only_between_steps(tmp_path, bracket):
     try:
         writer.maybe_write(force=True)
         _bracketing_owner(writer, state, 3.0, bracket)
+        time.sleep(0.2)  # idle now: the heartbeat brings the file up to the last step
     finally:
         writer.close()
     assert builds[0] > 50, builds  # the heartbeat really built, many times, while the owner ran

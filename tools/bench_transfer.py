@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verify-blocks", type=int, default=16, help="blocks compared after every load (0: all)")
     p.add_argument("--no-per-block", action="store_true", help="skip the per-block floor")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--transfer-buffer-mib", type=float, default=None,
+                   help="the engine's transfer_buffer_bytes (default: the step size, one piece per call)")
     a = p.parse_args(argv)
     for name in ("layers", "block_size", "kv_heads", "head_dim"):
         if getattr(a, name) <= 0:
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
         print(f"--- {label}: {n} blocks x {args.layers} layers of {block_shape} {args.dtype} "
               f"({chunk_bytes / MIB:g} MiB per block), layout {args.layout}", flush=True)
 
-        engine = TransferEngine(caches, n * chunk_bytes)
+        buffer = int((args.transfer_buffer_mib or size_mib) * 2**20)
+        engine = TransferEngine(caches, n * chunk_bytes, transfer_buffer_bytes=buffer)
         next_id = iter(range(1, 1 << 62))
         try:
             for it in range(args.iters + 1):

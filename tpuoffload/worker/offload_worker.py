@@ -90,8 +90,10 @@ class OffloadWorker:
             transfer_buffer_bytes=self.config.transfer_buffer_bytes,
         )
         if self.config.stats_dir:
+            # build_when_idle: everything snapshot() reads changes only between bind() and clear()
+            # on this thread, or under the engine's and the backend's locks.
             self._snapshot = SnapshotWriter(self.config.stats_dir, f"host-{self.host_id}.json",
-                                            self.config.stats_interval_s, self.snapshot)
+                                            self.config.stats_interval_s, self.snapshot, build_when_idle=True)
         logger.info("tpuoffload worker %d: %d host slots of %d bytes (%d bytes of host RAM); accelerator "
                     "transfer buffer <= %d bytes (%d chunks per transfer, transfer_buffer_bytes=%d); cache: %s",
                     self.host_id, self.engine.backend.num_slots, self.engine.backend.slot_bytes,
@@ -112,6 +114,8 @@ class OffloadWorker:
         if meta.step == 0 and meta.num_slots < self.engine.backend.num_slots:
             logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "
                            "the two halves computed differ", self.host_id, meta.num_slots, self.engine.backend.num_slots)
+        if self._snapshot is not None:
+            self._snapshot.step_begin()  # the heartbeat now reports this step's age (a hang shows)
         self._meta = meta
         self._saved = False
         self.engine.log.record("step", n=meta.step)
@@ -208,7 +212,7 @@ class OffloadWorker:
         digest = self.engine.finish_step()
         self.digests.append(digest)
         if self._snapshot is not None:
-            self._snapshot.maybe_write()
+            self._snapshot.step_end()  # and write the snapshot if one is due
         return digest
 
     def snapshot(self) -> dict:
@@ -246,6 +250,7 @@ class OffloadWorker:
         if self.engine is not None:
             self.engine.close()
             if self._snapshot is not None:
+                self._snapshot.close()
                 self._snapshot.maybe_write(force=True)
 
 

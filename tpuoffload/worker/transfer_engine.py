@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
@@ -87,6 +88,8 @@ class TransferEngine:
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
         self._programs = [GroupPrograms(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
+        self._ids_sharding = NamedSharding(self.layout.mesh, PartitionSpec())
+        self._known_caches: tuple[int, ...] = ()  # ids of the arrays last checked or produced; main thread only
         self.log = DispatchLog()
 
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
@@ -118,6 +121,19 @@ class TransferEngine:
         if len(set(seq)) != len(seq):
             raise ValueError(f"{unique} repeat within one {'save' if unique == 'slots' else 'load'}")
 
+    def _check_caches(self, kv_caches) -> None:
+        """The layout check, skipped for the very arrays the last call checked or produced (the
+        common case: the runner hands back what the last load returned)."""
+        key = tuple(map(id, kv_caches))
+        if key != self._known_caches:
+            self.layout.check_same(kv_caches)
+            self._known_caches = key
+
+    def _put_ids(self, ids: np.ndarray) -> jax.Array:
+        """One small transfer of a call's ids, shared by every group's program (a numpy argument
+        would be transferred again for each)."""
+        return jax.device_put(ids, self._ids_sharding)
+
     @staticmethod
     def _group_caches(kv_caches, group: GroupLayout) -> tuple:
         return tuple(kv_caches[i] for i in group.layers)
@@ -129,7 +145,7 @@ class TransferEngine:
         blocks, then complete the copies into ``slots`` in the background. Results come back via
         ``drain_results``."""
         self._check_owner()
-        self.layout.check_same(kv_caches)
+        self._check_caches(kv_caches)
         self._check_plan(block_ids, slots, save_ids, unique="slots")
         for piece in self._pieces(len(block_ids)):
             self._save_piece(kv_caches, block_ids[piece], slots[piece], save_ids[piece])
@@ -143,7 +159,7 @@ class TransferEngine:
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
-        ids = save_ids_array(block_ids, slots, self.num_blocks, self.max_chunks_per_transfer)
+        ids = self._put_ids(save_ids_array(block_ids, slots, self.num_blocks, self.max_chunks_per_transfer))
         tokens = []
         for i, prog in enumerate(self._programs):
             self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
@@ -221,7 +237,7 @@ class TransferEngine:
         transfer and one scatter. The cache arrays are donated: use the returned ones. Returns
         ``(new_caches, failed_block_ids)``."""
         self._check_owner()
-        self.layout.check_same(kv_caches)
+        self._check_caches(kv_caches)
         self._check_plan(block_ids, slots, save_ids, unique="block_ids")
         caches, failed = list(kv_caches), []
         for piece in self._pieces(len(block_ids)):
@@ -243,13 +259,14 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        ids = load_ids_array(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer)
+        ids = self._put_ids(load_ids_array(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
         new = list(kv_caches)
         for i, prog in enumerate(self._programs):
             out = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
             self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
+        self._known_caches = tuple(map(id, new))
         with self._lock:
             self.counters["chunks_loaded"] += n - len(failed)
             self.counters["bytes_loaded"] += (n - len(failed)) * self.backend.slot_bytes

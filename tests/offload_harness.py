@@ -1,0 +1,181 @@
+"""Shared driver for the vLLM-driven connector tests: an ``InProcessEngine`` (vLLM's real
+Scheduler or AsyncScheduler, the connector's scheduler half, one SyntheticRunner + worker half per
+simulated host) plus recorders, all through public interfaces:
+
+* every SchedulerOutput (preemptions, the connector metadata);
+* every ``request_finished`` answer and the block ids vLLM passed;
+* right after each host executed a step, the bytes of every block that step's loads wrote (a load
+  lands before the forward and the loading request is not scheduled in that step, so nothing else
+  writes those blocks in it), and the blocks the host reported as load errors;
+* plans that release a request vLLM no longer holds (a release must come while vLLM still holds
+  the blocks, invariant 9).
+
+The SyntheticRunner checks every context position a request reads on its first step after
+(re)admission, so ``engine.mismatches() == 0`` means no step ever read a wrong KV value.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpuoffload.layout import CacheLayout
+from tpuoffload.messages import OffloadMetadata
+from tpuoffload.sim.engine import SIM_LAYOUT, EngineSpec, InProcessEngine
+from tpuoffload.sim.tpu_layouts import create_caches
+from tpuoffload.sim.vllm_setup import assert_scheduler_empty, make_request
+
+BS = SIM_LAYOUT.block_size
+
+
+@functools.cache
+def chunk_bytes() -> int:
+    """One host slot of the simulated layout (all layers of one block, this host's share)."""
+    return CacheLayout.from_caches(create_caches(SIM_LAYOUT, jax.devices()[:SIM_LAYOUT.num_devices])[0]).slot_bytes
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 30000) for _ in range(n)]
+
+
+class Harness:
+    def __init__(self, hosts=1, async_scheduling=False, num_blocks=64, extra=None, faults=None,
+                 max_num_batched_tokens=256, max_num_seqs=16, scheduler_kwargs=None):
+        extra = {"cpu_bytes_to_use": 1 << 22} if extra is None else extra
+        self.eng = InProcessEngine(
+            EngineSpec(num_hosts=hosts, num_blocks=num_blocks, async_scheduling=async_scheduling,
+                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                       extra_config=extra, scheduler_kwargs=dict(scheduler_kwargs or {})),
+            faults=faults,
+        )
+        # The scheduler plans in units of one host slot: both halves must agree on its size.
+        assert self.eng.offload.chunk_bytes == chunk_bytes()
+        assert all(c.worker.engine.backend.slot_bytes == chunk_bytes() for c in self.eng.connectors)
+        self.prompts: dict[str, list[int]] = {}
+        self.requests: dict = {}  # req_id -> vllm Request
+        self.outputs: list = []  # SchedulerOutputs, in schedule order
+        self.finished_answers: dict[str, bool] = {}  # req_id -> delay_free returned to vLLM
+        self.finished_blocks: dict[str, list[int]] = {}  # req_id -> block ids vLLM passed
+        self.released_too_early: list[str] = []  # released when vLLM no longer held the request
+        self.loaded: list[tuple[int, str, int, int, list[np.ndarray]]] = []  # host, req, block idx, id, per-layer bytes
+        self.load_failed: list[tuple[int, str, int]] = []  # host, req, block id
+
+        sched = self.eng.scheduler
+        orig_schedule = sched.schedule
+
+        def schedule():
+            so = orig_schedule()
+            self.outputs.append(so)
+            return so
+
+        sched.schedule = schedule
+        off = self.eng.offload
+        orig_finished = off.request_finished
+
+        def request_finished(request, block_ids):
+            delay, params = orig_finished(request, block_ids)
+            self.finished_answers[request.request_id] = delay
+            self.finished_blocks[request.request_id] = list(block_ids)
+            return delay, params
+
+        off.request_finished = request_finished
+        for host, (runner, conn) in enumerate(zip(self.eng.runners, self.eng.connectors)):
+            self._wrap_execute(host, runner)
+            self._wrap_bind(conn)
+
+    def _wrap_bind(self, conn):
+        orig = conn.bind_connector_metadata
+        sched = self.eng.scheduler
+
+        def bind(meta):
+            # When a step's flush is dispatched, vLLM must still hold the blocks of every request
+            # this step releases (delay_free): they are freed only after this step's output.
+            self.released_too_early.extend(r for r in meta.release_req_ids if r not in sched.requests)
+            return orig(meta)
+
+        conn.bind_connector_metadata = bind
+
+    def _wrap_execute(self, host, runner):
+        orig = runner.execute
+        kvm = self.eng.scheduler.kv_cache_manager
+
+        def execute(so, connector=None):
+            out = orig(so, connector)
+            meta = so.kv_connector_metadata
+            if connector is None or not isinstance(meta, OffloadMetadata) or not meta.loads:
+                return out
+            errors = out.kv_connector_output.invalid_block_ids if out.kv_connector_output else set()
+            for load in meta.loads:
+                req_blocks = kvm.get_block_ids(load.req_id)[0]
+                for b in (*load.block_ids, *load.unavailable_block_ids):
+                    if b in errors:
+                        self.load_failed.append((host, load.req_id, b))
+                    elif b in load.block_ids:
+                        data = [np.asarray(c[b]) for c in runner.kv_caches]
+                        self.loaded.append((host, load.req_id, req_blocks.index(b), b, data))
+            return out
+
+        runner.execute = execute
+
+    # ---- driving
+    def add(self, req_id, tokens, max_tokens=4):
+        self.prompts[req_id] = list(tokens)
+        self.requests[req_id] = make_request(req_id, tokens, max_tokens=max_tokens, block_size=BS)
+        self.eng.add_request(self.requests[req_id])
+
+    def run(self, **kw):
+        return self.eng.run(**kw)
+
+    def metas(self) -> list[OffloadMetadata]:
+        return [so.kv_connector_metadata for so in self.outputs]
+
+    def preempted(self) -> list[str]:
+        return [r for so in self.outputs for r in (so.preempted_req_ids or ())]
+
+    def totals(self) -> dict:
+        return self.eng.stats.reduce()
+
+    def wipe_device_caches(self):
+        """Zero every host's KV cache, so a block that holds the right bytes after a load can only
+        have come from host RAM (vLLM may hand the same physical blocks out again)."""
+        for runner in self.eng.runners:
+            runner.kv_caches = [jax.device_put(jnp.zeros(c.shape, c.dtype), c.sharding) for c in runner.kv_caches]
+
+    def new_wave(self, wipe=True):
+        """Forget vLLM's prefix cache (and the device bytes) so the next requests must hit host RAM."""
+        self.eng.settle()
+        assert self.eng.scheduler.reset_prefix_cache()
+        if wipe:
+            self.wipe_device_caches()
+
+    # ---- checks
+    def check_loaded_bytes(self, min_blocks=1):
+        """Every block snapshotted right after a load equals what the synthetic model computes."""
+        runner = self.eng.runners[0]
+        for host, req_id, idx, block_id, data in self.loaded:
+            tokens = self.prompts[req_id] + self.eng.outputs.get(req_id, [])  # a resumed request's context
+            for layer, got in enumerate(data):
+                want = runner.expected_block(tokens, idx, layer)
+                assert got.shape == want.shape
+                np.testing.assert_array_equal(got, want, err_msg=f"host {host} {req_id} block #{idx} (id {block_id}) layer {layer}")
+        assert len(self.loaded) >= min_blocks
+
+    def check_idle(self):
+        """Nothing held anywhere: vLLM, the scheduler half (its public gauges), every worker."""
+        eng = self.eng
+        eng.settle()
+        assert eng.mismatches() == 0, [r.stats.mismatched_requests for r in eng.runners]
+        leaks = eng.offload.leak_report()
+        assert all(v == 0 for v in leaks.values()), leaks
+        assert_scheduler_empty(eng.scheduler)
+        assert not self.released_too_early
+        for conn in eng.connectors:
+            idle = conn.worker.idle_report()
+            assert all(v == 0 for v in idle.values()), idle
+
+    def close(self):
+        self.eng.close()
