@@ -44,7 +44,7 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
 
 class Harness:
     def __init__(self, hosts=1, async_scheduling=False, num_blocks=64, extra=None, faults=None,
-                 max_num_batched_tokens=256, max_num_seqs=16, scheduler_kwargs=None):
+                 max_num_batched_tokens=256, max_num_seqs=16, scheduler_kwargs=None, same_chunk=True):
         extra = {"cpu_bytes_to_use": 1 << 22} if extra is None else extra
         self.eng = InProcessEngine(
             EngineSpec(num_hosts=hosts, num_blocks=num_blocks, async_scheduling=async_scheduling,
@@ -52,8 +52,10 @@ class Harness:
                        extra_config=extra, scheduler_kwargs=dict(scheduler_kwargs or {})),
             faults=faults,
         )
-        # The scheduler plans in units of one host slot: both halves must agree on its size.
-        assert self.eng.offload.chunk_bytes == chunk_bytes()
+        # The scheduler plans in units of one host slot: both halves must agree on its size
+        # (same_chunk=False: a test that misconfigures the number of reporting workers on purpose).
+        if same_chunk:
+            assert self.eng.offload.chunk_bytes == chunk_bytes()
         assert all(c.worker.engine.backend.slot_bytes == chunk_bytes() for c in self.eng.connectors)
         self.prompts: dict[str, list[int]] = {}
         self.requests: dict = {}  # req_id -> vllm Request

@@ -32,7 +32,7 @@ def test_every_key_accepts_a_good_value():
         "cpu_bytes_to_use": 123456789, "num_cpu_chunks": 7, "lazy_offload": True, "staging_bytes": 1 << 20,
         "num_staging_blocks": 9, "save_threads": 3, "host_memory_kind": "unpinned_host",
         "save_decode_blocks": "yes", "load_wait_timeout_s": 2.5, "save_timeout_s": "30", "stats_dir": "/tmp/x",
-        "stats_interval_s": 0,
+        "stats_interval_s": 0, "transfer_buffer_bytes": 1 << 24, "num_hosts": 4,
     }
     assert set(extra) == set(KNOWN_KEYS)  # this test covers every key there is
     cfg = parse(extra)
@@ -44,6 +44,7 @@ def test_every_key_accepts_a_good_value():
     assert cfg.host_memory_kind == "unpinned_host"
     assert cfg.load_wait_timeout_s == 2.5 and cfg.save_timeout_s == 30.0
     assert cfg.stats_dir == "/tmp/x" and cfg.stats_interval_s == 0.0
+    assert cfg.transfer_buffer_bytes == 1 << 24 and cfg.num_hosts == 4
 
 
 def test_chunks_instead_of_bytes():
@@ -138,6 +139,9 @@ BAD = [
     ("save_timeout_s", 0), ("save_timeout_s", -0.5), ("save_timeout_s", float("inf")), ("save_timeout_s", None),
     ("stats_interval_s", -1), ("stats_interval_s", 1e7), ("stats_interval_s", "often"),
     ("stats_dir", ""), ("stats_dir", 5), ("stats_dir", ["/tmp"]),
+    ("transfer_buffer_bytes", 0), ("transfer_buffer_bytes", -1), ("transfer_buffer_bytes", "big"),
+    ("num_hosts", 0), ("num_hosts", -1), ("num_hosts", 1 << 20), ("num_hosts", 1.5), ("num_hosts", "two"),
+    ("num_hosts", True),
 ]
 
 
@@ -189,3 +193,21 @@ def test_good_extra_config_reaches_the_connector():
     assert cfg.cpu_bytes_to_use == 1 << 20 and cfg.lazy_offload is True and cfg.save_timeout_s == 7.0
     off = sched.connector.scheduler
     assert off.index.num_slots == (1 << 20) // off.chunk_bytes
+    assert off.num_hosts == 1 and sched.connector.get_finished_count() == 1
+
+
+def test_num_hosts_overrides_the_detected_reporting_workers():
+    """A mesh-wide page of 8 KV heads over 4 ranks with vLLM's default executor: 4 reporting
+    workers, each holding a quarter (the page of 2 heads); num_hosts=2 says 2 processes report,
+    each holding half."""
+    from tpuoffload.sim.vllm_setup import make_scheduler
+
+    page = make_scheduler(num_blocks=16, block_size=16, kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
+                          tensor_parallel_size=1).connector.scheduler.chunk_bytes
+    four = make_scheduler(num_blocks=16, block_size=16, kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
+                          tensor_parallel_size=4, num_kv_heads=8)
+    assert four.connector.get_finished_count() == 4 and four.connector.scheduler.chunk_bytes == page
+    two = make_scheduler(num_blocks=16, block_size=16, tensor_parallel_size=4, num_kv_heads=8,
+                         kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20, "num_hosts": 2})
+    assert two.connector.get_finished_count() == 2 and two.connector.scheduler.num_hosts == 2
+    assert two.connector.scheduler.chunk_bytes == 2 * page

@@ -658,3 +658,84 @@ def test_stats_survive_vllm_serialization_and_merge_by_union():
     outs[0].kv_connector_output = KVConnectorOutput(kv_connector_stats=a)
     outs[1].kv_connector_output = KVConnectorOutput(kv_connector_stats=b)
     assert agg.aggregate(outs).kv_connector_output.kv_connector_stats.reduce()["chunks_saved"] == 10
+
+
+# ============================================================================ 10. reporting workers
+def test_one_worker_with_tensor_parallel_8_gets_hits():
+    """tpu-inference on one host: the 'uni' executor, one JAX process holding all 8 chips, while
+    vLLM's world size is 8. One confirmation per chunk, one report per request for vLLM's
+    aggregator, and the per-host chunk is the whole page (one reporting process)."""
+    h = Harness(1, False, scheduler_kwargs={
+        "parallel_overrides": {"tensor_parallel_size": 8, "distributed_executor_backend": "uni"}})
+    conn = h.eng.scheduler.connector
+    assert h.eng.scheduler.vllm_config.parallel_config.world_size == 8
+    assert conn.get_finished_count() == 1 and h.eng.offload.num_hosts == 1
+    prompt = rand_tokens(random.Random(30), 3 * BS + 2)
+    h.add("a", prompt, max_tokens=2)
+    h.run()
+    h.new_wave()
+    h.add("b", prompt, max_tokens=2)
+    h.run()
+    h.check_idle()
+    t = h.totals()
+    assert t[C.LEDGER_CONFIRMED] == t[C.SAVES_ISSUED] == 3 and C.LEDGER_EXPIRED not in t
+    assert t[C.HIT_TOKENS] == 3 * BS and t[C.CHUNKS_LOADED] == 3
+    h.check_loaded_bytes(min_blocks=3)
+    assert TPUOffloadConnector.supports_sleep_mode() is False and conn.supports_sleep_mode() is False
+
+
+def test_fewer_reporting_workers_than_expected_is_reported_loudly(caplog):
+    """The scheduler expects 2 reporting workers (num_hosts), only one exists: no save can ever be
+    confirmed. Within a few steps an error names the missing host and the setting. (Host RAM in
+    chunks, so the slot counts agree and nothing else gives the mismatch away.)"""
+    h = Harness(1, False, extra={"num_cpu_chunks": 64, "num_hosts": 2}, same_chunk=False)
+    assert h.eng.offload.num_hosts == 2
+    with caplog.at_level(logging.ERROR, logger="tpuoffload"):
+        h.add("a", rand_tokens(random.Random(31), 2 * BS + 1), max_tokens=12)
+        h.run()
+    t = h.totals()
+    assert t[C.REPORTERS_MISSING] == 1 and C.LEDGER_CONFIRMED not in t
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("expects 2 reporting workers" in m and "host(s) [1] never reported" in m and "num_hosts" in m
+               for m in errors), errors
+
+
+def test_more_reporting_workers_than_expected_is_reported_loudly(caplog):
+    """Two workers report, the scheduler expects one: host 1's reports are refused and named."""
+    h = Harness(2, False, extra={"num_cpu_chunks": 64, "num_hosts": 1}, same_chunk=False)
+    assert h.eng.offload.num_hosts == 1 and h.eng.scheduler.connector.get_finished_count() == 1
+    with caplog.at_level(logging.ERROR, logger="tpuoffload"):
+        h.add("a", rand_tokens(random.Random(32), 2 * BS + 1), max_tokens=2)
+        h.run()
+        h.eng.settle()
+    t = h.totals()
+    assert t[C.LEDGER_UNKNOWN_HOST] == 2 and t[C.LEDGER_CONFIRMED] == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sum("reported as host 1" in m for m in errors) == 1, errors
+
+
+def test_reporting_workers_follow_the_executor():
+    """The count vLLM's aggregator waits for and each chunk's confirmations, per executor."""
+    from types import SimpleNamespace
+
+    from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers
+
+    def cfg(backend, tp=8, pp=1, group=None):
+        pc = SimpleNamespace(distributed_executor_backend=backend, pipeline_parallel_size=pp,
+                             world_size=tp * pp, placement_group=group)
+        return SimpleNamespace(parallel_config=pc)
+
+    tpu_mp = type("MultiprocExecutor", (), {"__module__": "tpu_inference.executors.multiproc_executor"})
+    tpu_ray = type("RayDistributedExecutorV2", (), {"__module__": "tpu_inference.executors.ray_distributed_executor_v2",
+                                                    "uses_ray": True})
+    group = SimpleNamespace(bundle_specs=[{"TPU": 4}] * 4)
+    assert reporting_workers(cfg("uni"))[0] == 1
+    assert reporting_workers(cfg(tpu_mp, tp=8, pp=2))[0] == 2
+    assert reporting_workers(cfg(tpu_ray, tp=16, group=group))[0] == 4
+    assert reporting_workers(cfg("mp", tp=4))[0] == 4  # vLLM's own executors: one process per rank
+    assert reporting_workers(cfg("uni"), override=3) == (3, "kv_connector_extra_config['num_hosts']")
+    kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=4096),
+                                                          layer_names=["a", "b", "c"])])
+    assert host_chunk_bytes(kv, 1) == 3 * 4096 and host_chunk_bytes(kv, 4) == 3 * 1024
+    with pytest.raises(ValueError, match="does not divide"):
+        host_chunk_bytes(kv, 5)

@@ -2,8 +2,9 @@
 and every bad checkpoint (foreign fingerprint, partial, truncated, flipped byte, a host killed
 while writing) is refused with its reason, on every host, never restored as garbage.
 
-``python tests/test_persist.py --bench GIB [DIR]`` measures write and restore GiB/s on this
-machine's JAX backend (one process)."""
+``python tests/test_persist.py --bench GIB [DIR] [--stores]`` measures write and restore GiB/s on
+this machine's JAX backend (one process; ``--stores``: the slots as one global store array in host
+memory, the engine's form, instead of a numpy array)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ import time
 import numpy as np
 import pytest
 
-from tpuoffload.persist import Fingerprint, Persister, RequestWatcher, request_checkpoint
+from tpuoffload.persist import Fingerprint, Persister, RequestWatcher, read_index, request_checkpoint
 from tpuoffload.persist.checkpoint import decode_index, encode_index
 from tpuoffload.persist.request import DONE_NAME, REQUEST_NAME, main as request_main, read_done, wait_done
+
+# When one array read fails (a truncated or missing data file), orbax abandons its other read
+# coroutines; Python reports them as unraisable when they are collected, in whichever test runs then.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 SLOTS, SLOT_BYTES = 24, 8192
 HERE = os.path.abspath(__file__)
@@ -104,6 +109,9 @@ def test_round_trip_numbering_and_pruning(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tpuoffload.persist"):
         restored, reason, into = _restore(path, fp)
     assert reason == "" and restored.seq == 3 and restored.index["i"] == 2
+    assert read_index(path, 3, fingerprint())[0] == restored.index
+    assert "block_size" in read_index(path, 3, fingerprint(block_size=32))[1]
+    assert read_index(path, 1, fingerprint())[0] is None  # pruned
     assert restored.index["hashes"] == INDEX["hashes"]
     assert restored.chunks == SLOTS - 2
     _assert_exact(into, restored.tags, storage, tags)
@@ -120,8 +128,8 @@ def _refused(path, fp, caplog, slots=SLOTS):
     return reason
 
 
-@pytest.mark.parametrize("field, value", [("model", "other-model"), ("kv_layout", "mla4d"), ("kv_dtype", "float8_e4m3fn"),
-                                          ("block_size", 32), ("format_version", 2)])
+@pytest.mark.parametrize("field, value", [("model", "other-model"), ("kv_layout", "mla4d"),
+                                          ("kv_dtype", "float8_e4m3fn"), ("block_size", 32), ("format_version", 2)])
 def test_fingerprint_mismatch_refused(tmp_path, caplog, field, value):
     path = str(tmp_path / "p")
     storage, tags = host_slots(0)
@@ -175,9 +183,12 @@ def test_flipped_byte_in_meta_or_index_refused(tmp_path, caplog, item, needle):
     f = os.path.join(path, "ckpt-1", item, "metadata")
     with open(f, "rb") as fh:
         at = fh.read().find(needle)
+    assert read_index(path, 1, fingerprint())[0] is not None  # (before the damage below)
     _flip(f, at + 3)
     reason = _refused(path, fingerprint(), caplog)
     assert "unreadable" in reason or "mismatch" in reason
+    index, why = read_index(path, 1, fingerprint())  # the scheduler's own read refuses it too
+    assert index is None and ("unreadable" in why or "mismatch" in why)
 
 
 def test_truncated_or_missing_data_refused(tmp_path, caplog):
@@ -220,8 +231,90 @@ def test_partial_checkpoint_is_never_restored(tmp_path, caplog):
 def test_unusable_path_is_a_cold_start_not_a_crash(tmp_path, caplog):
     f = tmp_path / "a_file"
     f.write_text("not a directory")
-    reason = _refused(str(f), fingerprint(), caplog)
-    assert reason  # e.g. "no complete checkpoint" or an OSError text, never an exception
+    assert "cannot list" in _refused(str(f), fingerprint(), caplog)
+    p = Persister(str(f), fingerprint())
+    storage, tags = host_slots(0)
+    assert p.restore(np.zeros_like(storage))[0] is None
+    report = p.save(storage, tags, INDEX).result(timeout=60)  # no number picked: refused, not raised
+    assert not report.ok and "no checkpoint number" in report.reason
+
+
+# ---------------------------------------------------------------- slots kept in global jax.Arrays
+def store_specs(num_slots: int = SLOTS, layers: int = 2):
+    """Two stores shaped like the engine's ((shards, slots, layers, ...), slot axis 1) on a mesh of
+    every device: one split over both mesh axes, one replicated over 'data' (replica shards)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(2, -1)
+    mesh = Mesh(devices, ("data", "model"))
+    kind = "pinned_host"
+    a = jax.ShapeDtypeStruct((2, num_slots, layers, 4, 8 * devices.shape[1]), np.uint16,
+                             sharding=NamedSharding(mesh, P("data", None, None, None, "model"), memory_kind=kind))
+    b = jax.ShapeDtypeStruct((1, num_slots, 3, 8 * devices.shape[1]), np.uint32,
+                             sharding=NamedSharding(mesh, P(None, None, None, "model"), memory_kind=kind))
+    return {"group0": a, "group1": b}
+
+
+def store_values(spec, seed: int = 0) -> np.ndarray:
+    n = int(np.prod(spec.shape))
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed) % np.iinfo(spec.dtype).max).astype(spec.dtype) \
+        .reshape(spec.shape)
+
+
+def make_stores(specs, seed: int = 0) -> dict:
+    """Global arrays holding ``store_values``, each process filling only its own shards."""
+    import jax
+
+    return {name: jax.make_array_from_callback(sp.shape, sp.sharding, lambda idx, sp=sp: store_values(sp, seed)[idx])
+            for name, sp in specs.items()}
+
+
+def stores_match(stores: dict, specs, seed: int = 0) -> bool:
+    """Every local shard of every restored store holds the expected values, in host memory."""
+    for name, sp in specs.items():
+        arr = stores[name]
+        if arr.shape != sp.shape or arr.dtype != sp.dtype or arr.sharding.memory_kind != sp.sharding.memory_kind:
+            return False
+        want = store_values(sp, seed)
+        for shard in arr.addressable_shards:
+            if not np.array_equal(np.asarray(shard.data), want[shard.index]):
+                return False
+    return True
+
+
+def test_stores_round_trip_and_refusals(tmp_path, caplog):
+    path = str(tmp_path / "p")
+    specs = store_specs()
+    stores = make_stores(specs)
+    _, save_ids = host_slots(0)
+    tags = np.stack([save_ids, 1000 + 3 * np.arange(SLOTS)], axis=1)  # a slot table: save id, source block
+    p = Persister(path, fingerprint())
+    assert p.restore(specs)[0] is None
+    report = p.save(stores, tags, INDEX).result(timeout=120)
+    p.close()
+    assert report.ok and report.chunks == SLOTS - 2
+    per_slot = sum(int(np.prod(sp.shape)) // SLOTS * np.dtype(sp.dtype).itemsize * (2 if name == "group1" else 1)
+                   for name, sp in specs.items())  # group1 is replicated over 'data': two copies here
+    assert report.bytes == (SLOTS - 2) * per_slot
+    p = Persister(path, fingerprint())
+    restored, reason = p.restore(specs)
+    p.close()
+    assert reason == "" and np.array_equal(restored.tags, tags) and stores_match(restored.stores, specs)
+    assert restored.index["hashes"] == INDEX["hashes"]
+    # another layout of the stores (one more layer): refused before any array is read
+    p = Persister(path, fingerprint())
+    restored, reason = p.restore(store_specs(layers=3))
+    p.close()
+    assert restored is None and "slot layout" in reason
+    # a flipped byte in one store's data: refused
+    want = store_values(specs["group0"])[0, 9, 0, 0, :8].tobytes()  # 16 bytes inside one shard
+    data_file, at = _data_file_with(path, want)
+    _flip(data_file, at + 10)
+    p = Persister(path, fingerprint())
+    restored, reason = p.restore(specs)
+    p.close()
+    assert restored is None and "fail their checksum (first: slot 9)" in reason
 
 
 # ---------------------------------------------------------------- operator requests
@@ -270,13 +363,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_hosts(mode: str, path: str, num_hosts: int = 2, timeout: float = 180.0, seed: int = 0) -> list[dict | None]:
+def _run_hosts(mode: str, path: str, num_hosts: int = 2, timeout: float = 180.0, seed: int = 0,
+               devices_per_host: int = 1) -> list[dict | None]:
     """Start ``num_hosts`` JAX processes running ``_host_main`` and return each one's JSON report
     (None for a host that printed none: killed). Every process runs in its own process group and
     every group is SIGKILLed on the way out, whatever happens."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_host}"
     procs = []
     try:
         for rank in range(num_hosts):
@@ -334,6 +428,18 @@ def test_two_hosts_write_and_restore_byte_exact(tmp_path):
     assert restored is None and "num_hosts: checkpoint 2, this deployment 1" in reason
 
 
+def test_two_hosts_stores_round_trip(tmp_path):
+    """The engine's form: global store arrays in pinned host memory, sharded over both hosts (one
+    store split by host, one replicated on both), saved as they are and restored onto the same
+    sharding; every host checks its own shards."""
+    path = str(tmp_path / "p")
+    written = _run_hosts("save_stores", path, devices_per_host=2)
+    assert all(r is not None and r["save_ok"] for r in written), written
+    restored = _run_hosts("restore_stores", path, devices_per_host=2)
+    for host, r in enumerate(restored):
+        assert r is not None and r["restored_seq"] == 1 and r["exact"] and r["index_ok"], (host, r)
+
+
 def test_host_killed_during_checkpoint_next_start_is_cold(tmp_path):
     path = str(tmp_path / "p")
     killed = _run_hosts("save_kill", path)
@@ -366,6 +472,20 @@ def _host_main(rank: int, num_hosts: int, port: int, path: str, mode: str, seed:
     fp = fingerprint(num_hosts)
     storage, tags = host_slots(rank, seed)
     report: dict = {"host": rank}
+    if mode.endswith("_stores"):
+        specs = store_specs()
+        p = Persister(path, fp, barrier_timeout_s=90)
+        restored, reason = p.restore(specs)
+        if mode == "save_stores":
+            r = p.save(make_stores(specs, seed), tags, INDEX).result(timeout=120)
+            report.update(save_ok=r.ok, save_reason=r.reason)
+        else:
+            report.update(restored_seq=None if restored is None else restored.seq, reason=reason)
+            if restored is not None:
+                exact = np.array_equal(restored.tags, tags) and stores_match(restored.stores, specs, seed)
+                report.update(exact=bool(exact),
+                              index_ok=restored.index == {**INDEX, "nested": {"t": [1, 2]}})
+        _report_and_exit(report)
     # A short commit timeout where a host is killed (host 0 gives up on it quickly); a long one
     # elsewhere, so that a loaded test machine never times out a healthy checkpoint.
     p = Persister(path, fp, barrier_timeout_s=8 if mode == "save_kill" else 90,
@@ -384,6 +504,10 @@ def _host_main(rank: int, num_hosts: int, port: int, path: str, mode: str, seed:
                       chunks=restored.chunks)
     else:
         report["all_empty"] = not into.any()
+    _report_and_exit(report)
+
+
+def _report_and_exit(report: dict) -> None:
     print("REPORT " + json.dumps(report), flush=True)
     try:  # host 0 runs the coordination service: leave together, or the others abort mid-report
         from jax._src import distributed
@@ -394,8 +518,13 @@ def _host_main(rank: int, num_hosts: int, port: int, path: str, mode: str, seed:
     os._exit(0)
 
 
-def _bench(gib: float, path: str) -> None:
+def _bench(gib: float, path: str, form: str) -> None:
+    """One process: write and restore ``gib`` GiB of 4 MiB slots, as a numpy array ("rows") or as
+    one global store array in host memory ("stores", the engine's form)."""
     import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from test_disk_tier import _drop_caches
 
     slot = 4 << 20
     n = int(gib * 2**30) // slot
@@ -406,20 +535,30 @@ def _bench(gib: float, path: str) -> None:
     tags = np.arange(n, dtype=np.int64)
     fp = Fingerprint("bench", "bench", "uint8", 16, 1, slot)
     p = Persister(path, fp)
-    into = np.zeros_like(storage)
+    if form == "stores":
+        device = jax.devices()[0]
+        kind = "pinned_host" if device.platform != "cpu" else None
+        sharding = NamedSharding(Mesh(np.array([device]), ("d",)), PartitionSpec(), memory_kind=kind)
+        data = {"group0": jax.device_put(storage[None], sharding)}
+        data["group0"].block_until_ready()
+        into = {"group0": jax.ShapeDtypeStruct(data["group0"].shape, np.uint8, sharding=sharding)}
+    else:
+        data, into = storage, np.zeros_like(storage)
     assert p.restore(into)[0] is None  # start-up: nothing there yet
     t0 = time.perf_counter()
-    r = p.save(storage, tags, {}).result()
+    r = p.save(data, tags, {}).result()
     w = time.perf_counter() - t0
-    from test_disk_tier import _drop_caches
-
+    assert r.ok, r.reason
     cache = _drop_caches()
     t0 = time.perf_counter()
     restored, reason = p.restore(into)
     rs = time.perf_counter() - t0
-    assert restored is not None and np.array_equal(into, storage), reason
-    print(f"{jax.devices()[0].platform}: {n} x 4 MiB = {n * slot / 2**30:.2f} GiB: write {n * slot / w / 2**30:.2f} GiB/s "
-          f"(blocking {r.blocking_s:.2f} s of {w:.2f} s), restore {n * slot / rs / 2**30:.2f} GiB/s ({rs:.2f} s, "
+    assert restored is not None, reason
+    got = into if form == "rows" else np.asarray(restored.stores["group0"])[0]
+    assert np.array_equal(got, storage)
+    size = n * slot / 2**30
+    print(f"{jax.devices()[0].platform} {form}: {n} x 4 MiB = {size:.2f} GiB: write {size / w:.2f} GiB/s "
+          f"(blocking {r.blocking_s:.2f} s of {w:.2f} s), restore {size / rs:.2f} GiB/s ({rs:.2f} s, "
           f"page cache {cache})")
     p.close()
 
@@ -430,5 +569,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "--bench":
         import tempfile
 
-        with tempfile.TemporaryDirectory(dir=sys.argv[3] if len(sys.argv) > 3 else None) as d:
-            _bench(float(sys.argv[2]), d)
+        args = [a for a in sys.argv[2:] if not a.startswith("--")]
+        with tempfile.TemporaryDirectory(dir=args[1] if len(args) > 1 else None) as d:
+            _bench(float(args[0]), d, "stores" if "--stores" in sys.argv else "rows")

@@ -162,7 +162,7 @@ def test_host_order_is_caught(make_slice):
     msg = str(err.value)
     assert f"diverge at step {pod.steps}" in msg  # the diverging step
     assert "host 0:" in msg and "host 1:" in msg
-    assert msg.count("gather") >= 2  # both hosts' ops are shown
+    assert msg.count("save shape") >= 2  # both hosts' ops are shown
     assert ">>" in msg  # the first differing op is marked
 
 
@@ -238,10 +238,10 @@ def test_worker_start_failure_leaves_nothing(tmp_path, monkeypatch):
 
 def test_misplaced_dispatch_detector():
     """Ops may only be recorded inside the hooks that dispatch (pure function; no processes)."""
-    good = ["> bind_connector_metadata", "step n=3", "gather", "< bind_connector_metadata", "> forward",
-            "< forward", "> start_load_kv", "h2d", "scatter", "< start_load_kv", "> wait_for_save", "gather",
-            "d2h", "< wait_for_save", "> get_finished", "< get_finished", "> clear_connector_metadata"]
+    good = ["> bind_connector_metadata", "step n=3", "save", "load", "< bind_connector_metadata", "> forward",
+            "< forward", "> start_load_kv", "< start_load_kv", "> wait_for_save", "save",
+            "< wait_for_save", "> get_finished", "< get_finished", "> clear_connector_metadata"]
     assert _misplaced_op(good) is None
-    assert _misplaced_op(good[:5] + ["gather"] + good[5:]) == 5  # during the forward
-    assert _misplaced_op(["d2h"] + good) == 0  # between steps
-    assert _misplaced_op(good[:-1] + ["gather", good[-1]]) == len(good) - 1  # after wait_for_save returned
+    assert _misplaced_op(good[:6] + ["save"] + good[6:]) == 6  # during the forward
+    assert _misplaced_op(["load"] + good) == 0  # between steps
+    assert _misplaced_op(good[:-1] + ["save", good[-1]]) == len(good) - 1  # after wait_for_save returned

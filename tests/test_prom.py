@@ -14,10 +14,10 @@ import json
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
+from tpuoffload import counters as C
 from tpuoffload.cli import main as cli_main
 from tpuoffload.prom import OffloadPromMetrics, metric_name
-from tpuoffload.stats import COUNTERS
-from tpuoffload.worker.transfer_engine import Faults
+from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 BS = 16
 PROMPTS, PREFIXES, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN = 12, 2, 64, 16, 4
@@ -44,7 +44,7 @@ def run_recorded(faults=None, stats_dir=None):
     from tpuoffload.sim.engine import EngineSpec, InProcessEngine, run_waves
     from tpuoffload.sim.workload import prefix_repetition
 
-    eng = InProcessEngine(EngineSpec(num_hosts=2, devices_per_host=2, block_size=BS,
+    eng = InProcessEngine(EngineSpec(num_hosts=2, block_size=BS,
                                      extra_config={"cpu_bytes_to_use": 1 << 22, "stats_dir": stats_dir,
                                                    "stats_interval_s": 0.0}), faults=faults)
     per_step = []
@@ -174,8 +174,10 @@ def test_metric_names_follow_vllm_convention(recorded, clean_registry):
         prom.observe(stats.kv_connector_stats, 0)
     families = {f.name: f for f in REGISTRY.collect() if f.name.startswith("vllm:tpuoffload")}
     # prometheus_client names a counter family without _total; its samples carry it.
-    assert {name + "_total" for name in families} == {metric_name(c) for c in COUNTERS}
-    assert len(families) == len(COUNTERS)
+    # Every registered counter (tpuoffload.counters) is a series, with the registry's meaning.
+    assert {name + "_total" for name in families} == {metric_name(c) for c in C.NAMES}
+    assert len(families) == len(C.NAMES)
+    assert all(families[metric_name(c)[:-len("_total")]].documentation == C.doc(c) for c in C.NAMES)
     for fam in families.values():
         assert fam.type == "counter" and fam.documentation
         for sample in fam.samples:
@@ -212,11 +214,13 @@ def test_observe_skips_what_it_cannot_use(recorded, clean_registry):
 
 
 # ============================================================================ failures
-class FailSaves(Faults):
-    """A host whose device-to-host copies all fail (raised on its background save thread)."""
+class FailSaves(FaultInjector):
+    """A host whose copies into host RAM all fail (raised on its background save thread)."""
 
-    def before_write(self, save_ids):
-        raise OSError("injected: host RAM write failed")
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        if point is FaultPoint.WRITE_SLOTS:
+            raise OSError("injected: host RAM write failed")
+        return set()
 
 
 def test_failed_saves_reach_prometheus_and_the_table(clean_registry, tmp_path, capsys):

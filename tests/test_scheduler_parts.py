@@ -766,17 +766,19 @@ def test_hash_table_randomized_against_a_dict(seed):
 
 
 def test_hash_table_overflow_past_full_buckets():
-    t = HashTable(16)  # 8 buckets of 8 cells
+    w = HashTable.CELLS_PER_BUCKET
+    t = HashTable(16)
     keys = np.array([2 + (i << 20) for i in range(20)], dtype=np.uint64)  # all home in bucket 0
     cells = t.insert(keys, np.arange(20))
-    assert sorted((cells >> 3).tolist()) == [0] * 8 + [1] * 8 + [2] * 4
+    full, rest = divmod(20, w)
+    assert sorted((cells // w).tolist()) == [b for b in range(full) for _ in range(w)] + [full] * rest
     assert t.find(keys).tolist() == list(range(20))
-    gone = np.flatnonzero((cells >> 3) == 0)[:3]
+    gone = np.flatnonzero((cells // w) == 0)[:3]
     t.delete_cells(cells[gone])  # bucket 0 was full: deleted markers, lookups still go past it
     want = [-1 if i in gone else i for i in range(20)]
     assert t.find(keys).tolist() == want
     new = np.array([2 + (100 << 20)], dtype=np.uint64)
-    assert (t.insert(new, [99]) >> 3).tolist() == [0]  # a deleted cell is reused
+    assert (t.insert(new, [99]) // w).tolist() == [0]  # a deleted cell is reused
     assert t.find(np.concatenate((keys, new))).tolist() == want + [99]
 
 

@@ -313,6 +313,8 @@ def held(sim: Sim) -> str:
 def prefill_index(sim: Sim, n: int, seed: int) -> float:
     """Fill TPUOffloadConnector's host index with n READY chunks of random hashes, through the
     scheduler half's own index and ledger (allocate, register, every host confirms, mark READY)."""
+    from tpuoffload.scheduler.hash_table import HashKeys
+
     sched = sim.sched.connector.scheduler
     index, ledger = sched.index, sched.ledger
     rnd = random.Random(seed)
@@ -325,7 +327,7 @@ def prefill_index(sim: Sim, n: int, seed: int) -> float:
             k = min(batch, n - done)
             slots = index.allocate(k)
             base = ledger.open_batch(slots, float("inf"), step=-1)
-            index.add_saving([rnd.randbytes(32) for _ in range(k)], slots, base)
+            index.add_saving(HashKeys.of([rnd.randbytes(32) for _ in range(k)]), slots, base)
             for h in range(ledger.num_hosts):
                 ledger.report(h, ok=[(base, base + k)])
             res = ledger.take_resolved()

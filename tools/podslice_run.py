@@ -2,9 +2,12 @@
 """Run vLLM's prefix_repetition workload (scaled down) on a simulated pod slice and report.
 
     python tools/podslice_run.py --hosts 4 --devices-per-host 2 --requests 32 --chaos --seed 1
+    python tools/podslice_run.py --hosts 4 --devices-per-host 4 --layout qwen3-coder-480b-fp8-tp16 --chaos
 
 N JAX processes on this machine (jax.distributed over gloo, CPU devices), each holding its own KV
-heads, driven by vLLM's real Scheduler through tpuoffload. Every step the harness compares the
+heads of the cache tpu-inference allocates (a tensor-parallel model over all devices, or a named
+deployment of tpuoffload.sim.tpu_layouts.LAYOUTS), driven by vLLM's real Scheduler through
+tpuoffload. For many seeded chaos runs and one summary table, use tools/soak.py. Every step the harness compares the
 hosts' dispatch digests and sampled tokens; the synthetic runner verifies every context position
 it reads; every generated token is checked. Exit status 0 only if everything held.
 """
@@ -46,12 +49,13 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     num_blocks = args.num_blocks or (28 if args.chaos else 48)
     extra = {"cpu_bytes_to_use": args.cpu_bytes, "save_timeout_s": 3.0, "load_wait_timeout_s": 2.0}
     spec = SliceSpec(num_hosts=args.hosts, devices_per_host=args.devices_per_host, num_kv_heads=args.kv_heads,
-                     num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=256, extra_config=extra)
+                     layout=args.layout, num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=256,
+                     extra_config=extra)
     workload = PrefixRepetition(num_prefixes=args.prefixes, prefix_blocks=args.prefix_blocks,
                                 num_requests=args.requests, waves=args.waves, seed=seed)
     chaos = chaos_for(args)
     print(f"run {run_no}/{args.runs} (seed {seed}): {args.hosts} hosts x {args.devices_per_host} CPU devices, "
-          f"{args.kv_heads} KV heads, GPU pool {num_blocks} blocks, chaos {'on' if args.chaos else 'off'}")
+          f"cache {spec.slice_layout().name}, GPU pool {num_blocks} blocks, chaos {'on' if args.chaos else 'off'}")
     t_start = time.monotonic()
     summary = {"steps": 0, "requests": 0, "saved": 0, "loaded": 0, "mismatches": 0, "wall": 0.0}
     pod = None
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=2, help="JAX processes, one per simulated host")
     p.add_argument("--devices-per-host", type=int, default=1)
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the cache, split over all devices")
+    p.add_argument("--layout", default=None, help="a named tpu-inference deployment from tpuoffload.sim.tpu_layouts."
+                   "LAYOUTS instead (its device count must be --hosts x --devices-per-host)")
     p.add_argument("--requests", type=int, default=32, help="requests per wave")
     p.add_argument("--waves", type=int, default=2, help="waves, with reset_prefix_cache() between them")
     p.add_argument("--prefixes", type=int, default=4)
@@ -121,8 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1, help="repeat with seeds seed, seed+1, ...")
     p.add_argument("--log-dir", default=None, help="per-host logs (default: a temp dir)")
     args = p.parse_args(argv)
-    if args.kv_heads % (args.hosts * args.devices_per_host):
-        p.error("--kv-heads must divide by --hosts x --devices-per-host")
+    if args.layout is not None:
+        from tpuoffload.sim.tpu_layouts import LAYOUTS
+
+        if args.layout not in LAYOUTS:
+            p.error(f"--layout must be one of {', '.join(sorted(LAYOUTS))}")
+        if LAYOUTS[args.layout].num_devices != args.hosts * args.devices_per_host:
+            p.error(f"--layout {args.layout} needs {LAYOUTS[args.layout].num_devices} devices: "
+                    f"--hosts x --devices-per-host is {args.hosts * args.devices_per_host}")
 
     t0 = time.monotonic()
     results = []

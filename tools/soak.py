@@ -6,19 +6,21 @@
     python tools/soak.py --mode fast --hosts 2 --seed 1017 --runs 1   # replay one run
 
 Every run is a pure function of its seed (and --mode, --hosts, --broken): the seed picks the
-workload (shared prefixes, n > 1 siblings, staggered arrivals), the engine settings (a tiny GPU
+cache (tpu-inference's layout for 1, 2 or 4 KV heads per host, bf16, fp8 or int8, 1 or 2 devices
+per host in fast mode), the workload (1 to 3 waves over a few shared prefixes with vLLM's prefix
+cache reset between waves, n > 1 siblings, staggered arrivals), the engine settings (a tiny GPU
 block pool for preemption storms, a small host RAM for eviction, a small staging budget, lazy or
 eager offload) and the chaos: random write and step delays, a persistently slow host, failed
 device-to-host copies, lost slots, dropped and duplicated worker reports, aborts, exceptions at the
 worker's fault points, and vLLM's resets between steps
 (``scheduler.reset_prefix_cache(reset_running_requests=..., reset_connector=...)``). Timing still
-varies between replays (background save threads), so a timing-dependent failure may need a few.
+varies between replays (background save threads): ``--repeat N`` runs a seed N times.
 
 A run fails when the hosts' dispatch digests or sampled tokens diverge (digest), a context
 position or a generated token is wrong (mismatch), it stops making progress or runs past its
 deadline (hang: the run is killed), anything is held after it settled (leak: the scheduler half's
-``leak_report()``, each worker's ``idle_report()``, vLLM's requests and block pool), or anything
-else raises (error).
+``leak_report()``, each host's in-flight saves and staging bytes and, where the host reports it,
+its ``idle_report()``; vLLM's requests and block pool), or anything else raises (error).
 
 Runs execute in a child process (``--child``, one per batch of runs, so imports and JAX compiles
 are paid once; the JAX persistent compilation cache is shared by every child and pod-slice worker).
@@ -48,6 +50,8 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+# Bump when make_scenario draws differently: a seed names a run only together with this version.
+SCENARIO_VERSION = 1
 FAILURE_KINDS = ("digest", "mismatch", "hang", "leak", "error", "crash")
 RESET_KINDS = ("plain", "running", "connector", "running+connector")
 DEFAULT_RUN_TIMEOUT = {"fast": 60.0, "podslice": 240.0}
@@ -206,6 +210,7 @@ class RunResult:
     wrong_outputs: int = 0
     leaks: dict[str, Any] = field(default_factory=dict)
     faults_injected: dict[str, int] = field(default_factory=dict)
+    faults_reported: bool = False  # the hosts report what they injected (pod-slice workers do not yet)
     wall_s: float = 0.0
 
 
@@ -247,8 +252,6 @@ def _progress(pod) -> tuple:
 
 def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> RunResult:
     """One run. Never raises: every failure becomes the result's kind and message."""
-    from vllm.v1.request import RequestStatus
-
     from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, PointFaults, SliceError, SliceSpec
     from tpuoffload.sim.vllm_setup import make_request
     from tpuoffload.sim.workload import expected_output
@@ -308,6 +311,7 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
             res.leaks["unsettled"] = pod.offload.leak_report()
         states = pod.worker_state()
         res.mismatches = sum(s["mismatches"] for s in states)
+        res.faults_reported = all("faults_injected" in s for s in states)
         for s in states:
             for point, n in (s.get("faults_injected") or {}).items():
                 res.faults_injected[point] = res.faults_injected.get(point, 0) + n
@@ -508,7 +512,8 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
         ("resets", f"{sum(resets.values())} ({', '.join(f'{k} {resets[k]}' for k in RESET_KINDS)}); vLLM "
                    f"declined {sum(r.resets_declined for r in results)} (blocks in use), refused "
                    f"{sum(r.resets_refused for r in results)} (a request waits for remote KV)"),
-        ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none"),
+        ("faults injected", (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
+         if any(r.faults_reported for r in results) else "not reported by these hosts"),
         ("mismatches", f"{kinds['mismatch']} runs ({sum(r.mismatches for r in results)} context positions, "
                        f"{sum(r.wrong_outputs for r in results)} wrong outputs); digest divergences "
                        f"{kinds['digest']} runs"),
@@ -518,7 +523,8 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
         ("wall time", f"{wall_s:.0f} s, {wall_s / max(n, 1):.1f} s per run"),
     ]
     width = max(len(k) for k, _ in rows)
-    title = f"soak --mode {args.mode} --hosts {args.hosts}" + (f" --broken {args.broken}" if args.broken else "")
+    title = (f"soak --mode {args.mode} --hosts {args.hosts}" + (f" --broken {args.broken}" if args.broken else "")
+             + f"  (scenarios v{SCENARIO_VERSION})")
     lines = [title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows]
     if failed:
         lines.append(f"{'failed seeds':<{width}}  " + ", ".join(f"{r.seed} ({r.kind})" for r in failed))

@@ -8,7 +8,6 @@ are tuples of ints. ``metadata_bytes`` measures it the way vLLM's executors ship
 from __future__ import annotations
 
 import pickle
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -104,22 +103,12 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     ids. Merging is a union per host, so a report merged twice counts once (idempotent, order-free)
     while the same save confirmed by two hosts stays two confirmations.
 
-    Build one with ``OffloadWorkerReport.from_host(host, saved_ids, failed_ids)``. (Transitional: a
-    ``collections.Counter`` keyed ``(host, save_id, ok)`` passed as the only argument, the former
-    format, is converted.)
+    Build one with ``OffloadWorkerReport.from_host(host, saved_ids, failed_ids)``; the scheduler's
+    ledger applies a range with a few array operations, not per save id.
     """
 
     saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
     failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.saved, Counter):  # transitional: the former per-chunk format
-            legacy, self.saved = self.saved, {}
-            merged = OffloadWorkerReport()
-            for (host, save_id, ok) in legacy:
-                part = OffloadWorkerReport.from_host(host, [save_id] if ok else (), () if ok else [save_id])
-                merged = merged.aggregate(part)
-            self.saved, self.failed = merged.saved, merged.failed
 
     @classmethod
     def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = ()) -> "OffloadWorkerReport":
@@ -134,5 +123,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         return set(self.saved) | set(self.failed)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
+        """Invariant 7: a union per host, idempotent and order-free (vLLM's KVOutputAggregator
+        merges the workers' reports with it)."""
         assert isinstance(other, OffloadWorkerReport), type(other)
         return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed))

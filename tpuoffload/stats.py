@@ -32,6 +32,7 @@ class OffloadStats(KVConnectorStats):
     data: dict[str, int | float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorStats) -> "OffloadStats":
+        """Invariant 7: Counter union (per-key maximum), idempotent and order-free."""
         merged = Counter(self.data) | Counter(other.data)  # per-key max: idempotent union
         return OffloadStats(dict(merged))
 

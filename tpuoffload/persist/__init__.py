@@ -9,8 +9,9 @@ from tpuoffload.persist.checkpoint import (
     Restored,
     SaveHandle,
     SaveReport,
+    read_index,
 )
 from tpuoffload.persist.request import CheckpointDone, CheckpointRequest, RequestWatcher, request_checkpoint
 
 __all__ = ["FORMAT_VERSION", "CheckpointDone", "CheckpointRequest", "Fingerprint", "PersistFaults", "Persister",
-           "RequestWatcher", "Restored", "SaveHandle", "SaveReport", "request_checkpoint"]
+           "RequestWatcher", "Restored", "SaveHandle", "SaveReport", "read_index", "request_checkpoint"]

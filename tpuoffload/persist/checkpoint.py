@@ -2,13 +2,22 @@
 
 What one checkpoint holds (``<persist_path>/ckpt-<n>``, an orbax Composite of three items):
 
-* ``slots`` (orbax PyTree of global jax.Arrays, each sharded over a 1-D mesh of one device per
-  process, so every host writes only its own row): ``storage`` (num_hosts, num_slots, slot_bytes)
-  uint8 -- every host's HostBackend storage; ``tags`` (num_hosts, num_slots, 8) uint8 -- the slot
-  tags (int64 save ids, -1 empty) as raw bytes (JAX without x64 would narrow int64); ``crc``
-  (num_hosts, num_slots) uint32 -- zlib.crc32 of every tagged slot (0 for empty ones).
-* ``meta`` (JSON, written by host 0): fingerprint, checkpoint number, num_slots, slot_bytes and the
-  crc32 of the index's canonical JSON.
+* ``slots`` (orbax PyTree of global jax.Arrays, each host writing only its own shards):
+  ``tags`` (num_hosts, num_slots, 8 * columns) uint8 -- every host's slot table as raw bytes of
+  int64 (JAX without x64 would narrow int64): column 0 the save id (-1 empty), further columns
+  whatever else the host keeps per slot (e.g. the block a chunk was gathered from); ``crc``
+  (num_hosts, num_slots) uint32 -- zlib.crc32 of this host's part of every tagged slot (0 for empty
+  ones); both sharded over a 1-D mesh of one device per process (host memory). And the slot data, in one of two forms:
+
+  - ``storage`` (num_hosts, num_slots, slot_bytes) uint8, sharded like ``tags``: each host's slots
+    as a plain (num_slots, slot_bytes) numpy array (``Persister.save(storage=ndarray)``);
+  - ``stores`` {name: array}: the transfer engine's own stores, global arrays in pinned host memory
+    with the slot axis at 1, sharded over the cache's mesh, saved as they are (no copy) and
+    restored onto the sharding the caller describes.
+
+* ``meta`` (JSON, written by host 0): fingerprint, checkpoint number, num_slots, the slot layout
+  (the form, slot_bytes or every store's shape and dtype) and the crc32 of the index's canonical
+  JSON.
 * ``index`` (JSON, written by host 0): the scheduler's index, an opaque dict (bytes values are
   encoded as ``{"__bytes__": hex}``; tuples come back as lists).
 
@@ -24,25 +33,30 @@ called on the engine's main thread, at the same point of the step sequence on ev
 scheduler plans them in the step metadata). The JAX calls they issue are local (no collective
 program) and always the same, in this order, whatever the data:
 
-* save: for ``storage``, ``tags``, ``crc`` in turn: ``jax.device_put`` of this host's row onto its
-  device (host memory: the CPU device, or ``pinned_host`` memory of an accelerator; on CPU an aligned
-  row is aliased, not copied) and ``jax.make_array_from_single_device_arrays``; then orbax's blocking
-  phase (coordination barriers, temp directory, device-to-host copies of those host arrays, which
-  are no-ops or memcpys). The writes, the commit barrier and the finalize run on orbax's background
-  thread; ``SaveHandle`` resolves when this host's part is committed (on success, after the whole
-  checkpoint is finalized).
-* restore: orbax restores the three arrays onto the same sharding (one ``device_put`` per array onto
-  this host's device) -- only if every host accepted the fingerprint first. Host agreement (which
+* save: for ``tags``, ``crc`` (and ``storage`` in the numpy form) in turn: ``jax.device_put`` of this
+  host's row onto its device (host memory: the CPU device, or ``pinned_host`` memory of an
+  accelerator; on CPU an aligned row is aliased, not copied) and
+  ``jax.make_array_from_single_device_arrays``; then orbax's blocking phase (coordination barriers,
+  temp directory, device-to-host copies of those host arrays, which are no-ops: ``np.asarray`` of a
+  host-memory array is a view). Checksums of the stores form read the local shards the same way.
+  The writes, the commit barrier and the finalize run on orbax's background thread; ``SaveHandle``
+  resolves when this host's part is committed (on success, after the whole checkpoint is
+  finalized).
+* restore: orbax restores the arrays onto the same shardings (``device_put`` of each local shard)
+  -- only if every host accepted the fingerprint and the slot layout first. Host agreement (which
   checkpoint, and whether every host accepts it) goes through the coordination service's key-value
   store, not through JAX.
 
-Consistency of a save: the rows whose tag is not -1 must not change until the handle resolves
+Consistency of a save: the slots whose tag is not -1 must not change until the handle resolves
 (the worker drains its background writes before saving and the scheduler keeps the chunks of the
-index it shipped pinned until every host confirmed the checkpoint). Memory: on CPU an aligned
-storage is aliased; otherwise (and on TPU/GPU, into pinned host memory) the device_put copies it,
-so a checkpoint briefly needs a second copy of host RAM.
+index it shipped pinned until every host confirmed the checkpoint), and a store must not be
+donated to a program meanwhile (orbax writes from numpy views of its buffers): the engine skips
+saves (loads may go on) until the handle resolves. Memory: the stores form copies nothing; the
+numpy form is aliased on CPU when 64-byte aligned, and otherwise (and on TPU/GPU, into pinned host
+memory) copied by the device_put, which blocks the caller (2.4 GiB/s from pageable numpy into
+pinned memory on the H200 host) and briefly needs a second copy of host RAM.
 
-Refusals: anything that does not match (fingerprint field, number of hosts, num_slots), is
+Refusals: anything that does not match (fingerprint field, number of hosts, num_slots, slot layout), is
 partial, unreadable or fails a checksum is refused: ``restore`` returns ``(None, reason)`` on every
 host, logs ONE line saying why, and the caller starts cold. It never raises for a bad checkpoint.
 """
@@ -59,6 +73,7 @@ import threading
 import time
 import zlib
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -141,8 +156,9 @@ class SaveHandle:
 class Restored:
     seq: int
     path: str
-    tags: np.ndarray  # (num_slots,) int64, EMPTY for empty slots
+    tags: np.ndarray  # int64, the shape saved: (num_slots,) or (num_slots, columns); save id EMPTY: empty
     index: dict
+    stores: dict | None  # the restored global arrays (stores form), None for host rows (in ``into``)
     chunks: int  # tagged slots restored on this host
     bytes: int
     seconds: float
@@ -209,13 +225,67 @@ def slot_checksums(storage: np.ndarray, tags: np.ndarray, pool: ThreadPoolExecut
     return crc
 
 
+def _save_ids(tags: np.ndarray) -> np.ndarray:
+    """Column 0 of a slot table: the save ids."""
+    return tags if tags.ndim == 1 else tags[:, 0]
+
+
+def _store_views(stores: Mapping[str, Any]) -> list[np.ndarray]:
+    """This host's parts of the stores as numpy views (zero-copy for host-memory arrays), in a fixed
+    order: by store name, then by device id."""
+    views = []
+    for name in sorted(stores):
+        for shard in sorted(stores[name].addressable_shards, key=lambda sh: sh.device.id):
+            views.append(np.asarray(shard.data))
+    return views
+
+
+def store_checksums(stores: Mapping[str, Any], tags: np.ndarray,
+                    pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+    """crc32 of this host's part of every tagged slot of ``stores`` (global jax.Arrays whose axis 1
+    is the slot axis), chained over the stores and their local shards in ``_store_views`` order."""
+    views = _store_views(stores)
+    crc = np.zeros(tags.shape[0], np.uint32)
+
+    def one(slot: int) -> None:
+        c = 0
+        for v in views:
+            for lead in range(v.shape[0]):
+                c = zlib.crc32(memoryview(np.ascontiguousarray(v[lead, slot])).cast("B"), c)
+        crc[slot] = c
+
+    tagged = np.nonzero(tags != EMPTY)[0].tolist()
+    if pool is None:
+        for slot in tagged:
+            one(slot)
+    else:
+        list(pool.map(one, tagged))
+    return crc
+
+
+def _host_slot_bytes(stores: Mapping[str, Any]) -> int:
+    return sum(v[:, 0].nbytes for v in _store_views(stores))
+
+
+def _slots_spec(storage: Any) -> dict:
+    """What the slot data looks like (checked at restore against the deployment's)."""
+    if isinstance(storage, np.ndarray):
+        return {"kind": "host_rows", "slot_bytes": int(storage.shape[1])}
+    return {"kind": "stores", "stores": {name: {"shape": list(storage[name].shape), "dtype": str(storage[name].dtype)}
+                                         for name in sorted(storage)}}
+
+
 # ---------------------------------------------------------------- host agreement
 class _Agreement:
     """Every host contributes a value; every host gets all of them, or a timeout. Through the
     jax.distributed coordination service's key-value store (no JAX program); one process: local."""
 
+    _instances = 0  # Agreements made in this process: the same sequence on every host (main thread)
+
     def __init__(self, host: int, num_hosts: int, timeout_s: float) -> None:
         self.host, self.num_hosts, self.timeout_ms = host, num_hosts, int(timeout_s * 1000)
+        _Agreement._instances += 1
+        self._instance = _Agreement._instances
         self._n = 0  # operations so far: identical on every host (main thread, same order)
         self._session = None
 
@@ -245,9 +315,9 @@ class _Agreement:
         return out
 
     def _first_session(self, client) -> str:
-        """A name shared by this run's hosts and fresh across runs that reuse a coordinator: host
-        0's start time, published once."""
-        key = "tpuoffload/persist/session"
+        """A name shared by this Persister's hosts and by no other: host 0's clock and pid,
+        published under this process's n-th Persister."""
+        key = f"tpuoffload/persist/session/{self._instance}"
         if self.host == 0:
             client.key_value_set(key, f"{time.time_ns()}-{os.getpid()}")
         return client.blocking_key_value_get(key, self.timeout_ms)
@@ -313,14 +383,20 @@ class Persister:
         shard = jax.device_put(local[None], SingleDeviceSharding(device, memory_kind=kind), may_alias=True)
         return jax.make_array_from_single_device_arrays((self.num_hosts, *local.shape), sharding, [shard])
 
-    def _abstract(self, num_slots: int, slot_bytes: int) -> dict:
+    def _abstract(self, num_slots: int, tag_bytes: int) -> dict:
+        """Restore targets of the per-host arrays every checkpoint has (tags and checksums)."""
         import jax
 
         sharding, _, _ = self._sharding()
         h = self.num_hosts
-        return {"storage": jax.ShapeDtypeStruct((h, num_slots, slot_bytes), np.uint8, sharding=sharding),
-                "tags": jax.ShapeDtypeStruct((h, num_slots, 8), np.uint8, sharding=sharding),
+        return {"tags": jax.ShapeDtypeStruct((h, num_slots, tag_bytes), np.uint8, sharding=sharding),
                 "crc": jax.ShapeDtypeStruct((h, num_slots), np.uint32, sharding=sharding)}
+
+    def _abstract_rows(self, shape: tuple[int, int]):
+        import jax
+
+        sharding, _, _ = self._sharding()
+        return jax.ShapeDtypeStruct((self.num_hosts, *shape), np.uint8, sharding=sharding)
 
     def _handler(self):
         import orbax.checkpoint as ocp
@@ -374,11 +450,15 @@ class Persister:
         return best, highest, sorted(partial)
 
     # ---------------------------------------------------------------- restore
-    def restore(self, into: np.ndarray) -> tuple[Restored | None, str]:
-        """Restore the newest complete checkpoint into ``into`` (this host's storage, (num_slots,
-        slot_bytes) uint8, writable). Returns ``(Restored, "")`` on every host, or ``(None,
-        reason)`` on every host (``into`` then holds no restored bytes the caller may use: treat
-        every slot as empty). Never raises for a bad, partial or foreign checkpoint."""
+    def restore(self, into: np.ndarray | Mapping[str, Any]) -> tuple[Restored | None, str]:
+        """Restore the newest complete checkpoint. ``into`` is either this host's storage
+        ((num_slots, slot_bytes) uint8, writable: filled in place) or, for slots kept in global
+        jax.Arrays, ``{name: jax.ShapeDtypeStruct(shape, dtype, sharding=...)}`` describing the
+        stores (slot axis 1): the restored arrays come back in ``Restored.stores``.
+
+        Returns ``(Restored, "")`` on every host, or ``(None, reason)`` on every host (then nothing
+        restored may be used: every slot is empty). Never raises for a bad, partial or foreign
+        checkpoint. Call it once at start-up, also when nothing is expected: it numbers the saves."""
         t0 = time.perf_counter()
         try:
             restored, reason = self._restore(into, t0)
@@ -394,10 +474,16 @@ class Persister:
                      f" (ignored partial: {', '.join(restored.ignored_partial)})" if restored.ignored_partial else "")
         return restored, reason
 
-    def _restore(self, into: np.ndarray, t0: float) -> tuple[Restored | None, str]:
-        num_slots, slot_bytes = into.shape
-        if into.dtype != np.uint8 or into.ndim != 2 or not into.flags.writeable:
-            raise ValueError("restore target must be a writable (num_slots, slot_bytes) uint8 array")
+    def _restore(self, into: np.ndarray | Mapping[str, Any], t0: float) -> tuple[Restored | None, str]:
+        if isinstance(into, np.ndarray):
+            if into.dtype != np.uint8 or into.ndim != 2 or not into.flags.writeable:
+                raise ValueError("restore target must be a writable (num_slots, slot_bytes) uint8 array")
+            num_slots = into.shape[0]
+        else:
+            num_slots = {int(v.shape[1]) for v in into.values()}
+            if len(num_slots) != 1:
+                raise ValueError(f"stores disagree on the number of slots (axis 1): {sorted(num_slots)}")
+            num_slots = num_slots.pop()
         # 1. host 0 picks the checkpoint; everyone learns the numbering.
         pick = ""
         if self.host == 0:
@@ -420,18 +506,20 @@ class Persister:
         path = os.path.join(self.path, f"{CKPT_PREFIX}{seq}")
 
         # 2. every host reads and checks the meta and the index; all must accept.
-        meta_ok, index, why = self._check_meta(path, seq, num_slots, slot_bytes)
+        meta_ok, index, tag_tail, why = self._check_meta(path, seq, num_slots, _slots_spec(into))
         verdict = self._all_accept("meta", meta_ok, why)
         if verdict:
             return None, f"{path}: {verdict}{note}"
 
-        # 3. every host restores its row (the same JAX calls on every host), checks every checksum.
-        arrays_ok, why, tags, chunks = self._restore_rows(path, into, num_slots, slot_bytes)
-        verdict = self._all_accept("rows", arrays_ok, why)
+        # 3. every host restores its part (the same JAX calls on every host), checks every checksum.
+        ok, why, tags, stores, slot_bytes = self._restore_slots(path, into, num_slots, tag_tail)
+        verdict = self._all_accept("slots", ok, why)
         if verdict:
-            into[...] = 0
+            if isinstance(into, np.ndarray):
+                into[...] = 0
             return None, f"{path}: {verdict}{note}"
-        return Restored(seq, path, tags, index, chunks, chunks * slot_bytes, time.perf_counter() - t0,
+        chunks = int(np.count_nonzero(_save_ids(tags) != EMPTY))
+        return Restored(seq, path, tags, index, stores, chunks, chunks * slot_bytes, time.perf_counter() - t0,
                         tuple(choice["partial"])), ""
 
     def _all_accept(self, name: str, ok: bool, why: str) -> str:
@@ -444,81 +532,116 @@ class Persister:
                 return f"host {h}: {a[3:]}"
         return ""
 
-    def _check_meta(self, path: str, seq: int, num_slots: int, slot_bytes: int) -> tuple[bool, dict, str]:
+    def _check_meta(self, path: str, seq: int, num_slots: int,
+                    spec: dict) -> tuple[bool, dict, tuple[int, ...], str]:
+        """(ok, decoded index, shape of a slot's tag row, why not)."""
         try:
             meta = _read_json(os.path.join(path, "meta", "metadata"))
             stored = Fingerprint.from_json(meta.get("fingerprint"))
         except Exception as e:  # noqa: BLE001
-            return False, {}, f"unreadable meta ({type(e).__name__}: {e})"
+            return False, {}, (), f"unreadable meta ({type(e).__name__}: {e})"
         diff = self.fingerprint.mismatches(stored)
         if diff:
-            return False, {}, "fingerprint mismatch: " + "; ".join(diff)
+            return False, {}, (), "fingerprint mismatch: " + "; ".join(diff)
         if meta.get("seq") != seq:
-            return False, {}, f"meta names checkpoint {meta.get('seq')!r}, not {seq}"
-        if meta.get("num_slots") != num_slots or meta.get("slot_bytes") != slot_bytes:
-            return False, {}, (f"host slots: checkpoint {meta.get('num_slots')} x {meta.get('slot_bytes')} bytes, "
-                               f"this deployment {num_slots} x {slot_bytes} (cpu_bytes_to_use changed?)")
+            return False, {}, (), f"meta names checkpoint {meta.get('seq')!r}, not {seq}"
+        if meta.get("num_slots") != num_slots:
+            return False, {}, (), (f"host slots: checkpoint {meta.get('num_slots')}, this deployment {num_slots} "
+                                   "(cpu_bytes_to_use changed?)")
+        tail = meta.get("tags_tail")
+        if not isinstance(tail, list) or len(tail) > 1 or not all(isinstance(t, int) and t > 0 for t in tail):
+            return False, {}, (), f"unreadable meta (tags_tail {tail!r})"
+        if meta.get("slots") != spec:
+            return False, {}, (), f"slot layout: checkpoint {meta.get('slots')}, this deployment {spec}"
         try:
             encoded = _read_json(os.path.join(path, "index", "metadata"))
         except Exception as e:  # noqa: BLE001
-            return False, {}, f"unreadable index ({type(e).__name__}: {e})"
+            return False, {}, (), f"unreadable index ({type(e).__name__}: {e})"
         if _canonical_crc(encoded) != meta.get("index_crc"):
-            return False, {}, "index checksum mismatch"
-        return True, decode_index(encoded), ""
+            return False, {}, (), "index checksum mismatch"
+        return True, decode_index(encoded), tuple(tail), ""
 
-    def _restore_rows(self, path: str, into: np.ndarray, num_slots: int,
-                      slot_bytes: int) -> tuple[bool, str, np.ndarray, int]:
+    def _restore_slots(self, path: str, into: np.ndarray | Mapping[str, Any], num_slots: int,
+                       tag_tail: tuple[int, ...]) -> tuple[bool, str, np.ndarray, dict | None, int]:
+        """(ok, why, tags, restored stores or None, this host's bytes per slot)."""
         import orbax.checkpoint as ocp
         from etils import epath
 
-        empty = np.full(num_slots, EMPTY, np.int64)
+        empty = np.full((num_slots, *tag_tail), EMPTY, np.int64)
+        rows = isinstance(into, np.ndarray)
+        abstract = self._abstract(num_slots, 8 * int(np.prod(tag_tail, dtype=np.int64)))
+        if rows:
+            abstract["storage"] = self._abstract_rows(into.shape)
+        else:
+            abstract["stores"] = dict(into)
         try:
             handler, _ = self._handler()
-            abstract = self._abstract(num_slots, slot_bytes)
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
             out = handler.restore(epath.Path(path), ocp.args.Composite(
-                slots=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)))
-            rows = {k: np.asarray(v.addressable_shards[0].data)[0] for k, v in out["slots"].items()}
+                slots=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)))["slots"]
+            tags = np.asarray(out["tags"].addressable_shards[0].data)[0].copy().view(np.int64)
+            tags = tags.reshape(num_slots, *tag_tail)
+            stored_crc = np.asarray(out["crc"].addressable_shards[0].data)[0]
+            if rows:
+                np.copyto(into, np.asarray(out["storage"].addressable_shards[0].data)[0])
         except Exception as e:  # noqa: BLE001 - a missing/truncated/garbled data file
-            return False, f"unreadable slots ({type(e).__name__}: {str(e).splitlines()[0][:300]})", empty, 0
-        if rows["storage"].shape != (num_slots, slot_bytes) or rows["tags"].shape != (num_slots, 8):
-            return False, "slot arrays have the wrong shape", empty, 0
-        tags = rows["tags"].copy().view(np.int64).reshape(num_slots)
-        np.copyto(into, rows["storage"])
-        crc = slot_checksums(into, tags, self._pool)
-        bad = np.nonzero(crc != rows["crc"])[0]
+            return False, f"unreadable slots ({type(e).__name__}: {str(e).splitlines()[0][:300]})", empty, None, 0
+        if rows:
+            crc, stores, slot_bytes = slot_checksums(into, _save_ids(tags), self._pool), None, into.shape[1]
+        else:
+            stores = dict(out["stores"])
+            crc, slot_bytes = store_checksums(stores, _save_ids(tags), self._pool), _host_slot_bytes(stores)
+        bad = np.nonzero(crc != stored_crc)[0]
         if bad.size:
-            return False, f"{bad.size} slot(s) fail their checksum (first: slot {int(bad[0])})", empty, 0
-        return True, "", tags, int(np.count_nonzero(tags != EMPTY))
+            return False, f"{bad.size} slot(s) fail their checksum (first: slot {int(bad[0])})", empty, None, 0
+        return True, "", tags, stores, slot_bytes
 
     # ---------------------------------------------------------------- save
-    def save(self, storage: np.ndarray, tags: np.ndarray, index: dict,
+    def save(self, storage: np.ndarray | Mapping[str, Any], tags: np.ndarray, index: dict,
              checksums: np.ndarray | None = None) -> SaveHandle:
         """Write checkpoint number ``next_seq`` (call on every host, main thread, same step).
 
-        ``storage`` (num_slots, slot_bytes) uint8 and ``tags`` (num_slots,) int64 are this host's;
+        ``storage`` is this host's slots, (num_slots, slot_bytes) uint8, or the engine's stores
+        ``{name: global jax.Array}`` (slot axis 1, sharded over every host, in host memory: saved
+        as they are, each host writing its own shards). ``tags`` is this host's slot table, int64
+        (num_slots,) or (num_slots, columns) with the save id (EMPTY: empty slot) in column 0;
         ``index`` is the scheduler's (identical on every host; host 0's copy is written);
         ``checksums`` may give the crc32 of every tagged slot (else computed here, in parallel).
-        Tagged rows must not change until the handle resolves. Waits for the previous save first."""
+        Tagged slots must not change until the handle resolves, and a store must not be donated to
+        a program meanwhile (orbax reads it through numpy views). Waits for the previous save.
+        A failed checkpoint is a SaveReport with ``ok=False`` (ValueError only for arrays of the
+        wrong shape or dtype, a caller's bug)."""
         t0 = time.perf_counter()
-        if self._next_seq is None:
-            raise RuntimeError("call restore() once before the first save (it picks the checkpoint number)")
-        if storage.dtype != np.uint8 or storage.ndim != 2 or tags.shape != (storage.shape[0],):
-            raise ValueError("storage must be (num_slots, slot_bytes) uint8 and tags (num_slots,)")
-        if storage.shape[1] != self.fingerprint.chunk_bytes:
-            raise ValueError(f"slot_bytes {storage.shape[1]} != fingerprint chunk_bytes {self.fingerprint.chunk_bytes}")
+        if self._next_seq is None:  # the same on every host: the number comes from host 0's pick
+            refused: Future = Future()
+            refused.set_result(SaveReport(-1, False, "no checkpoint number: restore() did not list persist_path"))
+            return SaveHandle(-1, refused)
+        rows = isinstance(storage, np.ndarray)
+        tags = np.ascontiguousarray(tags, dtype=np.int64)
+        if tags.ndim not in (1, 2):
+            raise ValueError("tags must be (num_slots,) or (num_slots, columns)")
+        num_slots, ids = tags.shape[0], _save_ids(tags)
+        if rows:
+            if storage.dtype != np.uint8 or storage.ndim != 2 or storage.shape[0] != num_slots:
+                raise ValueError("storage must be (num_slots, slot_bytes) uint8, one row per tag")
+            if storage.shape[1] != self.fingerprint.chunk_bytes:
+                raise ValueError(f"slot_bytes {storage.shape[1]} != fingerprint chunk_bytes "
+                                 f"{self.fingerprint.chunk_bytes}")
+        elif not storage or any(v.ndim < 2 or v.shape[1] != num_slots for v in storage.values()):
+            raise ValueError("stores must be global arrays whose axis 1 has one entry per tag")
         if self._inflight is not None:
             self._inflight.result()  # bounded by the commit timeout
         seq = self._next_seq
         self._next_seq += 1
         encoded = encode_index(index)
-        tags = np.ascontiguousarray(tags, dtype=np.int64)
         if checksums is None:
-            checksums = slot_checksums(storage, tags, self._pool)
-        n_tagged = int(np.count_nonzero(tags != EMPTY))
-        meta = {"fingerprint": self.fingerprint.to_json(), "seq": seq, "num_slots": int(storage.shape[0]),
-                "slot_bytes": int(storage.shape[1]), "index_crc": _canonical_crc(encoded),
-                "created_unix": time.time()}
+            checksums = (slot_checksums(storage, ids, self._pool) if rows
+                         else store_checksums(storage, ids, self._pool))
+        slot_bytes = storage.shape[1] if rows else _host_slot_bytes(storage)
+        n_tagged = int(np.count_nonzero(ids != EMPTY))
+        meta = {"fingerprint": self.fingerprint.to_json(), "seq": seq, "num_slots": num_slots,
+                "tags_tail": list(tags.shape[1:]),
+                "slots": _slots_spec(storage), "index_crc": _canonical_crc(encoded), "created_unix": time.time()}
         path = os.path.join(self.path, f"{CKPT_PREFIX}{seq}")
         future: Future = Future()
         handle = SaveHandle(seq, future)
@@ -536,17 +659,23 @@ class Persister:
 
             os.makedirs(self.path, exist_ok=True)
             # The JAX calls of a save, always these, in this order (see the module docstring).
-            item = {"storage": self._global(storage), "tags": self._global(tags.view(np.uint8).reshape(-1, 8)),
+            item = {"tags": self._global(tags.view(np.uint8).reshape(num_slots, -1)),
                     "crc": self._global(np.ascontiguousarray(checksums, dtype=np.uint32))}
+            if rows:
+                item["storage"] = self._global(storage)
+            else:
+                item["stores"] = dict(storage)
             ckptr = self._get_checkpointer()
             ckptr.save(path, args=ocp.args.Composite(
-                slots=ocp.args.PyTreeSave(item, save_args=self._save_args(ocp, storage.nbytes)),
+                slots=ocp.args.PyTreeSave(item, save_args=self._save_args(ocp, item)),
                 meta=ocp.args.JsonSave(meta), index=ocp.args.JsonSave(encoded)))
+            del item
         except Exception as e:  # noqa: BLE001
             return fail(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                         time.perf_counter() - t0)
         blocking = time.perf_counter() - t0
         self._faults.after_save_started(seq)
+        del storage  # the waiter must not keep the caller's arrays alive
 
         def wait() -> None:
             try:
@@ -558,18 +687,23 @@ class Persister:
                 return
             if self.host == 0:
                 self._prune(seq)
-            self._count({PERSIST_SAVED_CHUNKS: n_tagged, PERSIST_SAVED_BYTES: n_tagged * storage.shape[1]})
-            future.set_result(SaveReport(seq, True, "", path, n_tagged, n_tagged * storage.shape[1], blocking,
+            self._count({PERSIST_SAVED_CHUNKS: n_tagged, PERSIST_SAVED_BYTES: n_tagged * slot_bytes})
+            future.set_result(SaveReport(seq, True, "", path, n_tagged, n_tagged * slot_bytes, blocking,
                                          time.perf_counter() - t0))
 
         threading.Thread(target=wait, name=f"persist-wait-{seq}", daemon=True).start()
         return handle
 
-    def _save_args(self, ocp, nbytes: int) -> dict:
-        """Storage in chunks of at most ``chunk_mib`` MiB: tensorstore writes and reads chunks in
-        parallel, and no single chunk has to be assembled in memory whole."""
-        return {"storage": ocp.SaveArgs(chunk_byte_size=self.chunk_bytes), "tags": ocp.SaveArgs(),
-                "crc": ocp.SaveArgs()}
+    def _save_args(self, ocp, item: dict) -> dict:
+        """Slot data in tensorstore chunks of at most ``chunk_mib`` MiB: they are written and read
+        in parallel, and no chunk has to be assembled in memory whole."""
+        big = ocp.SaveArgs(chunk_byte_size=self.chunk_bytes)
+        out = {"tags": ocp.SaveArgs(), "crc": ocp.SaveArgs()}
+        if "storage" in item:
+            out["storage"] = big
+        else:
+            out["stores"] = {name: big for name in item["stores"]}
+        return out
 
     def _prune(self, newest: int) -> None:
         """Host 0, after checkpoint ``newest`` committed: keep the ``keep`` newest complete
@@ -606,10 +740,29 @@ class Persister:
         self._pool.shutdown(wait=True)
 
 
+def read_index(persist_path: str, seq: int, fingerprint: Fingerprint) -> tuple[dict | None, str]:
+    """The index of checkpoint ``seq`` for the scheduler process (no JAX): ``(index, "")`` if the
+    checkpoint is complete, matches ``fingerprint`` and its index passes its checksum, else
+    ``(None, reason)``. The scheduler calls it once every host reported that it restored ``seq``."""
+    path = os.path.join(os.path.abspath(persist_path), f"{CKPT_PREFIX}{seq}")
+    try:
+        meta = _read_json(os.path.join(path, "meta", "metadata"))
+        diff = fingerprint.mismatches(Fingerprint.from_json(meta.get("fingerprint")))
+        if diff:
+            return None, f"{path}: fingerprint mismatch: " + "; ".join(diff)
+        encoded = _read_json(os.path.join(path, "index", "metadata"))
+    except Exception as e:  # noqa: BLE001 - missing, partial or garbled: the scheduler starts cold
+        return None, f"{path}: unreadable ({type(e).__name__}: {e})"
+    if meta.get("seq") != seq or _canonical_crc(encoded) != meta.get("index_crc"):
+        return None, f"{path}: index checksum mismatch"
+    return decode_index(encoded), ""
+
+
 def _read_json(path: str) -> Any:
     with open(path, "rb") as f:
         return json.loads(f.read())
 
 
 __all__ = ["CKPT_PREFIX", "FORMAT_VERSION", "Fingerprint", "PersistFaults", "Persister", "Restored",
-           "SaveHandle", "SaveReport", "decode_index", "encode_index", "slot_checksums"]
+           "SaveHandle", "SaveReport", "decode_index", "encode_index", "read_index", "slot_checksums",
+           "store_checksums"]

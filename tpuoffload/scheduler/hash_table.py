@@ -12,12 +12,13 @@ as a uint64 (``k1``); the table stores only ``k1`` and the value, and the caller
 with the next 8 bytes (``k2``), which it keeps per value. Values 0 and 1 of ``k1`` mark empty and
 deleted cells; a real ``k1`` below 2 is stored as 2.
 
-Layout: ``num_buckets`` buckets of 8 cells, at most a quarter of the cells live. A key goes to its
-home bucket ``(k1 >> 8) % num_buckets`` unless that bucket has no free cell, then to the next
+Layout: ``num_buckets`` buckets of 4 cells, at most a quarter of the cells live. A bucket is one
+64-byte row (one cache line): its 4 k1 words, then the 4 values, so finding, inserting or deleting a
+key touches one cache line. A key goes to its home bucket ``(k1 >> 8) % num_buckets`` unless that bucket has no free cell, then to the next
 bucket with one. A bucket that still has an empty cell has never been full, so no key has
 overflowed past it: lookups stop there, and a delete in it can empty the cell. Only buckets that
 have been full keep deleted markers (reused by later inserts); if those ever take an eighth of the
-cells the table is rebuilt (cells move: ``rebuild`` says where).
+cells the table is rebuilt (cells move: ``rebuild`` says where). A cell is ``bucket * 4 + column``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 EMPTY = np.uint64(0)
 DELETED = np.uint64(1)
-_W = 8  # cells per bucket: one 64-byte cache line of k1 words
+_W = 4  # cells per bucket; a bucket's row holds their 4 k1 words then their 4 values
 _SHIFT = np.uint64(8)
 
 
@@ -73,7 +74,9 @@ class HashKeys:
 
 
 class HashTable:
-    """k1 -> int value (a slot). Single-threaded. ``capacity``: most keys live at once."""
+    """k1 -> int value (a slot, below 2**63). Single-threaded. ``capacity``: most keys live at once."""
+
+    CELLS_PER_BUCKET = _W
 
     def __init__(self, capacity: int) -> None:
         nb = 1
@@ -81,10 +84,8 @@ class HashTable:
             nb *= 2
         self.num_buckets = nb
         self._mask = np.uint64(nb - 1)
-        self._k1 = np.zeros((nb, _W), dtype=np.uint64)
-        self._val = np.zeros((nb, _W), dtype=np.int64)
-        self._k1_flat = self._k1.reshape(-1)  # views: cell c is bucket c >> 3, column c & 7
-        self._val_flat = self._val.reshape(-1)
+        self._tab = np.zeros((nb, 2 * _W), dtype=np.uint64)  # [k1 x 4 | value x 4] per bucket
+        self._flat = self._tab.reshape(-1)
         self._claim = np.zeros(nb, dtype=np.int64)  # scratch: which key claims a bucket this round
         self._live = 0
         self._deleted = 0
@@ -95,67 +96,100 @@ class HashTable:
     def _home(self, k1: np.ndarray) -> np.ndarray:
         return ((k1 >> _SHIFT) & self._mask).astype(np.intp)
 
-    # Each round gathers one bucket (a row of 8 k1 words) per key still in play into a flat array
-    # of keys x 8 cells: the positions of the matches give (key, column) pairs directly, and a row's
-    # 8 flags read as one uint64 say whether it has an empty (or free) cell. No per-row loops, and
-    # only flat, contiguous numpy operations (broadcasting and 2-D fancy indexing cost several times
-    # more at this size).
-    def _rows(self, b: np.ndarray) -> np.ndarray:
-        return self._k1.take(b, axis=0).reshape(-1)
+    # Each round gathers one bucket row per key still in play. Its k1 words, flattened (keys x 4),
+    # are compared at once: the positions of the matches give (key, column) pairs directly, and a
+    # row's 4 flags read as one uint32 say whether it has an empty (or free) cell. No per-row
+    # loops, and only flat numpy operations (broadcasting and 2-D fancy indexing cost several
+    # times more at this size).
+    def _gather(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._tab.take(b, axis=0)
+        return rows, rows[:, :_W].reshape(-1)
 
     def find(self, k1: np.ndarray) -> np.ndarray:
         """For each key, the value of a cell holding it (-1 if none). Equal k1 words from two
         different hashes (a 2**-64 event per pair) give one of their values: the caller confirms
         with k2 and treats a mismatch as absent."""
+        return self.probe(k1)[0]
+
+    def probe(self, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``find``, plus for each key a free cell of its home bucket (-1 if it has none): where
+        ``insert`` can put an absent key without looking again (the cell stays free until then
+        unless another insert takes it, which ``insert`` detects)."""
         n = len(k1)
         out = np.full(n, -1, dtype=np.int64)
         if not n:
-            return out
+            return out, out.copy()
         b = self._home(k1)
+        rows, keys = self._gather(b)
+        fp = (keys <= DELETED).nonzero()[0]
+        spots = np.full(n, -1, dtype=np.int64)
+        spots[fp >> 2] = (b[fp >> 2] << 2) | (fp & 3)  # later cells overwrite: a row's last free cell
         idx = None  # None: every key still looked for, in order
         for _ in range(self.num_buckets):
-            rows = self._rows(b)
-            p = (rows == np.repeat(k1, _W)).nonzero()[0]
-            r = p >> 3
+            p = (keys == np.repeat(k1, _W)).nonzero()[0]
+            r = p >> 2
             if len(p):
-                out[r if idx is None else idx[r]] = self._val_flat[(b[r] << 3) | (p & 7)]
-            go_on = (rows == EMPTY).view(np.uint64) == 0
-            if not go_on.any():
-                break
+                vals = rows.reshape(-1)[(r << 3) + _W + (p & 3)].view(np.int64)
+                out[r if idx is None else idx[r]] = vals
+            go_on = (keys == EMPTY).view(np.uint32) == 0
             go_on[r] = False
             if not go_on.any():
                 break
             idx = go_on.nonzero()[0] if idx is None else idx[go_on]
             k1, b = k1[go_on], (b[go_on] + 1) & (self.num_buckets - 1)
-        return out
+            rows, keys = self._gather(b)
+        return out, spots
 
     def find_one(self, k1: int) -> int:
         """``find`` for one key, without numpy's per-call overhead on small arrays."""
         b = (k1 >> 8) & (self.num_buckets - 1)
         for _ in range(self.num_buckets):
-            row = self._k1[b].tolist()
-            if k1 in row:
-                return int(self._val[b, row.index(k1)])
-            if 0 in row:
+            row = self._tab[b].tolist()
+            keys = row[:_W]
+            if k1 in keys:
+                return row[_W + keys.index(k1)]
+            if 0 in keys:
                 return -1
             b = (b + 1) & (self.num_buckets - 1)
         return -1
 
-    def insert(self, k1: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Add distinct keys that are absent (the caller checked); returns the cell of each."""
+    def insert(self, k1: np.ndarray, values: np.ndarray, spots: np.ndarray | None = None) -> np.ndarray:
+        """Add distinct keys that are absent (the caller checked); returns the cell of each.
+        ``spots``: free cells from ``probe`` (-1: none), used where still free and unclaimed."""
         n = len(k1)
         cells = np.empty(n, dtype=np.int64)
         if not n:
             return cells
         if (self._live + n) * 4 > self.num_buckets * _W + 4 * _W:
             raise ValueError(f"hash table over capacity: {self._live} + {n} keys in {self.num_buckets} buckets")
-        v = np.asarray(values, dtype=np.int64)
+        v = np.asarray(values, dtype=np.int64).view(np.uint64)
         b = self._home(k1)
-        idx = np.arange(n)
+        idx = None  # None: every key still to place, in order
+        if spots is not None:
+            # One key per cell: the last writer of _claim wins (by bucket: two keys of one bucket
+            # were given the same cell); the cell must still be free.
+            r = (spots >= 0).nonzero()[0]
+            sp = spots[r]
+            sb = sp >> 2
+            self._claim[sb] = r
+            kpos = (sb << 3) | (sp & 3)
+            ok = (self._claim[sb] == r) & (self._flat[kpos] <= DELETED)
+            if not ok.all():
+                r, sp, kpos = r[ok], sp[ok], kpos[ok]
+            self._place(kpos, k1[r], v[r])
+            cells[r] = sp
+            if len(r) == n:
+                self._live += n
+                return cells
+            keep = np.ones(n, dtype=bool)
+            keep[r] = False
+            idx = keep.nonzero()[0]
+            k1, v, b = k1[keep], v[keep], b[keep]
         for _ in range(n + self.num_buckets):
-            free = self._rows(b) <= DELETED
+            _, keys = self._gather(b)
+            free = keys <= DELETED
             p = free.nonzero()[0]
-            r = p >> 3
+            r = p >> 2
             first = np.ones(len(p), dtype=bool)
             first[1:] = r[1:] != r[:-1]
             p, r = p[first], r[first]  # each key's first free cell, for keys whose bucket has one
@@ -165,41 +199,50 @@ class HashTable:
             won = self._claim[rb] == r
             if not won.all():
                 r, rb, p = r[won], rb[won], p[won]
-            cell = (rb << 3) | (p & 7)
-            if self._deleted:
-                self._deleted -= int(np.count_nonzero(self._k1_flat[cell] == DELETED))
-            self._k1_flat[cell] = k1[r]
-            self._val_flat[cell] = v[r]
-            cells[idx[r]] = cell
+            col = p & 3
+            self._place((rb << 3) | col, k1[r], v[r])
+            cells[r if idx is None else idx[r]] = (rb << 2) | col
             if len(r) == len(b):
                 break
             # Keys whose bucket has no free cell move on to the next one; losers of a claim stay.
-            full = free.view(np.uint64) == 0
+            full = free.view(np.uint32) == 0
             b = np.where(full, (b + 1) & (self.num_buckets - 1), b)
             keep = np.ones(len(b), dtype=bool)
             keep[r] = False
-            idx, k1, v, b = idx[keep], k1[keep], v[keep], b[keep]
+            idx = keep.nonzero()[0] if idx is None else idx[keep]
+            k1, v, b = k1[keep], v[keep], b[keep]
         self._live += n
         return cells
+
+    def _place(self, kpos: np.ndarray, k1: np.ndarray, v: np.ndarray) -> None:
+        """Write keys and values at free cells (``kpos``: the position of each cell's k1 word)."""
+        if self._deleted:
+            self._deleted -= int(np.count_nonzero(self._flat[kpos] == DELETED))
+        self._flat[kpos] = k1
+        self._flat[kpos + _W] = v
 
     def delete_cells(self, cells: np.ndarray) -> bool:
         """Empty the given cells (as ``insert`` returned them for live keys). Returns True when
         deleted markers have piled up and the caller should ``rebuild``."""
         if not len(cells):
             return False
-        open_ = (self._rows(cells >> 3) == EMPTY).view(np.uint64) != 0
-        self._k1_flat[cells] = np.where(open_, EMPTY, DELETED)
+        b = cells >> 2
+        _, keys = self._gather(b)
+        open_ = (keys == EMPTY).view(np.uint32) != 0
+        self._flat[(b << 3) | (cells & 3)] = np.where(open_, EMPTY, DELETED)
         self._live -= len(cells)
         self._deleted += len(cells) - int(np.count_nonzero(open_))
-        return self._deleted > self.num_buckets  # deleted markers in an eighth of the cells
+        return self._deleted > self.num_buckets // 2  # deleted markers in an eighth of the cells
 
     def clear(self) -> None:
-        self._k1[:] = EMPTY
+        self._tab[:] = EMPTY
         self._live = self._deleted = 0
 
     def rebuild(self) -> tuple[np.ndarray, np.ndarray]:
         """Reinsert every live key into a clean table; returns (values, their new cells)."""
-        live = np.flatnonzero(self._k1_flat > DELETED)
-        k1, vals = self._k1_flat[live].copy(), self._val_flat[live].copy()
+        keys = self._tab[:, :_W]
+        live = keys > DELETED
+        k1 = keys[live]
+        vals = self._tab[:, _W:][live].view(np.int64)
         self.clear()
         return vals, self.insert(k1, vals)

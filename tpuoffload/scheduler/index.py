@@ -95,12 +95,17 @@ class ChunkIndex:
 
     def find(self, keys: HashKeys) -> np.ndarray:
         """Slot of each key held or being saved, -1 for the others."""
-        slots = self._table.find(keys.k1)
+        return self.probe(keys)[0]
+
+    def probe(self, keys: HashKeys) -> tuple[np.ndarray, np.ndarray]:
+        """``find``, plus where ``add_saving`` can put each absent key without looking again."""
+        slots, spots = self._table.probe(keys.k1)
         hit = slots >= 0
         if hit.any():
             bad = np.flatnonzero(hit)[self._key2[slots[hit]] != keys.k2[hit]]
-            slots[bad] = -1
-        return slots
+            slots[bad] = -1  # a k1 match from another hash (2**-64 per pair): absent
+            spots[bad] = -1
+        return slots, spots
 
     def state_of(self, slot: int) -> int:
         return self._state[slot]
@@ -135,7 +140,8 @@ class ChunkIndex:
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:
         """Up to ``n`` slots for new saves: free slots first, then slots of LRU READY unpinned
-        chunks, evicted here (counted in ``evicted``). Fewer only when host RAM is full of chunks
+        chunks, evicted here (counted in ``evicted``). Invariant 10: host RAM is a fixed number of
+        slots, never exceeded; a chunk being saved, loaded (pinned) or revoked is never evicted. Fewer only when host RAM is full of chunks
         that are saving, pinned or revoked. The slots stay FREE until ``add_saving``."""
         slots = self._pool.take(n)
         short = n - len(slots)
@@ -148,16 +154,17 @@ class ChunkIndex:
                 slots = np.concatenate((slots, victims)) if len(slots) else victims
         return slots
 
-    def add_saving(self, keys: HashKeys, slots: np.ndarray, first_save_id: int) -> None:
+    def add_saving(self, keys: HashKeys, slots: np.ndarray, first_save_id: int,
+                   spots: np.ndarray | None = None) -> None:
         """Name ``slots`` (from ``allocate``) by ``keys``, SAVING under save ids
         ``first_save_id, first_save_id + 1, ...``. The keys must be distinct and new to the index
-        (``find`` says -1): the save planner checks."""
+        (``probe`` says -1; the save planner checks); ``spots``: what ``probe`` said for them."""
         n = len(slots)
         if len(keys) != n:
             raise ValueError(f"{len(keys)} keys for {n} slots")
         if not n:
             return
-        self._cell[slots] = self._table.insert(keys.k1, slots)
+        self._cell[slots] = self._table.insert(keys.k1, slots, spots)
         self._key2[slots] = keys.k2
         self._state_np[slots] = SAVING
         self._save_id[slots] = np.arange(first_save_id, first_save_id + n, dtype=np.int64)
@@ -166,7 +173,8 @@ class ChunkIndex:
 
     def mark_ready(self, slots: np.ndarray, save_ids: np.ndarray) -> int:
         """Every host confirmed these saves: SAVING chunks become READY and most recently used
-        (the last listed most of all); REVOKED ones are freed. Slots whose save id no longer
+        (the last listed most of all); REVOKED ones are freed. The only way a chunk becomes
+        loadable (invariant 7; the ledger calls for it once every reporting host confirmed). Slots whose save id no longer
         matches are ignored. Returns how many became READY."""
         slots, states = self._matching(slots, save_ids)
         if not len(slots):
@@ -183,7 +191,8 @@ class ChunkIndex:
 
     def drop(self, slots: np.ndarray, save_ids: np.ndarray) -> int:
         """These saves failed or expired: forget their chunks and free their slots. They were
-        never loadable, so no load can be reading them. Returns how many were dropped."""
+        never loadable, so no load can be reading them (invariant 11: a failed save frees its
+        chunk and is never loadable). Returns how many were dropped."""
         slots, states = self._matching(slots, save_ids)
         if not len(slots):
             return 0
@@ -228,7 +237,8 @@ class ChunkIndex:
             self._free(gone, REVOKED)
 
     def discard(self, slot: int, save_id: int) -> bool:
-        """Forget a READY chunk that failed to load somewhere (so it is not offered again). A
+        """Forget a READY chunk that failed to load somewhere, so it is not offered again
+        (invariant 11: vLLM recomputes it; no load loops on a lost chunk). A
         pinned chunk leaves the index at once but keeps its slot until its last unpin. Returns
         False if the slot now holds another chunk (or none)."""
         if not 0 <= slot < self.num_slots or self._state[slot] != READY or self._save_id[slot] != save_id:

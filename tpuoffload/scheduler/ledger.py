@@ -130,7 +130,10 @@ class CompletionLedger:
 
     # ------------------------------------------------------------------ reports
     def report(self, host: int, ok: Iterable[Range] = (), failed: Iterable[Range] = ()) -> None:
-        """One host's outcomes: ranges of save ids saved, and ranges that failed."""
+        """One host's outcomes: ranges of save ids saved, and ranges that failed. Invariant 7: a
+        save resolves READY only when all ``num_hosts`` hosts confirmed it, a failure from any
+        host resolves it FAILED; invariant 8: duplicate, late, early and unknown-host reports are
+        counted (early ones staged), never raised."""
         if not 0 <= host < self.num_hosts:
             n = sum(max(0, b - a) for a, b in (*ok, *failed))
             self.counters[C.LEDGER_UNKNOWN_HOST] += n

@@ -20,8 +20,9 @@ Saves (invariant 9, never read freed or overwritten blocks):
   dispatched; a preempted request's blocks were freed by vLLM already, but nothing can overwrite
   them before the next step's flush (loads and the forward come after it on every host).
 
-After a preemption the request recomputes or reloads its blocks into new ones, so its save progress
-starts over (chunks already held are deduplicated by the save planner).
+A preemption keeps a request's save progress (its first blocks were saved or deliberately skipped
+already, and recomputing them gives the same content), except when the connector was reset since:
+then everything the request computes after its preemption is new and saved from its first block.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ BlockIdsOf = Callable[[str], list[int]]
 class RequestRecord:
     request: "Request"
     # Blocks [0, watermark) were saved, found held, skipped or flushed: never considered again
-    # (until a preemption makes the request recompute them).
+    # (until a preemption after a connector reset makes the request recompute them).
     watermark: int = 0
     # request.num_preemptions already applied here.
     preemptions: int = 0
@@ -97,7 +98,9 @@ class RequestLifecycle:
                 self._catch_up(rec)
 
     def _catch_up(self, rec: RequestRecord) -> None:
-        """Apply a preemption vLLM made that this half has not applied yet (exactly once)."""
+        """Apply a preemption vLLM made that this half has not applied yet (exactly once): lazy
+        mode flushes what the request computed before it (vLLM freed those blocks, but nothing
+        overwrites them before the next plan's flush is gathered)."""
         n = _preemptions(rec.request)
         if n <= rec.preemptions:
             return
@@ -105,12 +108,12 @@ class RequestLifecycle:
         if self.lazy:
             self._queue_flush(rec)
             rec.computed_block_ids = []
-        rec.watermark = 0
         self._saving.add(rec.request.request_id)
 
     def finish(self, request: "Request", block_ids: list[int], load_in_flight: bool) -> bool:
         """vLLM finished or aborted ``request`` and passes the blocks it still holds. Returns
-        delay_free: True when vLLM must hold the blocks until a flush of them is dispatched."""
+        delay_free: True when vLLM must hold the blocks until a flush of them is dispatched
+        (invariant 9: a finished request's blocks are held until their save is dispatched)."""
         req_id = request.request_id
         rec = self._records.get(req_id)
         if rec is None:
@@ -151,7 +154,9 @@ class RequestLifecycle:
     # ------------------------------------------------------------------ per-step candidates
     def step_candidates(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> tuple[list[int], list[bytes]]:
         """Eager mode: (block id, hash) of the full blocks this step's forward completes, request by
-        request. Requests with nothing left to save stop being visited, so decode steps cost nothing."""
+        request, planned in this step so the workers gather them right after the forward, before
+        vLLM can reuse the blocks (invariant 9). Requests with nothing left to save stop being
+        visited, so decode steps cost nothing."""
         blocks: list[int] = []
         hashes: list[bytes] = []
         for rec, full in self._filled(so):
@@ -179,12 +184,21 @@ class RequestLifecycle:
 
     # ------------------------------------------------------------------ reset
     def forget_unsaved(self) -> None:
-        """Connector reset: KV computed before it must never be saved after it. Lazy mode: blocks
-        computed so far count as handled; queued flushes are dropped (their releases stay, so
-        vLLM still gets its blocks back)."""
+        """Connector reset: KV computed before it must never be saved after it. Queued flushes are
+        dropped (their releases stay, so vLLM still gets its blocks back). A request preempted by
+        the same reset (not applied yet) recomputes everything: its saves start from its first
+        block, and what it computed before is never flushed. Any other request's blocks computed
+        so far count as handled."""
         self._flush_blocks, self._flush_hashes = [], []
         for rec in self._records.values():
-            rec.watermark = max(rec.watermark, len(rec.computed_block_ids))
+            n = _preemptions(rec.request)
+            if n > rec.preemptions:
+                rec.preemptions = n
+                rec.computed_block_ids = []
+                rec.watermark = 0
+                self._saving.add(rec.request.request_id)
+            else:
+                rec.watermark = max(rec.watermark, len(rec.computed_block_ids))
 
     # ------------------------------------------------------------------ internals
     def _queue_flush(self, rec: RequestRecord) -> None:

@@ -93,7 +93,8 @@ class LoadTracker:
     def plan(self, request: "Request", lookup: _Lookup | None, num_blocks: int, block_ids: list[int]) -> None:
         """vLLM admitted ``request`` expecting ``num_blocks`` blocks from host RAM, right after
         its local hit, into ``block_ids`` (all its block ids). Blocks promised but no longer READY
-        are listed as unavailable: the workers report them as load errors and vLLM recomputes."""
+        are listed as unavailable: the workers report them as load errors and vLLM recomputes
+        (invariant 11: a missing load is explicit)."""
         if lookup is not None and lookup.version == self.index.version:
             local, slots = lookup.local, lookup.slots[:num_blocks]
         else:  # no memo, or the index changed since: look again
@@ -112,7 +113,9 @@ class LoadTracker:
 
     def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:
         """This step's loads: the planned loads vLLM still waits for (``waiting(request)``), and
-        the slots they read, in load order (to pin while this step's saves are allocated)."""
+        the slots they read, in load order (to pin while this step's saves are allocated).
+        Enforces "a load vLLM waits for is always sent, and only those" (issue 12: a dropped one
+        left the request waiting forever; an unexpected one makes vLLM assert)."""
         if not self._planned:
             return (), _EMPTY
         loads, slots = [], []

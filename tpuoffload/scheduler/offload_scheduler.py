@@ -119,6 +119,10 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ per-step plan
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> OffloadMetadata:
+        """The step's plan. Order matters: vLLM's view first (preemptions applied exactly once,
+        loads sent iff vLLM waits for them), then the flush of blocks vLLM may already have freed
+        (gathered first on every host, invariant 9), then this step's saves, with the loaded
+        slots pinned so no eviction hands them to a save in the same plan (invariant 7/11)."""
         step = self._step
         self.ledger.expire(self.clock())
         self._apply_resolved()
@@ -157,6 +161,9 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ reports from workers
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """The workers' merged outputs: save outcomes into the ledger (invariants 7, 8), load
+        errors discard their chunks (invariant 11), completions of unknown requests are counted
+        (invariant 8)."""
         report = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(report, OffloadWorkerReport):
             for host, ranges in report.saved.items():

@@ -44,7 +44,11 @@ class SavePlanner:
 
     def plan(self, block_ids: Sequence[int], hashes: Sequence[ChunkHash], step: int) -> SaveBatch:
         """Chunks to save among the candidates ``zip(block_ids, hashes)``, earliest first. The
-        blocks must hold their content until the workers gather them in this step's plan."""
+        blocks must hold their content until the workers gather them in this step's plan.
+
+        Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
+        against saves in flight) and invariant 10 (``StagingBudget.reserve_up_to`` grants what
+        fits, ``ChunkIndex.allocate`` the slots that exist; the rest is skipped and counted)."""
         n = len(hashes)
         if not n:
             return EMPTY
@@ -60,18 +64,19 @@ class SavePlanner:
         if len(by_hash) < n:
             counters[C.DEDUP_BATCH] += n - len(by_hash)
         # Against the index: held, or being saved (in flight).
-        held = self.index.find(keys) >= 0
+        found, spots = self.index.probe(keys)
+        held = found >= 0
         n_held = int(np.count_nonzero(held))
         if n_held:
             counters[C.DEDUP_INDEX] += n_held
             keep = ~held
-            keys, blocks = keys.take(keep), list(compress(blocks, keep.tolist()))
+            keys, spots, blocks = keys.take(keep), spots[keep], list(compress(blocks, keep.tolist()))
         if not blocks:
             return EMPTY
         granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
         if granted < len(blocks):
             counters[C.SKIPPED_STAGING] += len(blocks) - granted
-            keys, blocks = keys.take(slice(0, granted)), blocks[:granted]
+            keys, spots, blocks = keys.take(slice(0, granted)), spots[:granted], blocks[:granted]
         if not granted:
             return EMPTY
         slots = self.index.allocate(granted)
@@ -79,10 +84,10 @@ class SavePlanner:
         if got < granted:
             counters[C.SKIPPED_NO_SPACE] += granted - got
             self.staging.release((granted - got) * self.chunk_bytes)
-            keys, blocks = keys.take(slice(0, got)), blocks[:got]
+            keys, spots, blocks = keys.take(slice(0, got)), spots[:got], blocks[:got]
         if not got:
             return EMPTY
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        self.index.add_saving(keys, slots, base)
+        self.index.add_saving(keys, slots, base, spots)
         counters[C.SAVES_ISSUED] += got
         return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got))

@@ -31,7 +31,8 @@ def _backend_name(backend: Any) -> str:
 
 
 def reporting_workers(vllm_config: "VllmConfig", override: int | None = None) -> tuple[int, str]:
-    """(number of worker processes that report each step, how it was found)."""
+    """(number of worker processes that report each step, how it was found). Invariant 7: the
+    number of hosts comes from the engine (its executor), not from guessing."""
     if override is not None:
         return override, "kv_connector_extra_config['num_hosts']"
     pc = vllm_config.parallel_config

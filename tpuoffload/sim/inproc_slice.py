@@ -122,19 +122,20 @@ class InProcSlice(PodSlice):
                      "positions_verified": runner.stats.positions_verified,
                      "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
                      "backend_bytes": engine.backend.nbytes, "backend_slots_used": engine.backend.num_used(),
-                     "steps": runner.stats.steps, "faults_injected": dict(host.injector.hits)}
-            state["idle_report"] = connector.worker.idle_report()
+                     "steps": runner.stats.steps, "faults_injected": dict(host.injector.hits),
+                     "idle_report": connector.worker.idle_report()}
             return state
         raise ValueError(f"unknown message {msg[0]!r}")
 
     def _exchange_once(self, msg: Any, timeout: float, what: str) -> list[Any]:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         t0 = time.monotonic()
+        idle_deadline = t0 + msg[1] if msg[0] == "idle" else None  # one deadline for all hosts, as in the pod slice
         replies = []
         for host in self.hosts:
-            if msg[0] == "idle":  # one deadline for all hosts, as in the pod slice
-                msg = ("idle", max(0.0, t0 + msg[1] - time.monotonic()))
-                data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            if idle_deadline is not None:
+                data = pickle.dumps(("idle", max(0.0, idle_deadline - time.monotonic())),
+                                    protocol=pickle.HIGHEST_PROTOCOL)
             try:
                 reply = self._serve(host, pickle.loads(data))
                 replies.append(pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)))

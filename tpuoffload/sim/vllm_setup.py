@@ -131,9 +131,11 @@ def make_vllm_config(
     tensor_parallel_size: int = 1,
     parallel_overrides: dict | None = None,
 ) -> VllmConfig:
-    # num_kv_heads is per worker (as in the KV cache spec); the model holds them all, so that
-    # vLLM's check "attention heads divisible by tensor_parallel_size" holds for any size.
-    model_dir = tiny_model_dir(num_layers, num_kv_heads * tensor_parallel_size, head_size)
+    # The model holds num_kv_heads per tensor-parallel rank, so that vLLM's check "attention heads
+    # divisible by tensor_parallel_size" holds for any size.
+    parallel = {"tensor_parallel_size": tensor_parallel_size, **(parallel_overrides or {})}
+    backend = parallel.pop("distributed_executor_backend", None)
+    model_dir = tiny_model_dir(num_layers, num_kv_heads * parallel["tensor_parallel_size"], head_size)
     model_config = ModelConfig(
         model=model_dir,
         tokenizer=model_dir,
@@ -170,8 +172,6 @@ def make_vllm_config(
         )
     from vllm.config import ParallelConfig
 
-    parallel = {"tensor_parallel_size": tensor_parallel_size, **(parallel_overrides or {})}
-    backend = parallel.pop("distributed_executor_backend", None)
     parallel_config = ParallelConfig(**parallel)
     vllm_config = VllmConfig(
         model_config=model_config,

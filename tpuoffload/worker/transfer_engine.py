@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from concurrent import futures
@@ -89,7 +90,8 @@ class TransferEngine:
         self._programs = [GroupPrograms(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
         self._ids_sharding = NamedSharding(self.layout.mesh, PartitionSpec())
-        self._known_caches: tuple[int, ...] = ()  # ids of the arrays last checked or produced; main thread only
+        # Weak references to the arrays last checked or produced (never keeping a cache alive); main thread only.
+        self._known_caches: tuple[weakref.ref, ...] = ()
         self.log = DispatchLog()
 
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
@@ -124,15 +126,18 @@ class TransferEngine:
     def _check_caches(self, kv_caches) -> None:
         """The layout check, skipped for the very arrays the last call checked or produced (the
         common case: the runner hands back what the last load returned)."""
-        key = tuple(map(id, kv_caches))
-        if key != self._known_caches:
-            self.layout.check_same(kv_caches)
-            self._known_caches = key
+        known = self._known_caches
+        if len(known) == len(kv_caches) and all(r() is c for r, c in zip(known, kv_caches)):
+            return
+        self.layout.check_same(kv_caches)
+        self._known_caches = tuple(map(weakref.ref, kv_caches))
 
     def _put_ids(self, ids: np.ndarray) -> jax.Array:
         """One small transfer of a call's ids, shared by every group's program (a numpy argument
-        would be transferred again for each)."""
-        return jax.device_put(ids, self._ids_sharding)
+        would be transferred again for each). Built from this host's own values: a load's valid
+        flags are local, and ``jax.device_put`` of a numpy array onto a mesh spanning processes
+        would compare it across processes (a hidden collective that also fails on local flags)."""
+        return jax.make_array_from_callback(ids.shape, self._ids_sharding, lambda index: ids[index])
 
     @staticmethod
     def _group_caches(kv_caches, group: GroupLayout) -> tuple:
@@ -266,7 +271,7 @@ class TransferEngine:
             self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
-        self._known_caches = tuple(map(id, new))
+        self._known_caches = tuple(map(weakref.ref, new))
         with self._lock:
             self.counters["chunks_loaded"] += n - len(failed)
             self.counters["bytes_loaded"] += (n - len(failed)) * self.backend.slot_bytes
