@@ -159,10 +159,24 @@ def test_a_chunk_is_loadable_only_once_every_host_confirmed():
     f.admit(req)
     meta = f.plan({"a": req.num_tokens})
     f.workers(meta, hosts=[0, 2])
-    b = f.request("b", "p", 2)
-    assert f.off.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert f.off.get_num_new_matched_tokens(f.request("b", "p", 2), 0) == (0, False)
     f.workers(meta, hosts=[1])
-    assert f.off.get_num_new_matched_tokens(b, 0) == (2 * BS, True)
+    assert f.off.get_num_new_matched_tokens(f.request("c", "p", 2), 0) == (2 * BS, True)
+
+
+def test_a_repeated_lookup_reuses_its_answer_until_a_chunk_leaves():
+    """vLLM asks again every step until it admits a request: the first answer is given again
+    (its slots are still READY) until a chunk leaves the index; chunks that became READY since
+    are not counted (at worst a few blocks recomputed)."""
+    f = Fake(extra={"num_cpu_chunks": 3})
+    saved_and_ready(f, "p", 1)
+    b = f.request("b", "p", 2)
+    assert f.off.get_num_new_matched_tokens(b, 0) == (BS, True)
+    saved_and_ready(f, "p", 2, rid="more")  # block 1 of "p" becomes READY too
+    assert f.off.get_num_new_matched_tokens(b, 0) == (BS, True)  # the memoised answer
+    saved_and_ready(f, "q", 2)  # evicts: the memo is no longer trusted
+    assert f.off.get_num_new_matched_tokens(b, 0) == (0, False)  # LRU: the first chunk of "p" went
+    assert f.off.index.counters[C.EVICTED] > 0
 
 
 def test_lookup_has_no_side_effect_and_leaves_one_token():

@@ -7,6 +7,8 @@ round-robin (one step of each in turn, so drift in machine speed hits all of the
   (a) none        no KV connector
   (b) offloading  vLLM's own OffloadingConnector, CPUOffloadingSpec backend
   (c) tpuoffload  tpuoffload.connector.TPUOffloadConnector
+  (d) null        a connector whose hooks do nothing (tpuoffload.sim.vllm_setup.NullConnector): what
+                  vLLM itself adds for having a KV connector, a floor for (b) and (c)
 
 Timed per step: ``scheduler.schedule()`` + ``scheduler.update_from_output()``, in wall-clock time
 (perf_counter_ns) and in this thread's CPU time (thread_time_ns: immune to the process being
@@ -114,7 +116,7 @@ def parse_args(argv=None):
 @dataclass
 class Sim:
     name: str
-    kind: str  # "none" | "offloading" | "tpu"
+    kind: str  # "none" | "offloading" | "tpu" | "null"
     sched: object = None
     hosts: int = 1
     fill: int = 0
@@ -140,7 +142,11 @@ class Sim:
             # samples iff that reaches its length (decode, or the last prefill chunk).
             sampled.append(tok if req.num_computed_tokens >= req.num_tokens else [])
         kv_out = None
-        if self.kind == "tpu":
+        if self.kind == "null":
+            from vllm.v1.outputs import KVConnectorOutput
+
+            kv_out = KVConnectorOutput()
+        elif self.kind == "tpu":
             kv_out = self._ack_tpu(so.kv_connector_metadata)
         elif self.kind == "offloading":
             kv_out = self._ack_offloading(so.kv_connector_metadata)
@@ -231,6 +237,9 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
                   "tensor_parallel_size": args.hosts}
         if kind == "none":
             sched = make_scheduler(connector_module_path=None, connector_class="", **common)
+        elif kind == "null":
+            sched = make_scheduler(connector_module_path="tpuoffload.sim.vllm_setup", connector_class="NullConnector",
+                                   **common)
         elif kind == "offloading":
             # CPUOffloadingSpec: cpu_bytes_to_use is the total over all workers (each chunk holds
             # every worker's shard); one block per chunk (blocks_per_chunk=1, the default) like
@@ -549,7 +558,7 @@ def print_hook_table(sims, phases, ratio_pair, out=print) -> None:
 
 def print_work(sims, out=print) -> None:
     for s in sims:
-        if s.kind == "none":
+        if s.kind in ("none", "null"):
             continue
         out(f"  {s.name:<24} saved blocks {s.acked['saves']}, loads {s.acked['loads']} "
             f"({s.acked['load_blocks']} blocks); end state: {held(s)}")
@@ -579,7 +588,8 @@ def main(argv=None) -> int:
         f"gc {args.gc} in timed phases")
     main_specs = [("(a) none", "none", 0, 0),
                   ("(b) OffloadingConnector", "offloading", args.cpu_chunks, 0),
-                  ("(c) TPUOffloadConnector", "tpu", args.cpu_chunks, 0)]
+                  ("(c) TPUOffloadConnector", "tpu", args.cpu_chunks, 0),
+                  ("(d) null connector", "null", 0, 0)]
     ratio = ("(c) TPUOffloadConnector", "(b) OffloadingConnector")
 
     # ---- measurement 1: none vs OffloadingConnector vs TPUOffloadConnector ----

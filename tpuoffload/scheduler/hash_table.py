@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import struct
+
 import numpy as np
 
+_TWO_WORDS = struct.Struct("<QQ").unpack_from  # the first 16 bytes as two little-endian uint64
 EMPTY = np.uint64(0)
 DELETED = np.uint64(1)
 _W = 4  # cells per bucket; a bucket's row holds their 4 k1 words then their 4 values
@@ -70,7 +73,8 @@ class HashKeys:
         """(k1, k2) of one hash, as Python ints."""
         if len(h) < 16:
             h = bytes(h).ljust(16, b"\0")
-        return max(int.from_bytes(h[0:8], "little"), 2), int.from_bytes(h[8:16], "little")
+        k1, k2 = _TWO_WORDS(h)
+        return (k1 if k1 > 1 else 2), k2
 
 
 class HashTable:
@@ -86,6 +90,7 @@ class HashTable:
         self._mask = np.uint64(nb - 1)
         self._tab = np.zeros((nb, 2 * _W), dtype=np.uint64)  # [k1 x 4 | value x 4] per bucket
         self._flat = self._tab.reshape(-1)
+        self._words = memoryview(self._flat)  # the same memory read word by word as Python ints
         self._claim = np.zeros(nb, dtype=np.int64)  # scratch: which key claims a bucket this round
         self._live = 0
         self._deleted = 0
@@ -96,66 +101,56 @@ class HashTable:
     def _home(self, k1: np.ndarray) -> np.ndarray:
         return ((k1 >> _SHIFT) & self._mask).astype(np.intp)
 
-    # Each round gathers one bucket row per key still in play. Its k1 words, flattened (keys x 4),
-    # are compared at once: the positions of the matches give (key, column) pairs directly, and a
-    # row's 4 flags read as one uint32 say whether it has an empty (or free) cell. No per-row
-    # loops, and only flat numpy operations (broadcasting and 2-D fancy indexing cost several
-    # times more at this size).
-    def _gather(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows = self._tab.take(b, axis=0)
-        return rows, rows[:, :_W].reshape(-1)
-
+    # Each round gathers one bucket row per key still in play and compares the rows, flattened,
+    # at once: the positions of the matches give (key, column) pairs directly, and a row's 4
+    # flags read as one uint32 say whether it has an empty (or free) cell. No per-row loops, and
+    # flat numpy operations (broadcasting and 2-D fancy indexing cost several times more here).
     def find(self, k1: np.ndarray) -> np.ndarray:
         """For each key, the value of a cell holding it (-1 if none). Equal k1 words from two
         different hashes (a 2**-64 event per pair) give one of their values: the caller confirms
         with k2 and treats a mismatch as absent."""
-        return self.probe(k1)[0]
-
-    def probe(self, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``find``, plus for each key a free cell of its home bucket (-1 if it has none): where
-        ``insert`` can put an absent key without looking again (the cell stays free until then
-        unless another insert takes it, which ``insert`` detects)."""
         n = len(k1)
         out = np.full(n, -1, dtype=np.int64)
         if not n:
-            return out, out.copy()
+            return out
         b = self._home(k1)
-        rows, keys = self._gather(b)
-        fp = (keys <= DELETED).nonzero()[0]
-        spots = np.full(n, -1, dtype=np.int64)
-        spots[fp >> 2] = (b[fp >> 2] << 2) | (fp & 3)  # later cells overwrite: a row's last free cell
         idx = None  # None: every key still looked for, in order
         for _ in range(self.num_buckets):
-            p = (keys == np.repeat(k1, _W)).nonzero()[0]
-            r = p >> 2
+            rows = self._tab.take(b, axis=0)
+            flat = rows.reshape(-1)  # a view: 4 k1 words then 4 values per row
+            p = (flat == np.repeat(k1, 2 * _W)).nonzero()[0]
             if len(p):
-                vals = rows.reshape(-1)[(r << 3) + _W + (p & 3)].view(np.int64)
-                out[r if idx is None else idx[r]] = vals
-            go_on = (keys == EMPTY).view(np.uint32) == 0
+                p = p[(p & 7) < _W]  # a match among the values is no match
+            r = p >> 3
+            if len(p):
+                out[r if idx is None else idx[r]] = flat[p + _W].view(np.int64)
+            go_on = (rows[:, :_W] == EMPTY).view(np.uint32).reshape(-1) == 0
+            if not go_on.any():
+                break
             go_on[r] = False
             if not go_on.any():
                 break
             idx = go_on.nonzero()[0] if idx is None else idx[go_on]
             k1, b = k1[go_on], (b[go_on] + 1) & (self.num_buckets - 1)
-            rows, keys = self._gather(b)
-        return out, spots
+        return out
 
     def find_one(self, k1: int) -> int:
-        """``find`` for one key, without numpy's per-call overhead on small arrays."""
-        b = (k1 >> 8) & (self.num_buckets - 1)
+        """``find`` for one key, in plain Python over a memoryview of the table (no numpy call:
+        about a microsecond, for the per-request lookups)."""
+        words, mask = self._words, self.num_buckets - 1
+        b = (k1 >> 8) & mask
         for _ in range(self.num_buckets):
-            row = self._tab[b].tolist()
-            keys = row[:_W]
-            if k1 in keys:
-                return row[_W + keys.index(k1)]
-            if 0 in keys:
+            base = b << 3
+            row = words[base:base + _W].tolist()
+            if k1 in row:
+                return words[base + _W + row.index(k1)]
+            if 0 in row:  # an empty cell anywhere in the row: it never overflowed
                 return -1
-            b = (b + 1) & (self.num_buckets - 1)
+            b = (b + 1) & mask
         return -1
 
-    def insert(self, k1: np.ndarray, values: np.ndarray, spots: np.ndarray | None = None) -> np.ndarray:
-        """Add distinct keys that are absent (the caller checked); returns the cell of each.
-        ``spots``: free cells from ``probe`` (-1: none), used where still free and unclaimed."""
+    def insert(self, k1: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Add distinct keys that are absent (the caller checked); returns the cell of each."""
         n = len(k1)
         cells = np.empty(n, dtype=np.int64)
         if not n:
@@ -165,30 +160,9 @@ class HashTable:
         v = np.asarray(values, dtype=np.int64).view(np.uint64)
         b = self._home(k1)
         idx = None  # None: every key still to place, in order
-        if spots is not None:
-            # One key per cell: the last writer of _claim wins (by bucket: two keys of one bucket
-            # were given the same cell); the cell must still be free.
-            r = (spots >= 0).nonzero()[0]
-            sp = spots[r]
-            sb = sp >> 2
-            self._claim[sb] = r
-            kpos = (sb << 3) | (sp & 3)
-            ok = (self._claim[sb] == r) & (self._flat[kpos] <= DELETED)
-            if not ok.all():
-                r, sp, kpos = r[ok], sp[ok], kpos[ok]
-            self._place(kpos, k1[r], v[r])
-            cells[r] = sp
-            if len(r) == n:
-                self._live += n
-                return cells
-            keep = np.ones(n, dtype=bool)
-            keep[r] = False
-            idx = keep.nonzero()[0]
-            k1, v, b = k1[keep], v[keep], b[keep]
         for _ in range(n + self.num_buckets):
-            _, keys = self._gather(b)
-            free = keys <= DELETED
-            p = free.nonzero()[0]
+            free = self._tab.take(b, axis=0)[:, :_W] <= DELETED  # (keys, 4), contiguous
+            p = free.reshape(-1).nonzero()[0]
             r = p >> 2
             first = np.ones(len(p), dtype=bool)
             first[1:] = r[1:] != r[:-1]
@@ -200,12 +174,16 @@ class HashTable:
             if not won.all():
                 r, rb, p = r[won], rb[won], p[won]
             col = p & 3
-            self._place((rb << 3) | col, k1[r], v[r])
+            kpos = (rb << 3) | col  # the k1 word of the cell; its value is 4 words further
+            if self._deleted:
+                self._deleted -= int(np.count_nonzero(self._flat[kpos] == DELETED))
+            self._flat[kpos] = k1[r]
+            self._flat[kpos + _W] = v[r]
             cells[r if idx is None else idx[r]] = (rb << 2) | col
             if len(r) == len(b):
                 break
             # Keys whose bucket has no free cell move on to the next one; losers of a claim stay.
-            full = free.view(np.uint32) == 0
+            full = free.view(np.uint32).reshape(-1) == 0
             b = np.where(full, (b + 1) & (self.num_buckets - 1), b)
             keep = np.ones(len(b), dtype=bool)
             keep[r] = False
@@ -214,21 +192,13 @@ class HashTable:
         self._live += n
         return cells
 
-    def _place(self, kpos: np.ndarray, k1: np.ndarray, v: np.ndarray) -> None:
-        """Write keys and values at free cells (``kpos``: the position of each cell's k1 word)."""
-        if self._deleted:
-            self._deleted -= int(np.count_nonzero(self._flat[kpos] == DELETED))
-        self._flat[kpos] = k1
-        self._flat[kpos + _W] = v
-
     def delete_cells(self, cells: np.ndarray) -> bool:
         """Empty the given cells (as ``insert`` returned them for live keys). Returns True when
         deleted markers have piled up and the caller should ``rebuild``."""
         if not len(cells):
             return False
         b = cells >> 2
-        _, keys = self._gather(b)
-        open_ = (keys == EMPTY).view(np.uint32) != 0
+        open_ = (self._tab.take(b, axis=0)[:, :_W] == EMPTY).view(np.uint32).reshape(-1) != 0
         self._flat[(b << 3) | (cells & 3)] = np.where(open_, EMPTY, DELETED)
         self._live -= len(cells)
         self._deleted += len(cells) - int(np.count_nonzero(open_))

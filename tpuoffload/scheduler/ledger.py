@@ -249,6 +249,11 @@ class CompletionLedger:
             self._resolve(batch, i0 + np.flatnonzero(open_), False)
             self.counters[C.LEDGER_FAILED] += n_open
             return
+        if self.num_hosts == 1:  # an open save confirmed by the only host is ready
+            idx = np.arange(i0, i1) if n_open == i1 - i0 else i0 + np.flatnonzero(open_)
+            self.counters[C.LEDGER_CONFIRMED] += n_open
+            self._resolve(batch, idx, True)
+            return
         seen = batch.seen[host, i0:i1]  # a view: updated in place
         new = open_ & ~seen
         n_new = int(np.count_nonzero(new))

@@ -68,9 +68,15 @@ class LoadTracker:
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, request: "Request", num_computed_tokens: int) -> int:
-        """Blocks beyond the local hit that host RAM holds READY. Memoised for the admission only;
-        no effect on the index."""
+        """Blocks beyond the local hit that host RAM holds READY; no effect on the index. The
+        answer is memoised for the admission, and given again when vLLM asks again (it does, every
+        step, until it admits the request) as long as no chunk has left the index since (the
+        memoised slots are then still READY; chunks that became READY since are not counted:
+        at worst a few blocks are recomputed)."""
         local = num_computed_tokens // self.block_size
+        memo = self._lookups.get(request.request_id)
+        if memo is not None and memo.local == local and memo.version == self.index.version:
+            return len(memo.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
         limit = (request.num_tokens - 1) // self.block_size
         slots = self.index.ready_prefix(request.block_hashes[local:limit]) if limit > local else []

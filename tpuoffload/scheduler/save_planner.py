@@ -54,29 +54,28 @@ class SavePlanner:
             return EMPTY
         # Within the batch: one block per hash (any of them: equal hashes mean equal content, and
         # every candidate block is computed by the time the workers gather it). A dict keeps the
-        # first occurrence's position, so the order stays the candidates' order.
-        by_hash = dict(zip(hashes, block_ids))
-        if len(by_hash) == n:  # no duplicate (the usual prefill step): use the lists as they are
+        # first occurrence's position, so the order stays the candidates' order; it is built only
+        # when there are duplicates (siblings of one prompt in one step), a set tells.
+        counters = self.counters
+        if len(set(hashes)) == n:
             keys, blocks = HashKeys.of(hashes), list(block_ids)
         else:
-            keys, blocks = HashKeys.of(list(by_hash)), list(by_hash.values())
-        counters = self.counters
-        if len(by_hash) < n:
+            by_hash = dict(zip(hashes, block_ids))
             counters[C.DEDUP_BATCH] += n - len(by_hash)
+            keys, blocks = HashKeys.of(list(by_hash)), list(by_hash.values())
         # Against the index: held, or being saved (in flight).
-        found, spots = self.index.probe(keys)
-        held = found >= 0
+        held = self.index.find(keys) >= 0
         n_held = int(np.count_nonzero(held))
         if n_held:
             counters[C.DEDUP_INDEX] += n_held
             keep = ~held
-            keys, spots, blocks = keys.take(keep), spots[keep], list(compress(blocks, keep.tolist()))
+            keys, blocks = keys.take(keep), list(compress(blocks, keep.tolist()))
         if not blocks:
             return EMPTY
         granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
         if granted < len(blocks):
             counters[C.SKIPPED_STAGING] += len(blocks) - granted
-            keys, spots, blocks = keys.take(slice(0, granted)), spots[:granted], blocks[:granted]
+            keys, blocks = keys.take(slice(0, granted)), blocks[:granted]
         if not granted:
             return EMPTY
         slots = self.index.allocate(granted)
@@ -84,10 +83,10 @@ class SavePlanner:
         if got < granted:
             counters[C.SKIPPED_NO_SPACE] += granted - got
             self.staging.release((granted - got) * self.chunk_bytes)
-            keys, spots, blocks = keys.take(slice(0, got)), spots[:got], blocks[:got]
+            keys, blocks = keys.take(slice(0, got)), blocks[:got]
         if not got:
             return EMPTY
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        self.index.add_saving(keys, slots, base, spots)
+        self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
         return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got))

@@ -13,6 +13,7 @@ It drives the connector's worker half in the order vLLM's KVConnectorModelRunner
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +62,28 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
+def _step_program(rests, dtypes, shardings, mesh):
+    """The runner's jitted step for one cache layout, shared by every runner with that layout
+    (simulated hosts and soak runs compile it once)."""
+
+    def step(caches, w_blk, w_off, w_hash, r_blk, r_off, r_hash):
+        bad = jnp.zeros(r_blk.shape[0], jnp.bool_)
+        out = []
+        for layer, cache in enumerate(caches):
+            rest, dtype = rests[layer], dtypes[layer]
+            # Write, then read: as in a real forward, where each layer's new KV is in the cache
+            # before attention reads it, so a request may read blocks another computes this step.
+            cache = cache.at[w_blk, w_off].set(kv_values(w_hash, layer, rest, dtype), mode="drop")
+            got = cache[r_blk, r_off].reshape(r_blk.shape[0], -1)
+            want = kv_values(r_hash, layer, rest, dtype).reshape(r_blk.shape[0], -1)
+            bad = bad | jnp.any(got != want, axis=1)
+            out.append(cache)
+        return tuple(out), bad
+
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))
+
+
 @dataclass
 class _Req:
     tokens: list[int]
@@ -95,23 +118,8 @@ class SyntheticRunner:
         self._dtypes = [c.dtype for c in kv_caches]
         self._reqs: dict[str, _Req] = {}
         self.stats = RunnerStats()
-        replicated = NamedSharding(mesh, PartitionSpec())
-        self._step_fn = jax.jit(self._step, donate_argnums=0,
-                                out_shardings=(tuple(c.sharding for c in self.kv_caches), replicated))
-
-    def _step(self, caches, w_blk, w_off, w_hash, r_blk, r_off, r_hash):
-        bad = jnp.zeros(r_blk.shape[0], jnp.bool_)
-        out = []
-        for layer, cache in enumerate(caches):
-            rest, dtype = self._rests[layer], self._dtypes[layer]
-            # Write, then read: as in a real forward, where each layer's new KV is in the cache
-            # before attention reads it, so a request may read blocks another computes this step.
-            cache = cache.at[w_blk, w_off].set(kv_values(w_hash, layer, rest, dtype), mode="drop")
-            got = cache[r_blk, r_off].reshape(r_blk.shape[0], -1)
-            want = kv_values(r_hash, layer, rest, dtype).reshape(r_blk.shape[0], -1)
-            bad = bad | jnp.any(got != want, axis=1)
-            out.append(cache)
-        return tuple(out), bad
+        self._step_fn = _step_program(tuple(self._rests), tuple(self._dtypes),
+                                      tuple(c.sharding for c in self.kv_caches), mesh)
 
     # ------------------------------------------------------------------ one engine step
     def execute(self, scheduler_output, connector=None) -> ModelRunnerOutput:

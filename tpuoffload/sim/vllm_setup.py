@@ -380,3 +380,36 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     for b in pool.blocks:
         assert b.ref_cnt == 0, b
 
+
+
+# --------------------------------------------------------------------------
+# a connector that does nothing (measures vLLM's own cost of having one)
+# --------------------------------------------------------------------------
+class NullConnector(KVConnectorBase_V1):
+    """Load with connector_module_path="tpuoffload.sim.vllm_setup",
+    connector_class="NullConnector": every hook does nothing, so a scheduler
+    with it costs exactly what vLLM itself adds for a KV connector
+    (tools/bench_scheduler.py reports it beside the real connectors)."""
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+        return KVConnectorMetadata()

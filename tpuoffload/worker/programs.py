@@ -22,6 +22,7 @@ last real save (an idempotent rewrite) or target no block (loads).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -82,6 +83,12 @@ def _scatter_local(ids, rows, caches, *, group: GroupLayout):
     return tuple(jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(c, wire).at[local].set(rows[0, :, i], mode="drop"), dtype)
         for i, c in enumerate(caches))
+
+
+@functools.lru_cache(maxsize=64)
+def programs_for(group: GroupLayout, host_memory_kind: str, num_slots: int) -> "GroupPrograms":
+    """The programs of a layout, shared by every engine built on it (each compiles once per process)."""
+    return GroupPrograms(group, host_memory_kind, num_slots)
 
 
 class GroupPrograms:

@@ -42,7 +42,7 @@ from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
-from tpuoffload.worker.programs import GroupPrograms
+from tpuoffload.worker.programs import programs_for
 from tpuoffload.worker.programs import load_ids as load_ids_array
 from tpuoffload.worker.programs import save_ids as save_ids_array
 
@@ -87,7 +87,7 @@ class TransferEngine:
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
-        self._programs = [GroupPrograms(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
+        self._programs = [programs_for(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
         self._ids_sharding = NamedSharding(self.layout.mesh, PartitionSpec())
         # Weak references to the arrays last checked or produced (never keeping a cache alive); main thread only.
