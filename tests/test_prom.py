@@ -174,6 +174,14 @@ def test_metric_names_follow_vllm_convention(recorded, clean_registry):
         prom.observe(stats.kv_connector_stats, 0)
     families = {f.name: f for f in REGISTRY.collect() if f.name.startswith("vllm:tpuoffload")}
     # prometheus_client names a counter family without _total; its samples carry it.
+    # Each half reports only the counters the registry gives it.
+    by_source: dict[str, set[str]] = {}
+    for stats in recorded.per_step:
+        for key in stats.kv_connector_stats:
+            source, _, name = key.split("|")
+            by_source.setdefault(source, set()).add(name)
+    assert by_source.pop("sched") <= set(C.SCHEDULER_NAMES)
+    assert by_source and all(names <= set(C.WORKER_NAMES) for names in by_source.values())
     # Every registered counter (tpuoffload.counters) is a series, with the registry's meaning.
     assert {name + "_total" for name in families} == {metric_name(c) for c in C.NAMES}
     assert len(families) == len(C.NAMES)

@@ -415,7 +415,7 @@ def test_stats_and_snapshot_use_registered_names_and_metadata_stays_small():
     meta = f.prefill(req)
     stats = f.off.take_stats()
     names = {k.rsplit("|", 1)[-1] for k in stats.data}
-    assert names <= set(C.NAMES) and C.SAVES_ISSUED in names
+    assert names <= set(C.SCHEDULER_NAMES) and C.SAVES_ISSUED in names
     snap = f.off.snapshot()
     assert snap["slots_total"] == 16 and snap["totals"][C.SAVES_ISSUED] == 8
     empty = metadata_bytes(OffloadMetadata(meta.step, meta.num_slots))

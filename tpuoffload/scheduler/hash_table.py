@@ -167,11 +167,13 @@ class HashTable:
             first = np.ones(len(p), dtype=bool)
             first[1:] = r[1:] != r[:-1]
             p, r = p[first], r[first]  # each key's first free cell, for keys whose bucket has one
-            # One key per bucket per round: the last writer of _claim wins, the others retry.
+            # One key per bucket per round. Usually every bucket is distinct (a sort says so without
+            # touching memory at random); otherwise the last writer of _claim wins, the rest retry.
             rb = b[r]
-            self._claim[rb] = r
-            won = self._claim[rb] == r
-            if not won.all():
+            srt = np.sort(rb)
+            if len(srt) > 1 and (srt[1:] == srt[:-1]).any():
+                self._claim[rb] = r
+                won = self._claim[rb] == r
                 r, rb, p = r[won], rb[won], p[won]
             col = p & 3
             kpos = (rb << 3) | col  # the k1 word of the cell; its value is 4 words further

@@ -33,8 +33,7 @@ from tpuoffload.scheduler.slot_pool import SlotPool
 
 ChunkHash = bytes
 
-FREE, SAVING, READY, REVOKED = 0, 1, 2, 3
-STATE_NAMES = {FREE: "free", SAVING: "saving", READY: "ready", REVOKED: "revoked"}
+FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
 
 
 class ChunkIndex:
@@ -45,7 +44,7 @@ class ChunkIndex:
     ``counters`` holds ``evicted``, ``discarded`` and ``revoked`` (registry names).
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, counters: Counter[str] | None = None) -> None:
         self._pool = SlotPool(num_slots)
         self._lru = RecencyLog(num_slots)
         self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
@@ -58,7 +57,7 @@ class ChunkIndex:
         self._pins = np.zeros(num_slots, dtype=np.int32)
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
 
     # ------------------------------------------------------------------ queries (no side effects)
     @property
@@ -72,9 +71,6 @@ class ChunkIndex:
     def __len__(self) -> int:
         """Chunks a hash names (READY or SAVING)."""
         return len(self._table)
-
-    def num_in_state(self, state: int) -> int:
-        return self._counts[state]
 
     def num_saving(self) -> int:
         """Slots held for a save in flight or a pin, no hash naming them or not: SAVING + REVOKED."""
@@ -173,6 +169,15 @@ class ChunkIndex:
         (the last listed most of all); REVOKED ones are freed. The only way a chunk becomes
         loadable (invariant 7; the ledger calls for it once every reporting host confirmed). Slots whose save id no longer
         matches are ignored. Returns how many became READY."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(slots):
+            return 0
+        if ((self._save_id[slots] == save_ids) & (self._state_np[slots] == SAVING)).all():  # the usual case
+            self._state_np[slots] = READY
+            self._counts[SAVING] -= len(slots)
+            self._counts[READY] += len(slots)
+            self._lru.touch(slots)
+            return len(slots)
         slots, states = self._matching(slots, save_ids)
         if not len(slots):
             return 0

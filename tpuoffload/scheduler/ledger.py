@@ -74,7 +74,7 @@ class CompletionLedger:
     """Single-threaded: it lives on vLLM's scheduler thread."""
 
     def __init__(self, num_hosts: int, *, source: str = "", max_early: int = 1 << 16,
-                 mismatch_steps: int = 8) -> None:
+                 mismatch_steps: int = 8, counters: Counter[str] | None = None) -> None:
         if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or num_hosts <= 0:
             raise ValueError(f"num_hosts must be a positive int, got {num_hosts!r}")
         self.num_hosts = num_hosts
@@ -91,7 +91,7 @@ class CompletionLedger:
         self._unexpected_hosts: set[int] = set()
         self._missing_reported = False
         self._res: list[tuple[bool, np.ndarray, np.ndarray]] = []  # (ready?, ids, slots)
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -101,9 +101,6 @@ class CompletionLedger:
     @property
     def next_save_id(self) -> int:
         return self._next_id
-
-    def num_batches(self) -> int:
-        return len(self._batches)
 
     def oldest_deadline(self) -> float | None:
         return next(iter(self._batches.values())).deadline if self._batches else None

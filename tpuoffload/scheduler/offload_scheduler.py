@@ -66,10 +66,12 @@ class OffloadScheduler:
             raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than one chunk ({chunk_bytes} bytes per host)")
         #: The scheduler's monotonic clock (save deadlines); replaceable, e.g. by tests.
         self.clock = clock
-        self.counters: Counter[str] = Counter()  # since the last take_stats
+        # Every part counts into this one Counter (registry names: tpuoffload.counters), emptied
+        # by each take_stats.
+        self.counters: Counter[str] = Counter()
         self.totals: Counter[str] = Counter()  # since start, for snapshots
-        self.index = ChunkIndex(num_slots)
-        self.ledger = CompletionLedger(num_hosts, source=hosts_source)
+        self.index = ChunkIndex(num_slots, counters=self.counters)
+        self.ledger = CompletionLedger(num_hosts, source=hosts_source, counters=self.counters)
         self.staging = StagingBudget(config.staging_capacity(chunk_bytes))
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
@@ -131,16 +133,24 @@ class OffloadScheduler:
         # a request that this same schedule() already admitted again).
         self.requests.preempted(scheduler_output.preempted_req_ids or ())
         loads, load_slots = self.loads.emit(waits_for_load)
+        # A newly scheduled request's block ids are in the output already (vLLM built them for the
+        # workers); the others come from the KV cache manager.
+        new_blocks = {r.req_id: r.block_ids[0] for r in getattr(scheduler_output, "scheduled_new_reqs", ())}
+
+        def block_ids_of(req_id: str) -> list[int]:
+            ids = new_blocks.get(req_id)
+            return ids if ids is not None else self._block_ids(req_id)
+
         # The workers read the loaded slots in this step, before any later step can write to
         # them, so the pins only have to outlive this plan's slot allocations.
         self.index.pin(load_slots)
         try:
             flush = self.saves.plan(*self.requests.take_flush(), step)
             if self.config.lazy_offload:
-                self.requests.track_computed(scheduler_output, self._block_ids)
+                self.requests.track_computed(scheduler_output, block_ids_of)
                 save: SaveBatch = EMPTY
             else:
-                save = self.saves.plan(*self.requests.step_candidates(scheduler_output, self._block_ids), step)
+                save = self.saves.plan(*self.requests.step_candidates(scheduler_output, block_ids_of), step)
         finally:
             self.index.unpin(load_slots)
         self._apply_resolved()  # early reports replayed by the new batches
@@ -208,17 +218,14 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ observability
     def take_stats(self) -> OffloadStats | None:
-        values = self.counters.copy()
-        values.update(self.index.counters)
-        values.update(self.ledger.counters)
-        self.counters.clear()
-        self.index.counters.clear()
-        self.ledger.counters.clear()
+        values = self.counters
         if not values:
             return None
         self.totals.update(values)
         self._stats_seq += 1
-        return OffloadStats(make_report("sched", self._stats_seq, values))
+        report = make_report("sched", self._stats_seq, values)
+        values.clear()
+        return OffloadStats(report) if report else None
 
     def leak_report(self) -> dict[str, int]:
         """What this half holds right now; every value is zero when the engine is idle and every
@@ -238,7 +245,7 @@ class OffloadScheduler:
 
     def snapshot(self) -> dict[str, Any]:
         """The scheduler half's view, for ``scheduler.json``."""
-        totals = self.totals + self.counters + self.index.counters + self.ledger.counters
+        totals = self.totals + self.counters
         return {
             "kind": "scheduler",
             "step": self._step - 1,
