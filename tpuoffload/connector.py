@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tpuoffload.config import parse_config
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.scheduler import OffloadScheduler
-from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers
+from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers, storage_factor
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
 
@@ -57,7 +57,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
             self.scheduler = OffloadScheduler(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
-                chunk_bytes=host_chunk_bytes(kv_cache_config, self.num_workers),
+                chunk_bytes=host_chunk_bytes(kv_cache_config, self.num_workers, storage_factor(vllm_config)),
                 num_hosts=self.num_workers,
                 hosts_source=workers_source,
             )

@@ -51,11 +51,30 @@ def reporting_workers(vllm_config: "VllmConfig", override: int | None = None) ->
     return pc.world_size, f"executor {name or 'default'}: one process per rank (world_size {pc.world_size})"
 
 
-def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int) -> int:
+def storage_factor(vllm_config: "VllmConfig") -> int:
+    """How many times a host stores its share of a block, beyond the share itself.
+
+    A worker keeps its slots where its devices' shards live (tpuoffload/worker/programs.py): with
+    blocks split over ``D`` batch shards (data / attention-data parallelism) every device keeps a
+    slot row for its own shard, and an MLA latent cache, replicated over the KV-head axes, keeps a
+    copy per replica. tpu-inference records the parallelism on ``vllm_config.sharding_config``
+    (its platform sets it); without it the factor is 1.
+    """
+    sharding = getattr(vllm_config, "sharding_config", None)
+    if sharding is None:
+        return 1
+    factor = int(sharding.total_dp_size)
+    if getattr(vllm_config.model_config, "use_mla", False):
+        factor *= int(sharding.tp_size) * int(sharding.expert_size)
+    return factor
+
+
+def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor: int = 1) -> int:
     """Bytes one worker process stores per chunk (one block, all layers): vLLM's page sizes cover
-    the whole mesh, so the sum over KV cache groups of ``page_size_bytes * layers`` is divided by
-    the number of reporting processes."""
-    total = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    the whole mesh, so the sum over KV cache groups of ``page_size_bytes * layers``, times
+    ``storage_factor``, is divided by the number of reporting processes."""
+    total = factor * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                         for g in kv_cache_config.kv_cache_groups)
     if total <= 0:
         raise ValueError("the KV cache config has no layers: nothing to offload")
     if total % num_workers:

@@ -85,7 +85,7 @@ class InProcessEngine:
                              f"JAX has {len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
         host_caches = [create_caches(layout, devices[h * layout.num_devices:(h + 1) * layout.num_devices])
                        for h in range(spec.num_hosts)]
-        slot_bytes = CacheLayout.from_caches(host_caches[0][0]).slot_bytes
+        slot_bytes = CacheLayout.from_caches(host_caches[0][0]).device_bytes_per_chunk
         self.scheduler = make_scheduler(
             num_blocks=layout.num_blocks, block_size=layout.block_size, kv_connector_extra_config=spec.extra_config,
             async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,

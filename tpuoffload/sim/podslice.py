@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 from tpuoffload.sim.engine import absorb_outputs
-from tpuoffload.sim.tpu_layouts import LAYOUTS, TpuLayoutSpec, create_caches, scheduler_kv_shape, slice_page_bytes
+from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, create_caches, scheduler_kv_shape, sharding_config,
+                                        slice_page_bytes)
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 
@@ -324,6 +325,7 @@ class PodSlice:
             tensor_parallel_size=spec.num_hosts,
             # What tpu-inference's KV cache spec reports: the page of the whole mesh.
             **scheduler_kv_shape(slice_page_bytes(spec.slice_layout()), spec.block_size),
+            sharding_config=sharding_config(spec.slice_layout()),
         )
         self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
         self.procs: list[subprocess.Popen] = []  # kept after close, so callers can check they are gone
@@ -658,6 +660,10 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         except EOFError:  # the scheduler is gone: do not linger in jax.distributed's shutdown
             os._exit(0)
 
+    # The config carries tpu-inference's sharding config: its modules must import (see tpu_layouts).
+    from tpuoffload.sim.tpu_layouts import tpu_inference
+
+    tpu_inference()
     init = receive()
     try:
         spec, chaos = SliceSpec(**init["spec"]), Chaos(**init["chaos"])

@@ -115,6 +115,16 @@ class TpuLayoutSpec:
         return self.tp * self.dp * self.attn_dp * self.dcp
 
 
+def sharding_config(spec: TpuLayoutSpec):
+    """tpu-inference's ShardingConfigManager for this deployment (what its platform attaches to
+    ``vllm_config.sharding_config``)."""
+    ti = tpu_inference()
+    strategy = ti.sharding.ShardingStrategy(
+        tensor_parallelism=spec.tp, data_parallelism=spec.dp, attention_data_parallelism=spec.attn_dp,
+        decode_context_parallelism=spec.dcp)
+    return ti.sharding.ShardingConfigManager(strategy)
+
+
 def runner_mesh(spec: TpuLayoutSpec, devices) -> jax.sharding.Mesh:
     """The mesh tpu-inference's runner builds for this deployment on ``devices``."""
     ti = tpu_inference()

@@ -245,6 +245,7 @@ def make_scheduler(
     log_stats: bool = True,
     model_runner_v2: bool = False,
     parallel_overrides: dict | None = None,
+    sharding_config=None,
 ) -> Scheduler:
     """Build vLLM's real Scheduler (or AsyncScheduler) exactly as EngineCore does,
     minus the executor. The connector (role SCHEDULER) is ``sched.connector``.
@@ -284,6 +285,9 @@ def make_scheduler(
         tensor_parallel_size=tensor_parallel_size,
         parallel_overrides=parallel_overrides,
     )
+    if sharding_config is not None:
+        # tpu-inference's platform attaches its ShardingConfigManager to the config.
+        vllm_config.sharding_config = sharding_config
     # EngineCore sets this from the resolved scheduler KV cache config.
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = make_kv_cache_config(

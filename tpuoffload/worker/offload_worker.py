@@ -31,6 +31,7 @@ from typing import Protocol
 
 import jax
 
+from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
 from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import LoadRequest, OffloadMetadata, OffloadWorkerReport, SaveBatch
@@ -135,7 +136,7 @@ class OffloadWorker:
         except Exception:
             logger.exception("tpuoffload: load dispatch failed on host %d", self.host_id)
             failed = blocks
-            self._count("load_errors", len(blocks))
+            self._count(C.LOAD_ERRORS, len(blocks))
         self._load_errors.update(failed)
         for load in loads:
             self._load_errors.update(load.unavailable_block_ids)
@@ -178,7 +179,7 @@ class OffloadWorker:
         results = self.engine.drain_results() if self.engine is not None else []
         saved = [r.save_id for r in results if r.ok]
         failed = [r.save_id for r in results if not r.ok] + self._report_failures
-        self._count("save_failures", len(self._report_failures))
+        self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
         if not saved and not failed:
             return None

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tpuoffload import counters as C
 from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
@@ -198,11 +199,11 @@ class TransferEngine:
         with self._lock:
             self._results.extend(SaveResult(s, i not in failed) for i, s in enumerate(save_ids))
             done = n - len(failed)
-            self.counters["chunks_saved"] += done
-            self.counters["bytes_saved"] += done * self.backend.slot_bytes
-            self.counters["save_failures"] += len(failed)
+            self.counters[C.CHUNKS_SAVED] += done
+            self.counters[C.BYTES_SAVED] += done * self.backend.slot_bytes
+            self.counters[C.SAVE_FAILURES] += len(failed)
             if done:
-                self.counters["save_seconds"] += time.monotonic() - t0
+                self.counters[C.SAVE_SECONDS] += time.monotonic() - t0
 
     def _forget_inflight(self, fut: futures.Future) -> None:
         with self._lock:
@@ -273,10 +274,10 @@ class TransferEngine:
                 new[layer] = arr
         self._known_caches = tuple(map(weakref.ref, new))
         with self._lock:
-            self.counters["chunks_loaded"] += n - len(failed)
-            self.counters["bytes_loaded"] += (n - len(failed)) * self.backend.slot_bytes
-            self.counters["load_errors"] += len(failed)
-            self.counters["load_seconds"] += time.monotonic() - t0
+            self.counters[C.CHUNKS_LOADED] += n - len(failed)
+            self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
+            self.counters[C.LOAD_ERRORS] += len(failed)
+            self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
         return new, [block_ids[i] for i in sorted(failed)]
 
     def _unusable(self, block_ids: list[int], slots: list[int], save_ids: Sequence[int]) -> set[int]:
