@@ -7,14 +7,14 @@ ragged-paged-attention caches ``(num_blocks, block_size, heads*2/packing, packin
 blocks axis; everything else about a layer is read from its shape and its NamedSharding here, so no
 other module hard-codes an axis number.
 
-What one host stores per chunk (one block of every layer) is its *slot*: for each group of layers
-that share shape, dtype and sharding, the distinct tiles (per-device index ranges over the
-non-block axes) that this host's devices hold, replicas stored once. A slot is an opaque row of
-``slot_bytes`` bytes; ``GroupLayout.slot_view`` gives a group's typed view of it.
+For each group of layers that share shape, dtype and sharding it records the distinct tiles
+(per-device index ranges over the non-block axes) this host's devices hold: ``slot_bytes`` is this
+host's unique part of one chunk (one block of every layer), ``device_bytes_per_chunk`` what a chunk
+takes where the worker keeps it, next to each device's shard (replicas and batch-shard rows
+included: tpuoffload/worker/programs.py).
 
 Blocks may really be split across devices (data or attention-data parallelism shard axis 0): each
-batch shard holds a contiguous range of blocks. A host holds a tile of block ``b`` only if one of
-its devices holds both ``b``'s batch shard and that tile; ``holds_shard`` answers it.
+batch shard holds a contiguous range of blocks (``shard_of``).
 """
 
 from __future__ import annotations
@@ -86,20 +86,6 @@ class GroupLayout:
 
     def shard_of(self, block_id: int) -> int:
         return block_id // self.blocks_per_shard
-
-    def holds_shard(self, shard: int) -> bool:
-        return any(s == shard for s, _ in self.held)
-
-    def tile_index(self, index: Sequence[slice]) -> int:
-        """Position in ``tiles`` of a device shard given its index over axes 1..ndim-1."""
-        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, self.shape[1:]))
-        return self.tiles.index(key)
-
-    def slot_view(self, storage: np.ndarray) -> np.ndarray:
-        """This group's typed view of slot storage ``(num_slots, slot_bytes)`` uint8:
-        ``(num_slots, layers, tiles, *tile_shape)``."""
-        part = storage[:, self.offset:self.offset + self.nbytes]
-        return part.view(self.wire_dtype).reshape(storage.shape[0], len(self.layers), len(self.tiles), *self.tile_shape)
 
     def describe(self) -> str:
         return (f"{len(self.layers)} layers of {self.shape} {self.dtype} sharded {self.sharding.spec}: "

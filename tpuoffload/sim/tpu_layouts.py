@@ -202,12 +202,6 @@ LAYOUTS: dict[str, TpuLayoutSpec] = {s.name: s for s in (
 )}
 
 
-def mesh_bytes_per_block(kv_caches) -> int:
-    """Bytes of one block of every layer over the whole mesh: what tpu-inference's vLLM KV cache
-    spec reports as page_size_bytes (summed over layers)."""
-    return sum(int(np.prod(c.shape[1:])) * np.dtype(c.dtype).itemsize for c in kv_caches)
-
-
 def scheduler_kv_shape(page_bytes: int, block_size: int) -> dict[str, int]:
     """Arguments for ``vllm_setup.make_scheduler`` whose (float32) KV cache config reports
     ``page_bytes`` per block over all layers, so the scheduler half sizes chunks as it would
