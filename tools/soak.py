@@ -560,7 +560,10 @@ def parent_main(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     batch = 0
     while len(results) < len(seeds):
-        todo = seeds[len(results):]
+        # A fresh child every --runs-per-child runs: one process running hundreds of layouts keeps
+        # their compiled programs and ran out of memory mappings (LLVM "Cannot allocate memory")
+        # after ~320 runs, which read as hangs (seeds 10328, 10642, 10976 of the first 1000-run soak).
+        todo = seeds[len(results):len(results) + args.runs_per_child]
         child = _Child(args, todo, os.path.join(args.log_dir, f"child-{batch}.log"))
         batch += 1
         event = child.next_event(time.monotonic() + args.start_timeout)
@@ -594,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("fast", "podslice"), default="fast")
     p.add_argument("--hosts", type=int, default=2, help="hosts of the slice (podslice: 2, 4 or 8 processes)")
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--runs-per-child", type=int, default=100,
+                   help="start a fresh child process after this many runs (bounds what one process accumulates)")
     p.add_argument("--seed", type=int, default=0, help="first seed; run i uses seed + i")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each seed this many times (to replay a failure that depends on thread timing)")

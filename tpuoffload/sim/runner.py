@@ -62,7 +62,7 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=8)
 def _step_program(rests, dtypes, shardings, mesh):
     """The runner's jitted step for one cache layout, shared by every runner with that layout
     (simulated hosts and soak runs compile it once)."""

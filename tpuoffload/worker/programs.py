@@ -85,7 +85,7 @@ def _scatter_local(ids, rows, caches, *, group: GroupLayout):
         for i, c in enumerate(caches))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)
 def programs_for(group: GroupLayout, host_memory_kind: str, num_slots: int) -> "GroupPrograms":
     """The programs of a layout, shared by every engine built on it (each compiles once per process)."""
     return GroupPrograms(group, host_memory_kind, num_slots)
