@@ -115,28 +115,24 @@ class TpuLayoutSpec:
         return self.tp * self.dp * self.attn_dp * self.dcp
 
 
-def sharding_config(spec: TpuLayoutSpec):
+def sharding_config(spec: TpuLayoutSpec, device_indexes: list[int] | None = None):
     """tpu-inference's ShardingConfigManager for this deployment (what its platform attaches to
     ``vllm_config.sharding_config``)."""
     ti = tpu_inference()
     strategy = ti.sharding.ShardingStrategy(
         tensor_parallelism=spec.tp, data_parallelism=spec.dp, attention_data_parallelism=spec.attn_dp,
         decode_context_parallelism=spec.dcp)
-    return ti.sharding.ShardingConfigManager(strategy)
+    return ti.sharding.ShardingConfigManager(strategy, device_indexes=device_indexes)
 
 
 def runner_mesh(spec: TpuLayoutSpec, devices) -> jax.sharding.Mesh:
     """The mesh tpu-inference's runner builds for this deployment on ``devices``."""
     ti = tpu_inference()
-    strategy = ti.sharding.ShardingStrategy(
-        tensor_parallelism=spec.tp, data_parallelism=spec.dp, attention_data_parallelism=spec.attn_dp,
-        decode_context_parallelism=spec.dcp)
     stand_in = types.SimpleNamespace(
         devices=list(devices),
         # device_indexes: CPU devices have no TPU coordinates for make_optimized_mesh, so take the
         # runner's explicit-device-order path (the one `device_indexes` selects on TPU).
-        vllm_config=types.SimpleNamespace(sharding_config=ti.sharding.ShardingConfigManager(
-            strategy, device_indexes=list(range(len(devices))))))
+        vllm_config=types.SimpleNamespace(sharding_config=sharding_config(spec, list(range(len(devices))))))
     methods = ti.mesh_methods
     for name, fn in methods.items():
         setattr(stand_in, name, types.MethodType(fn, stand_in))

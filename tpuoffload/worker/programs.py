@@ -42,7 +42,7 @@ def bucket(n: int, cap: int) -> int:
     return max(min(8, cap), 1 << (n - 1).bit_length())
 
 
-def save_ids(block_ids, slots, num_blocks: int, cap: int) -> np.ndarray:
+def save_plan_ids(block_ids, slots, cap: int) -> np.ndarray:
     """``(3, P)`` ids of a save; padding rows repeat the last chunk (the same bytes, rewritten)."""
     ids = np.empty((3, bucket(len(block_ids), cap)), np.int32)
     ids[0, :len(block_ids)], ids[1, :len(slots)] = block_ids, slots
@@ -51,7 +51,7 @@ def save_ids(block_ids, slots, num_blocks: int, cap: int) -> np.ndarray:
     return ids
 
 
-def load_ids(block_ids, slots, valid, num_blocks: int, cap: int) -> np.ndarray:
+def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int) -> np.ndarray:
     """``(3, P)`` ids of a load; padding rows target ``num_blocks``, outside every batch shard."""
     ids = np.zeros((3, bucket(len(block_ids), cap)), np.int32)
     ids[0] = num_blocks

@@ -43,9 +43,7 @@ from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
-from tpuoffload.worker.programs import programs_for
-from tpuoffload.worker.programs import load_ids as load_ids_array
-from tpuoffload.worker.programs import save_ids as save_ids_array
+from tpuoffload.worker.programs import load_plan_ids, programs_for, save_plan_ids
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +145,9 @@ class TransferEngine:
     # ---------------- saves ----------------
     def save(self, kv_caches: Sequence[jax.Array], block_ids: Sequence[int], slots: Sequence[int],
              save_ids: Sequence[int]) -> None:
-        """Dispatch, per layer group, one gather and one device-to-host transfer for all the
-        blocks, then complete the copies into ``slots`` in the background. Results come back via
-        ``drain_results``."""
+        """Dispatch, per layer group and piece, one save program (gather, move to host memory,
+        write into ``slots`` of the store); a background thread records each slot's chunk once the
+        program finished. Results come back via ``drain_results``."""
         self._check_owner()
         self._check_caches(kv_caches)
         self._check_plan(block_ids, slots, save_ids, unique="slots")
@@ -165,11 +163,12 @@ class TransferEngine:
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
-        ids = self._put_ids(save_ids_array(block_ids, slots, self.num_blocks, self.max_chunks_per_transfer))
+        ids = self._put_ids(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
+        blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         tokens = []
         for i, prog in enumerate(self._programs):
             self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
-            self.log.record("save", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
+            self.log.record("save", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
         fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous)
@@ -239,9 +238,9 @@ class TransferEngine:
     # ---------------- loads ----------------
     def load(self, kv_caches: Sequence[jax.Array], block_ids: Sequence[int], slots: Sequence[int],
              save_ids: Sequence[int]) -> tuple[list[jax.Array], list[int]]:
-        """Copy ``slots`` into ``block_ids`` of the cache with, per layer group, one host-to-device
-        transfer and one scatter. The cache arrays are donated: use the returned ones. Returns
-        ``(new_caches, failed_block_ids)``."""
+        """Copy ``slots`` into ``block_ids`` of the cache with, per layer group and piece, one load
+        program (read the slots, move to the device, scatter). The cache arrays are donated: use the
+        returned ones. Returns ``(new_caches, failed_block_ids)``."""
         self._check_owner()
         self._check_caches(kv_caches)
         self._check_plan(block_ids, slots, save_ids, unique="block_ids")
@@ -265,11 +264,12 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        ids = self._put_ids(load_ids_array(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
+        ids = self._put_ids(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
+        blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new = list(kv_caches)
         for i, prog in enumerate(self._programs):
             out = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
-            self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
+            self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
         self._known_caches = tuple(map(weakref.ref, new))
