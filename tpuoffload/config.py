@@ -47,6 +47,14 @@ class OffloadConfig:
     # Directory for per-host stats snapshots (None: off) and how often to write them.
     stats_dir: str | None = None
     stats_interval_s: float = 5.0
+    # Warm restart (docs/persistence.md): directory of the multi-host checkpoints, seen by every
+    # host (None: off). A checkpoint is written at clean shutdown, on an operator request and every
+    # persist_interval_s seconds (0: no periodic checkpoints); the newest complete one that matches
+    # this deployment is restored at start-up.
+    persist_path: str | None = None
+    persist_interval_s: float = 0.0
+    # How long the hosts wait for each other while writing or agreeing on a checkpoint.
+    persist_timeout_s: float = 300.0
 
     # ---- derived sizes (need the size of one chunk on one host) ----
     def host_bytes(self, chunk_bytes: int) -> int:
@@ -180,4 +188,14 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
         if not isinstance(extra["stats_dir"], str) or not extra["stats_dir"]:
             raise ValueError(f"kv_connector_extra_config['stats_dir'] must be a directory path, got {extra['stats_dir']!r}")
         out["stats_dir"] = extra["stats_dir"]
+    if extra.get("persist_path") is not None:
+        if not isinstance(extra["persist_path"], str) or not extra["persist_path"]:
+            raise ValueError(f"kv_connector_extra_config['persist_path'] must be a directory path, "
+                             f"got {extra['persist_path']!r}")
+        out["persist_path"] = extra["persist_path"]
+    for key, high in (("persist_interval_s", 7 * 86400.0), ("persist_timeout_s", 86400.0)):
+        if key in extra:
+            out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "persist_interval_s")
+    if out.get("persist_interval_s") and "persist_path" not in out:
+        raise ValueError("kv_connector_extra_config['persist_interval_s'] needs 'persist_path'")
     return OffloadConfig(**out)

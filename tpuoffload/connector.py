@@ -28,6 +28,7 @@ from tpuoffload.scheduler import OffloadScheduler
 from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers, storage_factor
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
+from tpuoffload.worker.persistence import Deployment
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,7 +66,8 @@ class TPUOffloadConnector(KVConnectorBase_V1):
                         "each chunk (%s); %s", self.scheduler.index.num_slots, self.scheduler.chunk_bytes,
                         self.num_workers, workers_source, self.config.summary())
         else:
-            self.worker = OffloadWorker(self.config)
+            self.worker = OffloadWorker(self.config, deployment=Deployment(
+                vllm_config.model_config.model, vllm_config.cache_config.block_size))
             logger.info("tpuoffload worker (host %d): %s", self.worker.host_id, self.config.summary())
 
     @property

@@ -41,6 +41,14 @@ BYTES_LOADED = "bytes_loaded"
 LOAD_ERRORS = "load_errors"
 LOAD_SECONDS = "load_seconds"
 
+# ---- worker half: warm restart (each host its own part of a checkpoint) ----
+PERSIST_SAVED_CHUNKS = "persist_saved_chunks"
+PERSIST_SAVED_BYTES = "persist_saved_bytes"
+PERSIST_SAVE_FAILED = "persist_save_failed"
+PERSIST_RESTORED_CHUNKS = "persist_restored_chunks"
+PERSIST_RESTORED_BYTES = "persist_restored_bytes"
+PERSIST_RESTORE_REFUSED = "persist_restore_refused"
+
 # ---- scheduler half: lookups and loads ----
 LOOKUP_TOKENS = "lookup_tokens"
 HIT_TOKENS = "hit_tokens"
@@ -53,6 +61,14 @@ DEDUP_BATCH = "dedup_batch"
 DEDUP_INDEX = "dedup_index"
 SKIPPED_STAGING = "skipped_staging"
 SKIPPED_NO_SPACE = "skipped_no_space"
+SKIPPED_CHECKPOINT = "skipped_checkpoint"
+
+# ---- scheduler half: warm restart ----
+RESTORED_READY = "restored_ready"
+RESTORED_DROPPED = "restored_dropped"
+CHECKPOINTS_PLANNED = "checkpoints_planned"
+CHECKPOINTS_COMMITTED = "checkpoints_committed"
+CHECKPOINTS_FAILED = "checkpoints_failed"
 
 # ---- scheduler half: host RAM ----
 EVICTED = "evicted"
@@ -81,6 +97,12 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(BYTES_LOADED, _W, "Bytes loaded from host RAM"),
     CounterInfo(LOAD_ERRORS, _W, "Blocks whose load failed on a host and were recomputed"),
     CounterInfo(LOAD_SECONDS, _W, "Seconds the main thread spent dispatching loads"),
+    CounterInfo(PERSIST_SAVED_CHUNKS, _W, "Chunks this host wrote into committed checkpoints"),
+    CounterInfo(PERSIST_SAVED_BYTES, _W, "Bytes this host wrote into committed checkpoints"),
+    CounterInfo(PERSIST_SAVE_FAILED, _W, "Checkpoints that failed on this host (never restored)"),
+    CounterInfo(PERSIST_RESTORED_CHUNKS, _W, "Chunks this host restored from a checkpoint at start-up"),
+    CounterInfo(PERSIST_RESTORED_BYTES, _W, "Bytes this host restored from a checkpoint at start-up"),
+    CounterInfo(PERSIST_RESTORE_REFUSED, _W, "Start-ups that restored nothing: no complete checkpoint, or one refused (cold start)"),
     CounterInfo(LOOKUP_TOKENS, _S, "Prompt tokens of admitted requests looked up in host RAM"),
     CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
@@ -90,6 +112,12 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(DEDUP_INDEX, _S, "Chunk saves skipped: content already in host RAM or being saved"),
     CounterInfo(SKIPPED_STAGING, _S, "Chunk saves skipped: staging budget exhausted"),
     CounterInfo(SKIPPED_NO_SPACE, _S, "Chunk saves skipped: host RAM full of saving or pinned chunks"),
+    CounterInfo(SKIPPED_CHECKPOINT, _S, "Chunk saves skipped: a checkpoint was being written or restored"),
+    CounterInfo(RESTORED_READY, _S, "Restored chunks every host held identically (loadable after a restart)"),
+    CounterInfo(RESTORED_DROPPED, _S, "Restored chunks dropped: not held alike by every host, or reused meanwhile"),
+    CounterInfo(CHECKPOINTS_PLANNED, _S, "Checkpoints planned (operator request or interval)"),
+    CounterInfo(CHECKPOINTS_COMMITTED, _S, "Planned checkpoints every host committed"),
+    CounterInfo(CHECKPOINTS_FAILED, _S, "Planned checkpoints that failed on some host"),
     CounterInfo(EVICTED, _S, "Chunks evicted from host RAM (LRU)"),
     CounterInfo(RESETS, _S, "Connector cache resets (reset_cache, e.g. after a weight update)"),
     CounterInfo(REVOKED, _S, "Chunks made unloadable by a reset (held, or saves in flight)"),

@@ -25,6 +25,10 @@ class SaveBatch:
     block_ids: Sequence[int] = ()
     slots: Sequence[int] = ()
     save_ids: Sequence[int] = ()
+    # The chunks' hash keys, (k1, k2) little-endian uint64 pairs, one per chunk; only with warm
+    # restart on (16 bytes per chunk): each host keeps them per slot, so a checkpoint, written by
+    # the hosts alone at shutdown, holds what the index needs at the next start.
+    keys: bytes = b""
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -56,6 +60,11 @@ class OffloadMetadata(KVConnectorMetadata):
     loads: tuple[LoadRequest, ...] = ()
     # Finished requests whose blocks vLLM holds for us until this step's saves are dispatched.
     release_req_ids: tuple[str, ...] = ()
+    # Warm restart: write a checkpoint of every host's slots at the start of this step.
+    checkpoint: bool = False
+    # A connector reset: every chunk saved under a save id below this is gone for good, also from
+    # the checkpoints written after this step (and saves still in flight never become restorable).
+    revoke_below: int | None = None
 
 
 def metadata_bytes(meta: OffloadMetadata) -> int:
@@ -109,6 +118,11 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
     failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
+    # Warm restart, once per host at start-up: the chunks it restored, packed RESTORED_ROW rows
+    # (b"" when it started cold).
+    restored: dict[int, bytes] = field(default_factory=dict)
+    # Checkpoints this host finished: host -> ((checkpoint number, ok), ...).
+    checkpoints: dict[int, tuple[tuple[int, bool], ...]] = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = ()) -> "OffloadWorkerReport":
@@ -119,11 +133,39 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         """Save outcomes carried (a host's confirmation of a save counts one)."""
         return sum(b - a for m in (self.saved, self.failed) for rs in m.values() for a, b in rs)
 
+    def __bool__(self) -> bool:
+        """True if it carries anything. vLLM's KVOutputAggregator drops a falsy report (``elif
+        meta := ...`` and ``... or None``), so a report of restored chunks or checkpoints only,
+        whose ``len`` is 0, must still be true."""
+        return bool(self.hosts())
+
     def hosts(self) -> set[int]:
-        return set(self.saved) | set(self.failed)
+        return set(self.saved) | set(self.failed) | set(self.restored) | set(self.checkpoints)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
         """Invariant 7: a union per host, idempotent and order-free (vLLM's KVOutputAggregator
         merges the workers' reports with it)."""
         assert isinstance(other, OffloadWorkerReport), type(other)
-        return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed))
+        checkpoints = dict(self.checkpoints)
+        for host, done in other.checkpoints.items():
+            checkpoints[host] = tuple(sorted(set(checkpoints.get(host, ())) | set(done)))
+        return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed),
+                                   {**self.restored, **other.restored}, checkpoints)
+
+
+# ---------------------------------------------------------------------------- warm restart rows
+#: Save id of a chunk restored from a checkpoint into slot s: RESTORED_BASE + s (the scheduler's
+#: own ids count up from 0 and never get there).
+RESTORED_BASE = 1 << 62
+#: One restored chunk as a host reports it: slot, the save id it was checkpointed under, k1, k2.
+RESTORED_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
+
+
+def pack_keys(k1: np.ndarray, k2: np.ndarray) -> bytes:
+    """``SaveBatch.keys`` of the chunks with hash keys ``k1``/``k2``."""
+    return np.stack([k1, k2], axis=1).astype("<u8").tobytes()
+
+
+def unpack_keys(keys: bytes) -> np.ndarray:
+    """(n, 2) uint64 hash keys of ``SaveBatch.keys``."""
+    return np.frombuffer(keys, dtype="<u8").reshape(-1, 2)

@@ -39,7 +39,8 @@ class HostBackend:
         self.num_slots = num_slots
         self._tags = np.full(num_slots, EMPTY, np.int64)
         self._sources = np.zeros(num_slots, np.int64)  # block id each slot's chunk was gathered from
-        self._lock = threading.Lock()  # guards _tags and _sources
+        self._floor = 0  # save ids below it were revoked by a connector reset: never committed again
+        self._lock = threading.Lock()  # guards _tags, _sources and _floor
 
     @property
     def nbytes(self) -> int:
@@ -59,8 +60,10 @@ class HostBackend:
         idx = self.check_slots(slots)
         if not len(save_ids) == len(source_blocks) == idx.size:
             raise ValueError("slots, save_ids and source_blocks must have the same length")
+        ids = np.asarray(save_ids, dtype=np.int64)
         with self._lock:
-            self._tags[idx] = save_ids
+            # A save issued before a reset lands as nothing: its chunk must never be read again.
+            self._tags[idx] = np.where(ids >= self._floor, ids, EMPTY)
             self._sources[idx] = source_blocks
 
     def invalidate(self, slots: Sequence[int]) -> None:
@@ -90,3 +93,24 @@ class HostBackend:
         self.check_slots([slot])
         with self._lock:
             return int(self._tags[slot])
+
+    def revoke_below(self, save_id: int) -> None:
+        """A connector reset: forget every chunk held, and never commit a save id below
+        ``save_id`` (the saves still in flight), so nothing from before the reset is read again,
+        nor written into a later checkpoint."""
+        with self._lock:
+            self._floor = max(self._floor, save_id)
+            self._tags[:] = EMPTY
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of (tags, source blocks), for a checkpoint."""
+        with self._lock:
+            return self._tags.copy(), self._sources.copy()
+
+    def restore(self, tags: np.ndarray, sources: np.ndarray) -> None:
+        """Replace the table (warm restart, before the first step)."""
+        if tags.shape != (self.num_slots,) or sources.shape != (self.num_slots,):
+            raise ValueError(f"a restored table must have {self.num_slots} rows")
+        with self._lock:
+            self._tags[:] = tags
+            self._sources[:] = sources

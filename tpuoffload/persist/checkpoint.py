@@ -80,6 +80,9 @@ from typing import Any
 
 import numpy as np
 
+from tpuoffload.counters import (PERSIST_RESTORE_REFUSED, PERSIST_RESTORED_BYTES, PERSIST_RESTORED_CHUNKS,
+                                 PERSIST_SAVE_FAILED, PERSIST_SAVED_BYTES, PERSIST_SAVED_CHUNKS)
+
 log = logging.getLogger("tpuoffload.persist")
 
 FORMAT_VERSION = 1
@@ -88,13 +91,6 @@ _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_RE = re.compile(r"^ckpt-(\d+)\.orbax-checkpoint-tmp.*$")
 EMPTY = -1
 
-# Counter names (tpuoffload/counters.py registers them).
-PERSIST_SAVED_CHUNKS = "persist_saved_chunks"
-PERSIST_SAVED_BYTES = "persist_saved_bytes"
-PERSIST_SAVE_FAILED = "persist_save_failed"
-PERSIST_RESTORED_CHUNKS = "persist_restored_chunks"
-PERSIST_RESTORED_BYTES = "persist_restored_bytes"
-PERSIST_RESTORE_REFUSED = "persist_restore_refused"
 
 
 @dataclass(frozen=True)
@@ -150,6 +146,10 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> SaveReport:
         return self._future.result(timeout)
+
+    def add_done_callback(self, fn) -> None:
+        """``fn(report)`` once the checkpoint resolved (on the thread that resolved it, or at once)."""
+        self._future.add_done_callback(lambda f: fn(f.result()))
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,32 @@ class ChunkIndex:
         self.version += 1
         return len(slots)
 
+    # ------------------------------------------------------------------ warm restart
+    def free_slots_mask(self, slots: np.ndarray) -> np.ndarray:
+        """True where the slot is FREE (no chunk, no save, nothing pinned)."""
+        return self._state_np[slots] == FREE
+
+    def adopt(self, keys: HashKeys, slots: np.ndarray, save_ids: np.ndarray) -> None:
+        """Warm restart: chunks every host restored become READY in ``slots`` under ``save_ids``,
+        the last listed the most recently used. The slots must be FREE and distinct, the keys
+        distinct and new to the index (scheduler/restart.py checks)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        n = len(slots)
+        if len(keys) != n or len(save_ids) != n:
+            raise ValueError(f"{len(keys)} keys and {len(save_ids)} save ids for {n} slots")
+        if not n:
+            return
+        if not self.free_slots_mask(slots).all():
+            raise ValueError("adopt: a slot is not FREE")
+        self._pool.take_these(slots)
+        self._cell[slots] = self._table.insert(keys.k1, slots)
+        self._key2[slots] = keys.k2
+        self._state_np[slots] = READY
+        self._save_id[slots] = save_ids
+        self._counts[FREE] -= n
+        self._counts[READY] += n
+        self._lru.touch(slots)
+
     # ------------------------------------------------------------------ loads
     def pin(self, slots: np.ndarray) -> None:
         """Pin READY chunks for a load: they cannot be evicted until unpinned. A slot listed

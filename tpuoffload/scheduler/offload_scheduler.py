@@ -33,6 +33,7 @@ from tpuoffload.scheduler.index import ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.lifecycle import RequestLifecycle
 from tpuoffload.scheduler.load_tracker import LoadTracker
+from tpuoffload.scheduler.restart import WarmRestart
 from tpuoffload.scheduler.save_planner import EMPTY, SavePlanner
 from tpuoffload.scheduler.staging import StagingBudget
 from tpuoffload.snapshot import SnapshotWriter
@@ -75,10 +76,12 @@ class OffloadScheduler:
         self.staging = StagingBudget(config.staging_capacity(chunk_bytes))
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
-                                 counters=self.counters)
+                                 counters=self.counters, with_keys=config.persist_path is not None)
         self.loads = LoadTracker(self.index, block_size, self.counters)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
+        self.restart = WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
+                                   self.index, num_hosts, self.counters, lambda: self.clock())
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
         self._stats_seq = 0
@@ -143,22 +146,30 @@ class OffloadScheduler:
 
         # The workers read the loaded slots in this step, before any later step can write to
         # them, so the pins only have to outlive this plan's slot allocations.
+        checkpoint = self.restart.plan()
+        plan = self._skip_saves if self.restart.saves_blocked else self.saves.plan
         self.index.pin(load_slots)
         try:
-            flush = self.saves.plan(*self.requests.take_flush(), step)
+            flush = plan(*self.requests.take_flush(), step)
             if self.config.lazy_offload:
                 self.requests.track_computed(scheduler_output, block_ids_of)
                 save: SaveBatch = EMPTY
             else:
-                save = self.saves.plan(*self.requests.step_candidates(scheduler_output, block_ids_of), step)
+                save = plan(*self.requests.step_candidates(scheduler_output, block_ids_of), step)
         finally:
             self.index.unpin(load_slots)
         self._apply_resolved()  # early reports replayed by the new batches
-        meta = OffloadMetadata(step, self.index.num_slots, flush, save, loads, self.requests.take_release())
+        meta = OffloadMetadata(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
+                               checkpoint=checkpoint, revoke_below=self.restart.take_revoke())
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()
         return meta
+
+    def _skip_saves(self, block_ids, hashes, step: int) -> SaveBatch:
+        """While a checkpoint is written no save is planned (it would donate the stores)."""
+        self.counters[C.SKIPPED_CHECKPOINT] += len(hashes)
+        return EMPTY
 
     # ------------------------------------------------------------------ finish
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -176,6 +187,7 @@ class OffloadScheduler:
         (invariant 8)."""
         report = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(report, OffloadWorkerReport):
+            self.restart.on_report(report)
             for host, ranges in report.saved.items():
                 self.ledger.report(host, ok=ranges)
             for host, ranges in report.failed.items():
@@ -210,6 +222,7 @@ class OffloadScheduler:
         saves blocks computed before it. vLLM calls it from
         ``reset_prefix_cache(reset_connector=True)``, between steps."""
         revoked = self.index.revoke_all()
+        self.restart.on_reset(self.ledger.next_save_id)
         self.loads.clear_lookups()
         self.requests.forget_unsaved()
         self.counters[C.RESETS] += 1

@@ -21,7 +21,7 @@ from itertools import compress
 
 import numpy as np
 from tpuoffload import counters as C
-from tpuoffload.messages import SaveBatch
+from tpuoffload.messages import SaveBatch, pack_keys
 from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
@@ -33,8 +33,9 @@ EMPTY = SaveBatch()
 class SavePlanner:
     def __init__(self, index: ChunkIndex, ledger: CompletionLedger, staging: StagingBudget, *,
                  chunk_bytes: int, save_timeout_s: float, clock: Callable[[], float],
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], with_keys: bool = False) -> None:
         self.index = index
+        self.with_keys = with_keys  # warm restart: the hosts keep each slot's hash keys
         self.ledger = ledger
         self.staging = staging
         self.chunk_bytes = chunk_bytes
@@ -89,4 +90,5 @@ class SavePlanner:
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
         self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got))
+        return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got),
+                         keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")

@@ -48,3 +48,16 @@ class SlotPool:
         self._allocated[slots] = False
         self._stack[self._top:self._top + k] = slots[::-1]
         self._top += k
+
+    def take_these(self, slots: np.ndarray) -> None:
+        """Allocate exactly ``slots`` (free, distinct), e.g. the slots of restored chunks. O(num_slots)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(slots):
+            return
+        if self._allocated[slots].any() or len(np.unique(slots)) != len(slots):
+            raise ValueError("take_these: a slot is allocated already or listed twice")
+        self._allocated[slots] = True
+        free = self._stack[:self._top]
+        keep = free[~self._allocated[free]]
+        self._stack[:len(keep)] = keep
+        self._top = len(keep)

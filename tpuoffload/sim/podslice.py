@@ -469,6 +469,15 @@ class PodSlice:
             out.append(reply)
         return out
 
+    def shutdown(self, timeout: float | None = None) -> list[dict]:
+        """A clean shutdown, in vLLM's order: every worker's connector shuts down (with warm restart
+        on, each host writes its checkpoint), then the scheduler's. Returns each host's counters.
+        The processes are killed afterwards (``close``)."""
+        totals = self._exchange(("shutdown",), timeout or self.spec.start_timeout_s, "shutdown")
+        self.scheduler.shutdown()
+        self.close()
+        return totals
+
     def close(self) -> None:
         """Kill every worker's process group and reap it; safe to call more than once."""
         self.closed = True
@@ -680,12 +689,15 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         from tpuoffload.connector import TPUOffloadConnector
         from tpuoffload.sim.runner import SyntheticRunner
         from tpuoffload.worker.offload_worker import OffloadWorker
+        from tpuoffload.worker.persistence import Deployment
 
         # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
         caches, mesh = create_caches(spec.slice_layout(), jax.devices())
         runner = SyntheticRunner(caches, mesh, block_size=spec.block_size)
         connector = TPUOffloadConnector(init["vllm_config"], KVConnectorRole.WORKER, init["kv_cache_config"])
-        connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector)
+        vllm_config = init["vllm_config"]
+        connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
+            vllm_config.model_config.model, vllm_config.cache_config.block_size))
         connector.register_runner(runner)
         _mark_hooks(connector, runner)
         if chaos.broken:
@@ -705,6 +717,9 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
                     time.sleep(rng.uniform(0, chaos.step_delay_s))
                 out = runner.execute(msg[1], connector)
                 _send(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches))
+            elif msg[0] == "shutdown":  # vLLM's clean shutdown of a worker: the connector's last word
+                connector.shutdown()
+                _send(stdout, dict(connector.worker.totals))
             elif msg[0] == "idle":
                 _send(stdout, connector.worker.engine.wait_idle(msg[1]))
             elif msg[0] == "state":

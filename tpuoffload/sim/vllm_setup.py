@@ -16,6 +16,7 @@ host). Pitfalls handled here (docs/vllm-integration-notes.md has the details):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -99,9 +100,16 @@ def tiny_model_dir(
         "torch_dtype": "float32",
         "tie_word_embeddings": False,
     }
-    d = tempfile.mkdtemp(prefix="vllm_tiny_model_")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    # One directory per shape, named by its config: the same "model" in every process and run,
+    # as a real model path is (warm-restart checkpoints are matched by it).
+    text = json.dumps(cfg, sort_keys=True)
+    d = os.path.join(tempfile.gettempdir(), "vllm_tiny_model_" + hashlib.sha256(text.encode()).hexdigest()[:16])
+    if not os.path.exists(os.path.join(d, "config.json")):
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".config.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(d, "config.json"))
     if default:
         _MODEL_DIR = d
     return d

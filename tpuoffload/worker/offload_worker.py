@@ -39,6 +39,7 @@ from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
+from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,9 @@ class CacheOwner(Protocol):
 
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: FaultInjector | None = None,
-                 digest_history: int = 64) -> None:
+                 digest_history: int = 64, deployment: Deployment = Deployment()) -> None:
         self.config = config
+        self.deployment = deployment
         self.host_id = jax.process_index() if host_id is None else host_id
         self._faults = faults
         self._runner: CacheOwner | None = None
@@ -72,6 +74,7 @@ class OffloadWorker:
         self._unreported: Counter[str] = Counter()  # since the last take_stats
         self._snapshot: SnapshotWriter | None = None
         self.digests: deque[StepDigest] = deque(maxlen=digest_history)
+        self.persistence: HostPersistence | None = None  # warm restart (persist_path)
 
     # ------------------------------------------------------------------ setup
     def register_runner(self, runner: CacheOwner) -> None:
@@ -90,6 +93,8 @@ class OffloadWorker:
             layout=layout,
             transfer_buffer_bytes=self.config.transfer_buffer_bytes,
         )
+        if self.config.persist_path:
+            self._start_persistence(layout)
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.
@@ -100,6 +105,16 @@ class OffloadWorker:
                     self.host_id, self.engine.backend.num_slots, self.engine.backend.slot_bytes,
                     self.engine.backend.nbytes, self.engine.max_chunks_per_transfer * layout.device_bytes_per_chunk,
                     self.engine.max_chunks_per_transfer, self.config.transfer_buffer_bytes, layout.describe())
+
+    def _start_persistence(self, layout: CacheLayout) -> None:
+        """Warm restart: restore the newest matching checkpoint now, before the first step."""
+        if self.host_id != jax.process_index():
+            raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
+                             f"process {jax.process_index()})")
+        self.persistence = HostPersistence(self.config.persist_path, self.engine,
+                                           fingerprint(layout, self.deployment, jax.process_count()),
+                                           self.host_id, self.config.persist_timeout_s)
+        self.persistence.restore()
 
     # ------------------------------------------------------------------ per step
     def bind(self, meta: OffloadMetadata) -> None:
@@ -120,6 +135,10 @@ class OffloadWorker:
         self._meta = meta
         self._saved = False
         self.engine.log.record("step", n=meta.step)
+        if meta.revoke_below is not None:
+            self.engine.backend.revoke_below(meta.revoke_below)
+        if meta.checkpoint:
+            self._checkpoint()
         self._save(meta.flush)
         self._load(meta.loads)
 
@@ -154,10 +173,22 @@ class OffloadWorker:
         self._saved = True
         self._save(self._meta.save)
 
+    def _checkpoint(self) -> None:
+        if self.persistence is None:
+            logger.warning("tpuoffload: a checkpoint was planned but persist_path is not set on host %d", self.host_id)
+            return
+        try:
+            self.persistence.checkpoint()
+        except Exception:  # a failed checkpoint never stops serving; it is reported as failed
+            logger.exception("tpuoffload: checkpoint failed on host %d", self.host_id)
+
     def _save(self, batch: SaveBatch) -> None:
         if not batch:
             return
         try:
+            if self.persistence is not None:
+                self.persistence.before_save()
+                self.persistence.keys.record(batch)
             self.engine.save(self._live_caches(), batch.block_ids, batch.slots, batch.save_ids)
         except CachesDonated as exc:
             logger.warning("tpuoffload: %d saves skipped on host %d: %s", len(batch), self.host_id, exc)
@@ -181,9 +212,15 @@ class OffloadWorker:
         failed = [r.save_id for r in results if not r.ok] + self._report_failures
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
-        if not saved and not failed:
-            return None
-        return OffloadWorkerReport.from_host(self.host_id, saved, failed)
+        report = OffloadWorkerReport.from_host(self.host_id, saved, failed)
+        if self.persistence is not None:
+            rows = self.persistence.take_restored()
+            if rows is not None:
+                report.restored[self.host_id] = rows
+            done = self.persistence.take_finished()
+            if done:
+                report.checkpoints[self.host_id] = done
+        return report if report.hosts() else None
 
     def _count(self, name: str, n: int) -> None:
         """Count what the worker itself decided (dispatch-level failures); the engine counts the rest."""
@@ -193,6 +230,8 @@ class OffloadWorker:
 
     def _collect_counters(self) -> None:
         delta = self.engine.take_counters()
+        if self.persistence is not None:
+            delta.update(self.persistence.take_counters())
         self.totals.update(delta)
         self._unreported.update(delta)
 
@@ -248,6 +287,9 @@ class OffloadWorker:
         }
 
     def close(self) -> None:
+        """Clean shutdown: the last checkpoint (warm restart), then the engine's threads."""
+        if self.persistence is not None:
+            self.persistence.close()
         if self.engine is not None:
             self.engine.close()
             if self._snapshot is not None:

@@ -305,6 +305,29 @@ class TransferEngine:
                 late.add(i)
         return late
 
+    # ---------------- warm restart (tpuoffload/worker/persistence.py) ----------------
+    def stores(self) -> dict[str, jax.Array]:
+        """The current store of each layer group, by a name stable across restarts. Main thread;
+        they must not be donated (no save dispatched) while a checkpoint reads them."""
+        self._check_owner()
+        return {f"group{i}": store for i, store in enumerate(self._stores)}
+
+    def store_targets(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """What ``stores()`` looks like (shape, dtype, sharding): the restore targets."""
+        return {f"group{i}": jax.ShapeDtypeStruct(p.store_shape, p.group.wire_dtype, sharding=p.store_sharding)
+                for i, p in enumerate(self._programs)}
+
+    def replace_stores(self, stores: dict[str, jax.Array]) -> None:
+        """Adopt restored stores (start-up, before the first step, on every host alike)."""
+        self._check_owner()
+        targets = self.store_targets()
+        if set(stores) != set(targets):
+            raise ValueError(f"stores {sorted(stores)} are not {sorted(targets)}")
+        for name, t in targets.items():
+            if stores[name].shape != t.shape or stores[name].dtype != t.dtype:
+                raise ValueError(f"store {name}: {stores[name].shape} {stores[name].dtype}, expected {t.shape} {t.dtype}")
+        self._stores = [stores[f"group{i}"] for i in range(len(self._programs))]
+
     # ---------------- lifecycle ----------------
     def finish_step(self) -> StepDigest:
         return self.log.finish_step()

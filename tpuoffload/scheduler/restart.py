@@ -1,0 +1,187 @@
+"""Warm restart, the scheduler's side: adopt what every host restored; plan checkpoints.
+
+Restore. Each host restores its slots before the first step (worker/persistence.py) and reports,
+once, the chunks it restored (``OffloadWorkerReport.restored``: ``RESTORED_ROW`` rows of slot,
+checkpointed save id and hash keys). When every host has reported, a chunk becomes READY in the
+index under save id ``RESTORED_BASE + slot`` only if every host restored the same row (a chunk one
+host had not confirmed when the checkpoint was taken is dropped), its slot is still FREE (the
+first steps' saves may already have reused it: their bytes replaced the restored ones) and its
+hash is not held already. Restored chunks enter the LRU order oldest save first. Until every host
+reported (the first step's outputs) no save is planned, so no save takes a restored slot, and
+restored chunks are not loadable; if a report never comes (``timeout_s``), or a connector reset
+comes first, nothing is adopted (counted in ``restored_dropped``).
+
+Checkpoints. An operator request (``CHECKPOINT_REQUEST`` in ``persist_path``, polled once a
+second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the step's metadata:
+every host writes its part at the start of that step. Until every host reported the checkpoint
+resolved (or ``timeout_s`` passed), no save is planned (``skipped_checkpoint``): a save donates
+the stores the checkpoint is reading. The answer to an operator request is ``CHECKPOINT_DONE``.
+The checkpoint at shutdown is the hosts' own (vLLM stops stepping first).
+
+Reset. After a connector reset, the next metadata carries ``revoke_below``: every host forgets all
+its chunks and never commits a save issued before the reset, so no later checkpoint holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tpuoffload import counters as C
+from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport
+from tpuoffload.persist import CheckpointRequest, RequestWatcher
+from tpuoffload.scheduler.hash_table import HashKeys
+from tpuoffload.scheduler.index import ChunkIndex
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Checkpoint:
+    """A planned checkpoint until every host reported it."""
+
+    deadline: float
+    waiting: set[int]  # hosts that have not reported it
+    request: CheckpointRequest | None
+    ok: bool = True
+    seq: int | None = None
+    failed_hosts: list[int] = field(default_factory=list)
+
+
+class WarmRestart:
+    def __init__(self, persist_path: str | None, interval_s: float, timeout_s: float, index: ChunkIndex,
+                 num_hosts: int, counters: Counter[str], clock: Callable[[], float]) -> None:
+        self.enabled = persist_path is not None
+        self.index = index
+        self.num_hosts = num_hosts
+        self.counters = counters
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self._interval = interval_s
+        self._watcher = RequestWatcher(persist_path, clock=clock) if self.enabled else None
+        now = clock()
+        self._next_due = now + interval_s if interval_s else math.inf
+        self._restore_deadline = now + timeout_s
+        self._restored: dict[int, np.ndarray] | None = {} if self.enabled else None  # None: settled
+        self._checkpoint: _Checkpoint | None = None
+        self._revoke_below: int | None = None
+
+    # ---------------------------------------------------------------- per step
+    @property
+    def saves_blocked(self) -> bool:
+        """Plan no save while a checkpoint is being written (a save would donate the stores it
+        reads) or the hosts' restore reports are still due (a save could take a restored slot)."""
+        return self._checkpoint is not None or self._restored is not None
+
+    def plan(self) -> bool:
+        """Whether this step's metadata asks every host for a checkpoint."""
+        if not self.enabled:
+            return False
+        now = self.clock()
+        self._expire(now)
+        request = self._watcher.poll()
+        if self._checkpoint is not None:
+            if request is not None:
+                self._watcher.complete(request, False, None, "a checkpoint was already being written; ask again")
+            return False
+        if request is None and now < self._next_due:
+            return False
+        self._next_due = now + self._interval if self._interval else math.inf
+        self._checkpoint = _Checkpoint(now + self.timeout_s, set(range(self.num_hosts)), request)
+        self.counters[C.CHECKPOINTS_PLANNED] += 1
+        logger.info("tpuoffload persist: checkpoint planned (%s)", f"request {request.id}" if request else "interval")
+        return True
+
+    def take_revoke(self) -> int | None:
+        out, self._revoke_below = self._revoke_below, None
+        return out
+
+    def on_reset(self, next_save_id: int) -> None:
+        if not self.enabled:
+            return
+        self._revoke_below = next_save_id
+        self._give_up_restore("a connector reset came first")
+
+    # ---------------------------------------------------------------- reports
+    def on_report(self, report: OffloadWorkerReport) -> None:
+        if self._restored is not None:
+            for host, rows in report.restored.items():
+                if 0 <= host < self.num_hosts:
+                    self._restored[host] = np.frombuffer(rows, RESTORED_ROW)
+            if len(self._restored) == self.num_hosts:
+                self._adopt(self._restored)
+                self._restored = None
+        for host, done in report.checkpoints.items():
+            for seq, ok in done:
+                self._checkpoint_reported(host, seq, ok)
+
+    def _adopt(self, rows: dict[int, np.ndarray]) -> None:
+        common = rows[0]
+        for host in range(1, self.num_hosts):
+            common = np.intersect1d(common, rows[host], assume_unique=True)
+        offered = max(len(r) for r in rows.values())
+        common = common[np.argsort(common["save_id"], kind="stable")]  # LRU order: oldest save first
+        slots = common["slot"]
+        ok = (slots < self.index.num_slots) & (slots >= 0)
+        ok[ok] = self.index.free_slots_mask(slots[ok])
+        common = common[ok]
+        keys = HashKeys(common["k1"].copy(), common["k2"].copy())
+        new = self.index.find(keys) < 0
+        _, first = np.unique(keys.k1, return_index=True)
+        unique = np.zeros(len(keys), bool)
+        unique[first] = True
+        keep = new & unique
+        common, keys = common[keep], keys.take(keep)
+        self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"])
+        self.counters[C.RESTORED_READY] += len(common)
+        self.counters[C.RESTORED_DROPPED] += offered - len(common)
+        logger.info("tpuoffload persist: %d restored chunks loadable (%d dropped: not on every host alike, "
+                    "or their slot was reused first)", len(common), offered - len(common))
+
+    def _give_up_restore(self, why: str) -> None:
+        if self._restored is None:
+            return
+        offered = max((len(r) for r in self._restored.values()), default=0)
+        self.counters[C.RESTORED_DROPPED] += offered
+        logger.warning("tpuoffload persist: restored chunks not used: %s (hosts reported: %s)", why,
+                       sorted(self._restored))
+        self._restored = None
+
+    def _checkpoint_reported(self, host: int, seq: int, ok: bool) -> None:
+        cp = self._checkpoint
+        if cp is None or host not in cp.waiting:
+            return  # a late report of a checkpoint given up on
+        cp.waiting.discard(host)
+        cp.seq = seq if cp.seq is None else cp.seq
+        if not ok or seq != cp.seq:
+            cp.ok = False
+            cp.failed_hosts.append(host)
+        if not cp.waiting:
+            self._settle(cp, "" if cp.ok else f"failed on host(s) {cp.failed_hosts}")
+
+    def _expire(self, now: float) -> None:
+        if self._restored is not None and now > self._restore_deadline:
+            self._give_up_restore(f"not every host reported within {self.timeout_s:.0f} s")
+        cp = self._checkpoint
+        if cp is not None and now > cp.deadline:
+            cp.ok = False
+            self._settle(cp, f"host(s) {sorted(cp.waiting)} did not report it within {self.timeout_s:.0f} s")
+
+    def _settle(self, cp: _Checkpoint, reason: str) -> None:
+        self._checkpoint = None
+        self.counters[C.CHECKPOINTS_COMMITTED if cp.ok else C.CHECKPOINTS_FAILED] += 1
+        if cp.ok:
+            logger.info("tpuoffload persist: checkpoint %s committed by every host", cp.seq)
+        else:
+            logger.warning("tpuoffload persist: checkpoint %s failed: %s", cp.seq, reason)
+        if cp.request is not None:
+            self._watcher.complete(cp.request, cp.ok, cp.seq, reason)
+
+    def pending(self) -> int:
+        """1 while a checkpoint or the restore is unresolved (a gauge)."""
+        return int(self._checkpoint is not None or self._restored is not None)

@@ -1,0 +1,190 @@
+"""Warm restart, the worker's side: restore this host's slots at start-up, checkpoint them on demand.
+
+A checkpoint is written by the hosts alone: every slot's row holds what the scheduler's index needs
+at the next start (the save id, the block it was gathered from, and the chunk's hash keys, which
+``SaveBatch.keys`` brings), so the checkpoint taken at shutdown -- when vLLM has already stopped
+stepping, and tears the workers down before the scheduler -- is as complete as one planned in a step.
+
+Restore (``restore``, in ``register_runner``, before the first step, on every host alike): the
+newest complete checkpoint that every host accepts (``Persister.restore``: fingerprint, slot
+layout, checksums) replaces the zeroed stores and the slot table. Each restored chunk's save id
+becomes ``RESTORED_BASE + slot``: unique, never issued by the new scheduler (whose ids start at
+0), and the same on every host that restored that slot. The host reports its restored rows
+(``RESTORED_ROW``: slot, old save id, hash keys) once, in its first report; the scheduler makes
+loadable only the chunks every host restored identically (scheduler/restart.py).
+
+Checkpoint (``checkpoint``, main thread, at a step the scheduler planned or at ``close``, the same
+point on every host): the background saves are drained first so every tag is final, then
+``Persister.save`` writes the stores as they are (no copy) and the table. Until it resolves no
+store may be donated, so a save that arrives meanwhile waits for it (``before_save``); the
+scheduler plans no saves until every host reported the checkpoint, so in practice nothing waits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpuoffload.backend.host_backend import EMPTY
+from tpuoffload.layout import CacheLayout
+from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, SaveBatch, unpack_keys
+from tpuoffload.persist import Fingerprint, Persister, SaveHandle
+from tpuoffload.worker.transfer_engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+_COLUMNS = ("save_id", "source_block", "k1", "k2")  # one checkpointed slot row, int64 each
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a checkpoint must match besides the cache layout (the worker cannot see these)."""
+
+    model: str = ""
+    block_size: int = 0
+
+
+def fingerprint(layout: CacheLayout, deployment: Deployment, num_hosts: int) -> Fingerprint:
+    """What a checkpoint of this deployment is checked against: the model, every layer group's
+    block shape, dtype and sharding (not the number of blocks in HBM, which may change freely), the
+    block size, the hosts and the bytes of a slot."""
+    groups = "; ".join(f"{len(g.layers)} layers of {g.shape[1:]} {g.dtype} sharded {g.sharding.spec}, "
+                       f"{g.num_shards} block shard(s)" for g in layout.groups)
+    dtypes = ",".join(sorted({str(g.dtype) for g in layout.groups}))
+    return Fingerprint(model=deployment.model, kv_layout=groups, kv_dtype=dtypes, block_size=deployment.block_size,
+                       num_hosts=num_hosts, chunk_bytes=layout.slot_bytes)
+
+
+class SlotKeys:
+    """slot -> (save id, k1, k2) of the last save dispatched into it on this host. A checkpoint
+    keeps a slot's keys only where this save id is the slot's committed tag. Main thread only."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.save_id = np.full(num_slots, EMPTY, np.int64)
+        self.keys = np.zeros((num_slots, 2), np.uint64)
+
+    def record(self, batch: SaveBatch) -> None:
+        if not batch.keys:
+            return
+        keys = unpack_keys(batch.keys)
+        if len(keys) != len(batch):
+            raise ValueError(f"{len(keys)} hash keys for {len(batch)} chunks")
+        slots = np.asarray(batch.slots, np.int64)
+        self.save_id[slots] = np.asarray(batch.save_ids, np.int64)
+        self.keys[slots] = keys
+
+
+class HostPersistence:
+    """One host's warm-restart state: its Persister, the keys of its slots, the checkpoint in flight."""
+
+    def __init__(self, path: str, engine: TransferEngine, fingerprint: Fingerprint, host: int,
+                 timeout_s: float) -> None:
+        self.engine = engine
+        self.host = host
+        self.persister = Persister(path, fingerprint, host=host, barrier_timeout_s=timeout_s)
+        self.keys = SlotKeys(engine.backend.num_slots)
+        self._inflight: SaveHandle | None = None  # main thread only
+        self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
+        self._done: list[tuple[int, bool]] = []  # checkpoints resolved, not yet reported
+        self._restored_rows: bytes | None = None  # reported once
+        self._counted: Counter[str] = Counter()  # the Persister's counts already taken
+        self._closed = False
+        # tpu-inference's worker does not call the connector's shutdown (0.32): checkpoint at exit too.
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---------------------------------------------------------------- start-up
+    def restore(self) -> None:
+        """Restore the newest complete, matching checkpoint, or start cold (one log line either way)."""
+        restored, reason = self.persister.restore(self.engine.store_targets())
+        if restored is None:
+            logger.info("tpuoffload persist: host %d starting cold: %s", self.host, reason)
+            self._restored_rows = b""
+            return
+        table = restored.tags.reshape(len(restored.tags), -1)
+        if table.shape[1] != len(_COLUMNS):
+            logger.warning("tpuoffload persist: host %d starting cold: %s has %d columns per slot, not %d",
+                           self.host, restored.path, table.shape[1], len(_COLUMNS))
+            self._restored_rows = b""
+            return
+        self.engine.replace_stores(restored.stores)
+        held = np.flatnonzero(table[:, 0] != EMPTY)
+        tags = np.full(len(table), EMPTY, np.int64)
+        tags[held] = RESTORED_BASE + held
+        self.engine.backend.restore(tags, table[:, 1].copy())
+        rows = np.zeros(len(held), RESTORED_ROW)
+        rows["slot"], rows["save_id"] = held, table[held, 0]
+        rows["k1"], rows["k2"] = table[held, 2].view(np.uint64), table[held, 3].view(np.uint64)
+        self._restored_rows = rows.tobytes()
+        logger.info("tpuoffload persist: restored %s on host %d: %d chunks, %.2f GiB in %.1f s",
+                    restored.path, self.host, len(held), restored.bytes / 2**30, restored.seconds)
+
+    def take_restored(self) -> bytes | None:
+        """This host's restored rows, the first time only (None afterwards)."""
+        rows, self._restored_rows = self._restored_rows, None
+        return rows
+
+    # ---------------------------------------------------------------- per step
+    def before_save(self) -> None:
+        """A save donates the stores: let the checkpoint that reads them finish first."""
+        if self._inflight is not None and not self._inflight.done():
+            self._inflight.result()
+
+    def checkpoint(self) -> SaveHandle:
+        """Write a checkpoint of this host's slots (main thread, the same step on every host)."""
+        self.before_save()  # one checkpoint at a time
+        self.engine.wait_idle()
+        tags, sources = self.engine.backend.table()
+        keyed = (self.keys.save_id == tags) & (tags != EMPTY)
+        table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
+        table[:, 0] = np.where(keyed, tags, EMPTY)
+        table[:, 1] = sources
+        table[:, 2:] = self.keys.keys.view(np.int64)
+        table[~keyed, 2:] = 0
+        handle = self.persister.save(self.engine.stores(), table, {"columns": list(_COLUMNS)})
+        self._inflight = handle
+        handle.add_done_callback(self._finished)
+        return handle
+
+    def _finished(self, report) -> None:
+        with self._lock:
+            self._done.append((report.seq, report.ok))
+
+    def take_finished(self) -> tuple[tuple[int, bool], ...]:
+        """Checkpoints resolved since the last call: ((number, ok), ...)."""
+        with self._lock:
+            done, self._done = tuple(self._done), []
+        return done
+
+    def take_counters(self) -> Counter[str]:
+        """The Persister's counts (PERSIST_* names) since the last call."""
+        now = Counter(self.persister.counters_snapshot())
+        delta, self._counted = now - self._counted, now
+        return delta
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Clean shutdown: a last checkpoint, waited for, then the Persister's threads go."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            report = self.checkpoint().result()
+            logger.info("tpuoffload persist: shutdown checkpoint on host %d: %s", self.host,
+                        f"{report.path}, {report.chunks} chunks" if report.ok else f"failed: {report.reason}")
+        finally:
+            self.persister.close()
+
+
+def _close_at_exit(ref: "weakref.ref[HostPersistence]") -> None:
+    persistence = ref()
+    if persistence is not None and not persistence._closed:
+        try:
+            persistence.close()
+        except Exception:  # noqa: BLE001 - at exit: log, never raise
+            logger.exception("tpuoffload persist: checkpoint at exit failed")
