@@ -62,6 +62,9 @@ class OffloadMetadata(KVConnectorMetadata):
     release_req_ids: tuple[str, ...] = ()
     # Warm restart: write a checkpoint of every host's slots at the start of this step.
     checkpoint: bool = False
+    # The scheduler still waits for restore rows or checkpoint outcomes: hosts repeat theirs (a
+    # report lost on the way only delays them).
+    persist_waiting: bool = False
     # A connector reset: every chunk saved under a save id below this is gone for good, also from
     # the checkpoints written after this step (and saves still in flight never become restorable).
     revoke_below: int | None = None
@@ -121,8 +124,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # Warm restart, once per host at start-up: the chunks it restored, packed RESTORED_ROW rows
     # (b"" when it started cold).
     restored: dict[int, bytes] = field(default_factory=dict)
-    # Checkpoints this host finished: host -> ((checkpoint number, ok), ...).
-    checkpoints: dict[int, tuple[tuple[int, bool], ...]] = field(default_factory=dict)
+    # Checkpoints this host resolved: host -> ((step it was planned in, checkpoint number, ok), ...).
+    checkpoints: dict[int, tuple[tuple[int, int, bool], ...]] = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = ()) -> "OffloadWorkerReport":

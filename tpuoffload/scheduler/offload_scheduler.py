@@ -146,7 +146,7 @@ class OffloadScheduler:
 
         # The workers read the loaded slots in this step, before any later step can write to
         # them, so the pins only have to outlive this plan's slot allocations.
-        checkpoint = self.restart.plan()
+        checkpoint = self.restart.plan(step)
         plan = self._skip_saves if self.restart.saves_blocked else self.saves.plan
         self.index.pin(load_slots)
         try:
@@ -160,7 +160,8 @@ class OffloadScheduler:
             self.index.unpin(load_slots)
         self._apply_resolved()  # early reports replayed by the new batches
         meta = OffloadMetadata(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
-                               checkpoint=checkpoint, revoke_below=self.restart.take_revoke())
+                               checkpoint=checkpoint, persist_waiting=self.restart.saves_blocked,
+                               revoke_below=self.restart.take_revoke())
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()

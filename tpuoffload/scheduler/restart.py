@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 class _Checkpoint:
     """A planned checkpoint until every host reported it."""
 
+    step: int
     deadline: float
     waiting: set[int]  # hosts that have not reported it
     request: CheckpointRequest | None
@@ -78,8 +79,8 @@ class WarmRestart:
         reads) or the hosts' restore reports are still due (a save could take a restored slot)."""
         return self._checkpoint is not None or self._restored is not None
 
-    def plan(self) -> bool:
-        """Whether this step's metadata asks every host for a checkpoint."""
+    def plan(self, step: int) -> bool:
+        """Whether the metadata of ``step`` asks every host for a checkpoint."""
         if not self.enabled:
             return False
         now = self.clock()
@@ -92,7 +93,7 @@ class WarmRestart:
         if request is None and now < self._next_due:
             return False
         self._next_due = now + self._interval if self._interval else math.inf
-        self._checkpoint = _Checkpoint(now + self.timeout_s, set(range(self.num_hosts)), request)
+        self._checkpoint = _Checkpoint(step, now + self.timeout_s, set(range(self.num_hosts)), request)
         self.counters[C.CHECKPOINTS_PLANNED] += 1
         logger.info("tpuoffload persist: checkpoint planned (%s)", f"request {request.id}" if request else "interval")
         return True
@@ -117,8 +118,8 @@ class WarmRestart:
                 self._adopt(self._restored)
                 self._restored = None
         for host, done in report.checkpoints.items():
-            for seq, ok in done:
-                self._checkpoint_reported(host, seq, ok)
+            for step, seq, ok in done:
+                self._checkpoint_reported(host, step, seq, ok)
 
     def _adopt(self, rows: dict[int, np.ndarray]) -> None:
         common = rows[0]
@@ -152,10 +153,10 @@ class WarmRestart:
                        sorted(self._restored))
         self._restored = None
 
-    def _checkpoint_reported(self, host: int, seq: int, ok: bool) -> None:
+    def _checkpoint_reported(self, host: int, step: int, seq: int, ok: bool) -> None:
         cp = self._checkpoint
-        if cp is None or host not in cp.waiting:
-            return  # a late report of a checkpoint given up on
+        if cp is None or host not in cp.waiting or step != cp.step:
+            return  # a repeated or late report, or a checkpoint given up on
         cp.waiting.discard(host)
         cp.seq = seq if cp.seq is None else cp.seq
         if not ok or seq != cp.seq:

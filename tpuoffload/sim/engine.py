@@ -98,7 +98,8 @@ class InProcessEngine:
         for host, (caches, mesh) in enumerate(host_caches):
             runner = SyntheticRunner(caches, mesh, block_size=layout.block_size)
             connector = make_worker_connector(self.scheduler)
-            connector.worker = OffloadWorker(connector.config, host_id=host, faults=faults[host])
+            connector.worker = OffloadWorker(connector.config, host_id=host, faults=faults[host],
+                                             deployment=connector.worker.deployment)
             connector.register_runner(runner)
             self.runners.append(runner)
             self.connectors.append(connector)

@@ -138,7 +138,7 @@ class OffloadWorker:
         if meta.revoke_below is not None:
             self.engine.backend.revoke_below(meta.revoke_below)
         if meta.checkpoint:
-            self._checkpoint()
+            self._checkpoint(meta.step)
         self._save(meta.flush)
         self._load(meta.loads)
 
@@ -173,12 +173,12 @@ class OffloadWorker:
         self._saved = True
         self._save(self._meta.save)
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, step: int) -> None:
         if self.persistence is None:
             logger.warning("tpuoffload: a checkpoint was planned but persist_path is not set on host %d", self.host_id)
             return
         try:
-            self.persistence.checkpoint()
+            self.persistence.checkpoint(step)
         except Exception:  # a failed checkpoint never stops serving; it is reported as failed
             logger.exception("tpuoffload: checkpoint failed on host %d", self.host_id)
 
@@ -214,13 +214,8 @@ class OffloadWorker:
         self._report_failures = []
         report = OffloadWorkerReport.from_host(self.host_id, saved, failed)
         if self.persistence is not None:
-            rows = self.persistence.take_restored()
-            if rows is not None:
-                report.restored[self.host_id] = rows
-            done = self.persistence.take_finished()
-            if done:
-                report.checkpoints[self.host_id] = done
-        return report if report.hosts() else None
+            self.persistence.add_to_report(report, repeat=self._meta is not None and self._meta.persist_waiting)
+        return report if report else None
 
     def _count(self, name: str, n: int) -> None:
         """Count what the worker itself decided (dispatch-level failures); the engine counts the rest."""

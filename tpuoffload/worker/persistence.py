@@ -23,6 +23,7 @@ scheduler plans no saves until every host reported the checkpoint, so in practic
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import weakref
@@ -33,7 +34,7 @@ import numpy as np
 
 from tpuoffload.backend.host_backend import EMPTY
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, SaveBatch, unpack_keys
+from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, SaveBatch, unpack_keys
 from tpuoffload.persist import Fingerprint, Persister, SaveHandle
 from tpuoffload.worker.transfer_engine import TransferEngine
 
@@ -91,12 +92,17 @@ class HostPersistence:
         self.keys = SlotKeys(engine.backend.num_slots)
         self._inflight: SaveHandle | None = None  # main thread only
         self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
-        self._done: list[tuple[int, bool]] = []  # checkpoints resolved, not yet reported
-        self._restored_rows: bytes | None = None  # reported once
+        self._done: list[tuple[int, int, bool]] = []  # (step planned, number, ok), not yet reported
+        self._restored_rows: bytes | None = None  # reported until the scheduler stops waiting
+        self._rows_sent = False
+        self._last_done: tuple[int, int, bool] | None = None  # the last checkpoint resolved (repeated on demand)
         self._counted: Counter[str] = Counter()  # the Persister's counts already taken
         self._closed = False
-        # tpu-inference's worker does not call the connector's shutdown (0.32): checkpoint at exit too.
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # tpu-inference's worker does not call the connector's shutdown (0.32): checkpoint at a normal
+        # interpreter exit too. Registered with threading's exit hooks, which run (newest first)
+        # before the thread pools that orbax and the Persister use are shut down; plain atexit
+        # hooks run after that, too late to write anything.
+        _register_exit_hook(functools.partial(_close_at_exit, weakref.ref(self)))
 
     # ---------------------------------------------------------------- start-up
     def restore(self) -> None:
@@ -124,10 +130,23 @@ class HostPersistence:
         logger.info("tpuoffload persist: restored %s on host %d: %d chunks, %.2f GiB in %.1f s",
                     restored.path, self.host, len(held), restored.bytes / 2**30, restored.seconds)
 
-    def take_restored(self) -> bytes | None:
-        """This host's restored rows, the first time only (None afterwards)."""
-        rows, self._restored_rows = self._restored_rows, None
-        return rows
+    def add_to_report(self, report: OffloadWorkerReport, repeat: bool) -> None:
+        """Put this host's news into its report: the restored rows (first report), checkpoints
+        resolved since the last report; with ``repeat`` (the scheduler still waits) the rows and
+        the last resolved checkpoint again, in case a report was lost on the way."""
+        if self._restored_rows is not None and (repeat or not self._rows_sent):
+            report.restored[self.host] = self._restored_rows
+            self._rows_sent = True
+        elif self._rows_sent and not repeat:
+            self._restored_rows = None  # the scheduler has them
+        with self._lock:
+            done, self._done = self._done, []
+        if done:
+            self._last_done = done[-1]
+        elif repeat and self._last_done is not None:
+            done = [self._last_done]
+        if done:
+            report.checkpoints[self.host] = tuple(done)
 
     # ---------------------------------------------------------------- per step
     def before_save(self) -> None:
@@ -135,8 +154,9 @@ class HostPersistence:
         if self._inflight is not None and not self._inflight.done():
             self._inflight.result()
 
-    def checkpoint(self) -> SaveHandle:
-        """Write a checkpoint of this host's slots (main thread, the same step on every host)."""
+    def checkpoint(self, step: int = -1) -> SaveHandle:
+        """Write a checkpoint of this host's slots (main thread, at the start of ``step`` on every
+        host; -1: at shutdown)."""
         self.before_save()  # one checkpoint at a time
         self.engine.wait_idle()
         tags, sources = self.engine.backend.table()
@@ -148,18 +168,12 @@ class HostPersistence:
         table[~keyed, 2:] = 0
         handle = self.persister.save(self.engine.stores(), table, {"columns": list(_COLUMNS)})
         self._inflight = handle
-        handle.add_done_callback(self._finished)
+        handle.add_done_callback(lambda report: self._finished(step, report))
         return handle
 
-    def _finished(self, report) -> None:
+    def _finished(self, step: int, report) -> None:
         with self._lock:
-            self._done.append((report.seq, report.ok))
-
-    def take_finished(self) -> tuple[tuple[int, bool], ...]:
-        """Checkpoints resolved since the last call: ((number, ok), ...)."""
-        with self._lock:
-            done, self._done = tuple(self._done), []
-        return done
+            self._done.append((step, report.seq, report.ok))
 
     def take_counters(self) -> Counter[str]:
         """The Persister's counts (PERSIST_* names) since the last call."""
@@ -179,6 +193,14 @@ class HostPersistence:
                         f"{report.path}, {report.chunks} chunks" if report.ok else f"failed: {report.reason}")
         finally:
             self.persister.close()
+
+
+def _register_exit_hook(fn) -> None:
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython since 3.9 has it
+        atexit.register(fn)
+    else:
+        register(fn)
 
 
 def _close_at_exit(ref: "weakref.ref[HostPersistence]") -> None:
