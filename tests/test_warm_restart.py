@@ -236,3 +236,123 @@ def test_operator_request_in_process_writes_a_checkpoint_and_answers(tmp_path):
     assert engine.stats.totals()[C.CHECKPOINTS_COMMITTED] == 1
     assert os.path.isdir(os.path.join(persist, f"ckpt-{done.seq}"))
     engine.close()
+
+
+# ---------------------------------------------------------------------------- the pod slice
+
+
+def _slice_spec(num_hosts: int, devices_per_host: int, persist: str):
+    from tpuoffload.sim.podslice import SliceSpec
+
+    config = {"cpu_bytes_to_use": 1 << 22, "save_timeout_s": 5.0, "load_wait_timeout_s": 2.0,
+              "persist_path": persist, "persist_timeout_s": 60.0}
+    return SliceSpec(num_hosts=num_hosts, devices_per_host=devices_per_host, num_kv_heads=8, num_blocks=48,
+                     max_num_seqs=16, max_num_batched_tokens=256, extra_config=config, step_timeout_s=90.0)
+
+
+def _workload():
+    from tpuoffload.sim.workload import PrefixRepetition
+
+    return PrefixRepetition(num_prefixes=4, prefix_blocks=10, suffix_len=(8, 16), output_len=(4, 8),
+                            num_requests=16, waves=1, arrivals_per_step=4, seed=5)
+
+
+@pytest.fixture
+def slices(tmp_path):
+    """PodSlices whose logs go to tmp_path; every worker process group is gone after the test."""
+    made = []
+
+    def make(spec, chaos=None):
+        from tpuoffload.sim.podslice import PodSlice
+
+        pod = PodSlice(spec, chaos, log_dir=str(tmp_path / f"slice{len(made)}"))
+        made.append(pod)
+        return pod
+
+    yield make
+    for pod in made:
+        pod.close()
+    for pod in made:
+        for proc in pod.procs:
+            assert proc.poll() is not None
+            with pytest.raises(ProcessLookupError):
+                os.killpg(proc.pid, 0)
+
+
+def _serve(pod):
+    """One wave of the workload: (loaded chunks, the result), checked byte-exact on every host."""
+    from tpuoffload.sim.workload import run_prefix_repetition
+
+    res = run_prefix_repetition(pod, _workload())
+    assert res.wrong_outputs == [] and res.finished + res.aborted == res.requests, res
+    states = pod.worker_state()
+    assert all(s["mismatches"] == 0 and s["positions_verified"] > 0 for s in states), states
+    assert all(len(set(step)) == 1 for step in pod.digests)  # every host dispatched the same, every step
+    return res.per_wave_loaded[0], res
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 2), (4, 1)])
+def test_podslice_restart_hits_restored_host_ram_byte_exact(slices, tmp_path, num_hosts, devices_per_host):
+    persist = str(tmp_path / "ckpt")
+    spec = _slice_spec(num_hosts, devices_per_host, persist)
+    first = slices(spec)
+    cold_loaded, _ = _serve(first)
+    saved = first.stats.totals()[C.CHUNKS_SAVED]
+    per_host = first.shutdown()  # every host writes its part; orbax commits once all have
+    assert all(t[C.PERSIST_SAVED_CHUNKS] == saved // num_hosts for t in per_host), per_host
+    assert os.path.isdir(os.path.join(persist, "ckpt-1"))
+
+    second = slices(spec)
+    warm_loaded, res = _serve(second)
+    totals = second.stats.totals()
+    assert totals[C.PERSIST_RESTORED_CHUNKS] == saved and totals[C.RESTORED_READY] == saved // num_hosts
+    assert totals[C.LOAD_ERRORS] == 0
+    # The first wave after the restart loads what the cold first wave had to compute.
+    assert warm_loaded > cold_loaded, (warm_loaded, cold_loaded)
+
+
+@pytest.mark.timeout(420)
+def test_podslice_restart_under_chaos(slices, tmp_path):
+    """The restarted slice runs a storm: slow and failing hosts, lost and doubled reports (the
+    restore rows are repeated until the scheduler has every host's), aborts, preemptions."""
+    from tpuoffload.sim.podslice import Chaos
+
+    persist = str(tmp_path / "ckpt")
+    spec = _slice_spec(2, 2, persist)
+    first = slices(spec)
+    _serve(first)
+    first.shutdown()
+    second = slices(spec, Chaos.storm(2, seed=11))
+    _, res = _serve(second)
+    totals = second.stats.totals()
+    assert totals[C.RESTORED_READY] > 0 and totals[C.CHUNKS_LOADED] > 0, totals
+
+
+@pytest.mark.timeout(420)
+def test_podslice_refuses_a_corrupt_or_foreign_checkpoint_and_starts_cold(slices, tmp_path):
+    persist = str(tmp_path / "ckpt")
+    first = slices(_slice_spec(2, 2, persist))
+    _serve(first)
+    first.shutdown()
+    # Another host count over the same devices: refused by the fingerprint, cold, correct.
+    other = slices(_slice_spec(4, 1, persist))
+    _serve(other)
+    totals = other.stats.totals()
+    assert totals[C.PERSIST_RESTORE_REFUSED] == 4 and totals[C.RESTORED_READY] == 0
+    other.close()  # no shutdown: its own checkpoint must not replace the first one
+    # A flipped byte in the largest slot data file: refused on every host (checksums), cold, correct.
+    data = max((os.path.join(d, f) for d, _, fs in os.walk(os.path.join(persist, "ckpt-1", "slots")) for f in fs),
+               key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    again = slices(_slice_spec(2, 2, persist))
+    _serve(again)
+    totals = again.stats.totals()
+    assert totals[C.PERSIST_RESTORE_REFUSED] == 2 and totals[C.RESTORED_READY] == 0, totals
+    with open(again.log_path(0)) as f:
+        log = f.read()
+    assert "starting cold" in log and ("checksum" in log or "unreadable slots" in log), log[-2000:]

@@ -287,6 +287,7 @@ class OffloadWorker:
             self.persistence.close()
         if self.engine is not None:
             self.engine.close()
+            self._collect_counters()  # totals are final
             if self._snapshot is not None:
                 self._snapshot.close()
                 self._snapshot.maybe_write(force=True)
