@@ -33,6 +33,7 @@ def test_every_key_accepts_a_good_value():
         "num_staging_blocks": 9, "save_threads": 3, "host_memory_kind": "unpinned_host",
         "save_decode_blocks": "yes", "load_wait_timeout_s": 2.5, "save_timeout_s": "30", "stats_dir": "/tmp/x",
         "stats_interval_s": 0, "transfer_buffer_bytes": 1 << 24, "num_hosts": 4,
+        "persist_path": "/tmp/ckpt", "persist_interval_s": "600", "persist_timeout_s": 30,
     }
     assert set(extra) == set(KNOWN_KEYS)  # this test covers every key there is
     cfg = parse(extra)
@@ -43,6 +44,7 @@ def test_every_key_accepts_a_good_value():
     assert cfg.num_staging_blocks == 9 and cfg.save_threads == 3
     assert cfg.host_memory_kind == "unpinned_host"
     assert cfg.load_wait_timeout_s == 2.5 and cfg.save_timeout_s == 30.0
+    assert cfg.persist_path == "/tmp/ckpt" and cfg.persist_interval_s == 600.0 and cfg.persist_timeout_s == 30.0
     assert cfg.stats_dir == "/tmp/x" and cfg.stats_interval_s == 0.0
     assert cfg.transfer_buffer_bytes == 1 << 24 and cfg.num_hosts == 4
 
@@ -142,6 +144,8 @@ BAD = [
     ("transfer_buffer_bytes", 0), ("transfer_buffer_bytes", -1), ("transfer_buffer_bytes", "big"),
     ("num_hosts", 0), ("num_hosts", -1), ("num_hosts", 1 << 20), ("num_hosts", 1.5), ("num_hosts", "two"),
     ("num_hosts", True),
+    ("persist_path", ""), ("persist_path", 3), ("persist_interval_s", -1), ("persist_interval_s", "hourly"),
+    ("persist_timeout_s", 0), ("persist_timeout_s", "long"),
 ]
 
 
@@ -211,3 +215,9 @@ def test_num_hosts_overrides_the_detected_reporting_workers():
                          kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20, "num_hosts": 2})
     assert two.connector.get_finished_count() == 2 and two.connector.scheduler.num_hosts == 2
     assert two.connector.scheduler.chunk_bytes == 2 * page
+
+
+def test_persist_interval_needs_persist_path():
+    with pytest.raises(ValueError, match="needs 'persist_path'"):
+        parse({**BASE, "persist_interval_s": 60})
+    assert parse({**BASE, "persist_path": "/x", "persist_interval_s": 60}).persist_interval_s == 60.0
