@@ -112,6 +112,10 @@ class GroupPrograms:
         token_sharding = NamedSharding(mesh, PartitionSpec())
         self.save = jax.jit(self._save, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
         self.load = jax.jit(self._load, donate_argnums=0, out_shardings=(group.sharding,) * n)
+        # The disk tier's two programs: copy slots out (the store is read, not donated) and write
+        # rows read back from disk into slots (as a save writes gathered rows).
+        self.read = jax.jit(self._read, out_shardings=self.device_sharding)
+        self.install = jax.jit(self._install, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
 
     def allocate(self) -> jax.Array:
@@ -120,8 +124,13 @@ class GroupPrograms:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
     def _save(self, caches, store, ids):
-        rows = self._gather(ids[0], caches)
+        return self._write_rows(self._gather(ids[0], caches), store, ids)
 
+    def _install(self, rows, store, ids):
+        return self._write_rows(rows, store, ids)
+
+    @staticmethod
+    def _write_rows(rows, store, ids):
         def write(i, st):
             row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
             return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, i], axis=1)
@@ -130,6 +139,9 @@ class GroupPrograms:
         # A small output that is ready when the program is (PJRT marks an execution's outputs ready
         # together): what a background thread waits on, since the store itself is donated onward.
         return store, ids[0, 0] + 0
+
+    def _read(self, store, ids):
+        return self._read_rows(store, ids, 0, ids.shape[1])
 
     def _load(self, caches, store, ids):
         n = ids.shape[1]

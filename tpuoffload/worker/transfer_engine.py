@@ -54,6 +54,10 @@ class SaveResult:
     ok: bool
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
@@ -179,10 +183,10 @@ class TransferEngine:
             self._last_write[s] = fut
 
     def _complete_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                       save_ids: list[int], previous: set[futures.Future]) -> None:
+                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int] = frozenset()) -> None:
         futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
-        failed: set[int] = set()
+        failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
         t0 = time.monotonic()
         try:
             self.backend.invalidate(slots)
@@ -304,6 +308,91 @@ class TransferEngine:
             if not done:
                 late.add(i)
         return late
+
+    # ---------------- the disk tier (tpuoffload/worker/disk_stage.py) ----------------
+    def _row_pieces(self, n: int) -> list[list[tuple[jax.Device, tuple[int, ...]]]]:
+        """Per layer group: (device, local piece shape) of a rows array of ``n`` chunks, this
+        host's devices in id order (replicas included: each device holds its own copy)."""
+        out = []
+        for prog in self._programs:
+            shape = (prog.group.num_shards, n, *prog.store_shape[2:])
+            piece = prog.device_sharding.shard_shape(shape)
+            devices = sorted(prog.device_sharding.addressable_devices, key=lambda d: d.id)
+            out.append([(d, piece) for d in devices])
+        return out
+
+    @property
+    def disk_chunk_bytes(self) -> int:
+        """Bytes of one chunk on this host as the disk tier keeps it: every local piece of its rows."""
+        return sum(int(np.prod(shape)) // shape[1] * prog.group.wire_dtype.itemsize
+                   for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
+
+    def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[list[jax.Array], list[bool]]:
+        """Copy ``slots`` out of the stores into device rows, one program per layer group (main
+        thread; the stores are read, not donated). ``ok[i]``: the slot held chunk ``save_ids[i]``
+        (otherwise its row is zeros). Turn the rows into bytes with ``rows_to_payloads``."""
+        self._check_owner()
+        slots = [int(s) for s in slots]
+        late = self._wait_for_writes(slots)
+        ok, _ = self.backend.lookup(slots, save_ids)
+        valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
+        ids = self._put_ids(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks,
+                                          _pow2_ceil(len(slots))))
+        rows = []
+        for i, prog in enumerate(self._programs):
+            rows.append(prog.read(self._stores[i], ids))
+            self.log.record("read", shape=ids.shape, group=i, slots=str(slots))
+        return rows, [bool(v) for v in valid]
+
+    def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
+        """This host's bytes of each of the first ``n`` chunks of ``read_slots`` rows (uint8,
+        ``disk_chunk_bytes`` each). Waits for the program; any thread (no dispatch)."""
+        parts = []
+        for arr in rows:
+            for shard in sorted(arr.addressable_shards, key=lambda sh: sh.device.id):
+                data = np.asarray(shard.data)[:, :n]  # (shards, n, layers, *tile)
+                parts.append(np.moveaxis(data, 1, 0).reshape(n, -1).view(np.uint8))
+        return list(np.concatenate(parts, axis=1))
+
+    def install(self, payloads: Sequence[np.ndarray | None], slots: Sequence[int], save_ids: Sequence[int]) -> None:
+        """Write chunks read back from disk into ``slots`` under ``save_ids``, like a save whose
+        rows come from host memory: one H2D copy per device and one program per layer group, then
+        the background completion records the slots. A None payload (a failed read on this host)
+        writes zeros and is reported failed. Main thread; the same dispatch on every host."""
+        self._check_owner()
+        slots, save_ids = [int(s) for s in slots], [int(s) for s in save_ids]
+        n = len(slots)
+        self._check_plan([0] * n, slots, save_ids, unique="slots")
+        cap = _pow2_ceil(n)
+        width = self.disk_chunk_bytes
+        host = np.zeros((cap, width), np.uint8)
+        missing = frozenset(i for i, p in enumerate(payloads) if p is None or len(p) != width)
+        for i, p in enumerate(payloads):
+            if i not in missing:
+                host[i] = p
+        host[n:] = host[n - 1]  # padding rows rewrite the last slot with its own bytes
+        ids = self._put_ids(save_plan_ids([0] * n, slots, cap))
+        offset, tokens = 0, []
+        for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
+            arrays = []
+            for device, shape in pieces:
+                size = int(np.prod(shape)) // cap * prog.group.wire_dtype.itemsize
+                chunk = host[:, offset:offset + size].copy().view(prog.group.wire_dtype)
+                chunk = np.moveaxis(chunk.reshape(cap, shape[0], *shape[2:]), 0, 1)
+                arrays.append(jax.device_put(np.ascontiguousarray(chunk), device))
+                offset += size
+            shape = (prog.group.num_shards, cap, *prog.store_shape[2:])
+            rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
+            self._stores[i], token = prog.install(rows, self._stores[i], ids)
+            self.log.record("install", shape=ids.shape, group=i, slots=str(slots))
+            tokens.append(token)
+        previous = {self._last_write[s] for s in slots if s in self._last_write}
+        fut = self._pool.submit(self._complete_save, tokens, [0] * n, slots, save_ids, previous, missing)
+        with self._lock:
+            self._inflight[fut] = (time.monotonic(), n, n * self.backend.slot_bytes)
+        fut.add_done_callback(self._forget_inflight)
+        for s in slots:
+            self._last_write[s] = fut
 
     # ---------------- warm restart (tpuoffload/worker/persistence.py) ----------------
     def stores(self) -> dict[str, jax.Array]:
