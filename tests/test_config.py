@@ -34,6 +34,7 @@ def test_every_key_accepts_a_good_value():
         "save_decode_blocks": "yes", "load_wait_timeout_s": 2.5, "save_timeout_s": "30", "stats_dir": "/tmp/x",
         "stats_interval_s": 0, "transfer_buffer_bytes": 1 << 24, "num_hosts": 4,
         "persist_path": "/tmp/ckpt", "persist_interval_s": "600", "persist_timeout_s": 30,
+        "disk_path": "/nvme/kv-{host}", "disk_bytes_to_use": 1 << 30,
     }
     assert set(extra) == set(KNOWN_KEYS)  # this test covers every key there is
     cfg = parse(extra)
@@ -146,6 +147,7 @@ BAD = [
     ("num_hosts", True),
     ("persist_path", ""), ("persist_path", 3), ("persist_interval_s", -1), ("persist_interval_s", "hourly"),
     ("persist_timeout_s", 0), ("persist_timeout_s", "long"),
+    ("disk_path", ""), ("disk_path", 7), ("disk_bytes_to_use", 0), ("disk_bytes_to_use", "lots"),
 ]
 
 
@@ -221,3 +223,10 @@ def test_persist_interval_needs_persist_path():
     with pytest.raises(ValueError, match="needs 'persist_path'"):
         parse({**BASE, "persist_interval_s": 60})
     assert parse({**BASE, "persist_path": "/x", "persist_interval_s": 60}).persist_interval_s == 60.0
+
+
+def test_disk_path_and_bytes_go_together():
+    with pytest.raises(ValueError, match="go together"):
+        parse({**BASE, "disk_path": "/d"})
+    with pytest.raises(ValueError, match="go together"):
+        parse({**BASE, "disk_bytes_to_use": 1 << 20})

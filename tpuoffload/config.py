@@ -55,6 +55,10 @@ class OffloadConfig:
     persist_interval_s: float = 0.0
     # How long the hosts wait for each other while writing or agreeing on a checkpoint.
     persist_timeout_s: float = 300.0
+    # The disk tier below host RAM (None: off): a directory on a local disk of each host ("{host}"
+    # is replaced by the host's index) and the bytes of chunk files it may hold (exact).
+    disk_path: str | None = None
+    disk_bytes_to_use: int | None = None
 
     # ---- derived sizes (need the size of one chunk on one host) ----
     def host_bytes(self, chunk_bytes: int) -> int:
@@ -196,6 +200,14 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
     for key, high in (("persist_interval_s", 7 * 86400.0), ("persist_timeout_s", 86400.0)):
         if key in extra:
             out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "persist_interval_s")
+    if extra.get("disk_path") is not None:
+        if not isinstance(extra["disk_path"], str) or not extra["disk_path"]:
+            raise ValueError(f"kv_connector_extra_config['disk_path'] must be a directory path, got {extra['disk_path']!r}")
+        out["disk_path"] = extra["disk_path"]
+    if extra.get("disk_bytes_to_use") is not None:
+        out["disk_bytes_to_use"] = _as_int("disk_bytes_to_use", extra["disk_bytes_to_use"], 1, 1 << 60)
+    if ("disk_path" in out) != ("disk_bytes_to_use" in out):
+        raise ValueError("kv_connector_extra_config['disk_path'] and 'disk_bytes_to_use' go together")
     if out.get("persist_interval_s") and "persist_path" not in out:
         raise ValueError("kv_connector_extra_config['persist_interval_s'] needs 'persist_path'")
     return OffloadConfig(**out)

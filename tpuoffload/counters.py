@@ -49,6 +49,17 @@ PERSIST_RESTORED_CHUNKS = "persist_restored_chunks"
 PERSIST_RESTORED_BYTES = "persist_restored_bytes"
 PERSIST_RESTORE_REFUSED = "persist_restore_refused"
 
+# ---- worker half: the disk tier (each host its own files) ----
+DISK_WRITTEN_CHUNKS = "disk_written_chunks"
+DISK_WRITTEN_BYTES = "disk_written_bytes"
+DISK_WRITE_FAILED = "disk_write_failed"
+DISK_WRITE_NO_SPACE = "disk_write_no_space"
+DISK_EVICTED = "disk_evicted"
+DISK_READ_CHUNKS = "disk_read_chunks"
+DISK_READ_BYTES = "disk_read_bytes"
+DISK_READ_FAILED = "disk_read_failed"
+DISK_ADOPTED = "disk_adopted"
+
 # ---- scheduler half: lookups and loads ----
 LOOKUP_TOKENS = "lookup_tokens"
 HIT_TOKENS = "hit_tokens"
@@ -62,6 +73,13 @@ DEDUP_INDEX = "dedup_index"
 SKIPPED_STAGING = "skipped_staging"
 SKIPPED_NO_SPACE = "skipped_no_space"
 SKIPPED_CHECKPOINT = "skipped_checkpoint"
+
+# ---- scheduler half: the disk tier ----
+SPILLS_ISSUED = "spills_issued"
+SPILLS_CONFIRMED = "spills_confirmed"
+SPILLS_DROPPED = "spills_dropped"
+FETCHES_ISSUED = "fetches_issued"
+FETCHES_FAILED = "fetches_failed"
 
 # ---- scheduler half: warm restart ----
 RESTORED_READY = "restored_ready"
@@ -103,6 +121,15 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(PERSIST_RESTORED_CHUNKS, _W, "Chunks this host restored from a checkpoint at start-up"),
     CounterInfo(PERSIST_RESTORED_BYTES, _W, "Bytes this host restored from a checkpoint at start-up"),
     CounterInfo(PERSIST_RESTORE_REFUSED, _W, "Start-ups that restored nothing: no complete checkpoint, or one refused (cold start)"),
+    CounterInfo(DISK_WRITTEN_CHUNKS, _W, "Chunks this host wrote to its disk tier"),
+    CounterInfo(DISK_WRITTEN_BYTES, _W, "Bytes this host wrote to its disk tier"),
+    CounterInfo(DISK_WRITE_FAILED, _W, "Chunk writes to the disk tier that failed on this host"),
+    CounterInfo(DISK_WRITE_NO_SPACE, _W, "Chunk writes refused: every disk chunk being read or written"),
+    CounterInfo(DISK_EVICTED, _W, "Chunks the disk tier itself evicted to make room"),
+    CounterInfo(DISK_READ_CHUNKS, _W, "Chunks read back from the disk tier, checksums verified"),
+    CounterInfo(DISK_READ_BYTES, _W, "Bytes read back from the disk tier"),
+    CounterInfo(DISK_READ_FAILED, _W, "Disk reads that failed (missing, short, corrupt file; recomputed)"),
+    CounterInfo(DISK_ADOPTED, _W, "Valid chunk files a starting disk tier found and kept"),
     CounterInfo(LOOKUP_TOKENS, _S, "Prompt tokens of admitted requests looked up in host RAM"),
     CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
@@ -112,6 +139,11 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(DEDUP_INDEX, _S, "Chunk saves skipped: content already in host RAM or being saved"),
     CounterInfo(SKIPPED_STAGING, _S, "Chunk saves skipped: staging budget exhausted"),
     CounterInfo(SKIPPED_NO_SPACE, _S, "Chunk saves skipped: host RAM full of saving or pinned chunks"),
+    CounterInfo(SPILLS_ISSUED, _S, "Chunks evicted from host RAM and sent to the disk tier"),
+    CounterInfo(SPILLS_CONFIRMED, _S, "Spills every host wrote (loadable from disk from then on)"),
+    CounterInfo(SPILLS_DROPPED, _S, "Spills a host failed to write, or not confirmed in time"),
+    CounterInfo(FETCHES_ISSUED, _S, "Chunks planned to come back from disk into host RAM"),
+    CounterInfo(FETCHES_FAILED, _S, "Fetches from disk that failed on some host (forgotten; recomputed)"),
     CounterInfo(SKIPPED_CHECKPOINT, _S, "Chunk saves skipped: a checkpoint was being written or restored"),
     CounterInfo(RESTORED_READY, _S, "Restored chunks every host held identically (loadable after a restart)"),
     CounterInfo(RESTORED_DROPPED, _S, "Restored chunks dropped: not held alike by every host, or reused meanwhile"),

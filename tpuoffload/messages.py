@@ -35,6 +35,25 @@ class SaveBatch:
 
 
 @dataclass(frozen=True)
+class DiskBatch:
+    """Chunks moving between host RAM and the disk tier (``keys``: as in ``SaveBatch``).
+
+    As a spill: the chunks just evicted from ``slots`` (which must still hold ``save_ids``), to be
+    copied to disk under ``disk_ids`` before this step's saves reuse the slots. As a fetch: the
+    disk chunks ``disk_ids`` to read back in the background and write into ``slots`` under the
+    new ``save_ids`` at the start of the next step. As drops: disk chunks to delete (keys only).
+    """
+
+    slots: Sequence[int] = ()
+    save_ids: Sequence[int] = ()
+    disk_ids: Sequence[int] = ()
+    keys: bytes = b""
+
+    def __len__(self) -> int:
+        return len(self.keys) // 16
+
+
+@dataclass(frozen=True)
 class LoadRequest:
     """One request's prefix hit: host slots to copy into its blocks. ``unavailable_block_ids`` are
     blocks the scheduler promised but could not pin; workers report them as load errors."""
@@ -60,6 +79,11 @@ class OffloadMetadata(KVConnectorMetadata):
     loads: tuple[LoadRequest, ...] = ()
     # Finished requests whose blocks vLLM holds for us until this step's saves are dispatched.
     release_req_ids: tuple[str, ...] = ()
+    # The disk tier: chunks to delete from disk, to copy there (evicted from host RAM in this plan),
+    # and to bring back into host RAM (written into their slots at the start of the next step).
+    disk_drop: DiskBatch = field(default_factory=DiskBatch)
+    spill: DiskBatch = field(default_factory=DiskBatch)
+    fetch: DiskBatch = field(default_factory=DiskBatch)
     # Warm restart: write a checkpoint of every host's slots at the start of this step.
     checkpoint: bool = False
     # The scheduler still waits for restore rows or checkpoint outcomes: hosts repeat theirs (a
@@ -121,6 +145,9 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
     failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
+    # The disk tier: spills written (or failed) by each host, ranges of disk ids as above.
+    disk_saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
+    disk_failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
     # Warm restart, once per host at start-up: the chunks it restored, packed RESTORED_ROW rows
     # (b"" when it started cold).
     restored: dict[int, bytes] = field(default_factory=dict)
@@ -143,7 +170,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         return bool(self.hosts())
 
     def hosts(self) -> set[int]:
-        return set(self.saved) | set(self.failed) | set(self.restored) | set(self.checkpoints)
+        return (set(self.saved) | set(self.failed) | set(self.disk_saved) | set(self.disk_failed)
+                | set(self.restored) | set(self.checkpoints))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
         """Invariant 7: a union per host, idempotent and order-free (vLLM's KVOutputAggregator
@@ -153,6 +181,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         for host, done in other.checkpoints.items():
             checkpoints[host] = tuple(sorted(set(checkpoints.get(host, ())) | set(done)))
         return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed),
+                                   _merge_maps(self.disk_saved, other.disk_saved),
+                                   _merge_maps(self.disk_failed, other.disk_failed),
                                    {**self.restored, **other.restored}, checkpoints)
 
 

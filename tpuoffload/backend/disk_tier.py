@@ -76,6 +76,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpuoffload.counters import (DISK_ADOPTED, DISK_EVICTED, DISK_READ_BYTES, DISK_READ_CHUNKS, DISK_READ_FAILED,
+                                 DISK_WRITE_FAILED, DISK_WRITE_NO_SPACE, DISK_WRITTEN_BYTES, DISK_WRITTEN_CHUNKS)
+
 MAGIC = b"TPUOKVD1"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
@@ -86,19 +89,11 @@ _FIXED = struct.Struct("<8sIIqQIH")  # magic, version, header bytes, save id, pa
 _CRC = struct.Struct("<I")
 MAX_HASH_BYTES = HEADER_BYTES - _FIXED.size - _CRC.size
 
-# Counter names (tpuoffload/counters.py registers them for stats, the CLI table and Prometheus).
-DISK_WRITTEN_CHUNKS = "disk_written_chunks"
-DISK_WRITTEN_BYTES = "disk_written_bytes"
-DISK_WRITE_FAILED = "disk_write_failed"
-DISK_WRITE_NO_SPACE = "disk_write_no_space"
+# The tier's own diagnostic counters (in counters_snapshot only; the reported ones are registered
+# in tpuoffload/counters.py).
 DISK_WRITE_BUSY = "disk_write_busy"
 DISK_WRITE_DEDUP = "disk_write_dedup"
-DISK_EVICTED = "disk_evicted"
 DISK_LEAKED_UNITS = "disk_leaked_units"  # a victim's unlink failed: its unit stays counted
-DISK_READ_CHUNKS = "disk_read_chunks"
-DISK_READ_BYTES = "disk_read_bytes"
-DISK_READ_FAILED = "disk_read_failed"  # also per reason: disk_read_failed_<reason>
-DISK_ADOPTED = "disk_adopted"
 DISK_REMOVED_TMP = "disk_removed_tmp"
 DISK_REMOVED_INVALID = "disk_removed_invalid"
 DISK_REMOVED_OVER_BUDGET = "disk_removed_over_budget"

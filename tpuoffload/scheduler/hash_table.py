@@ -194,6 +194,10 @@ class HashTable:
         self._live += n
         return cells
 
+    def k1_at(self, cells: np.ndarray) -> np.ndarray:
+        """The k1 words stored in live ``cells`` (as ``insert`` returned them)."""
+        return self._flat[(cells >> 2 << 3) | (cells & 3)]
+
     def delete_cells(self, cells: np.ndarray) -> bool:
         """Empty the given cells (as ``insert`` returned them for live keys). Returns True when
         deleted markers have piled up and the caller should ``rebuild``."""

@@ -34,6 +34,7 @@ from tpuoffload.scheduler.slot_pool import SlotPool
 ChunkHash = bytes
 
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class ChunkIndex:
@@ -58,6 +59,9 @@ class ChunkIndex:
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
         self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
+        # (slots, save ids, keys) of the chunks evicted since the last take_evicted, when kept
+        # (record_evictions): what the disk tier spills.
+        self._evicted: list[tuple[np.ndarray, np.ndarray, HashKeys]] | None = None
 
     # ------------------------------------------------------------------ queries (no side effects)
     @property
@@ -318,9 +322,24 @@ class ChunkIndex:
             slots, states = slots[live], states[live]
         return slots, states
 
+    def record_evictions(self) -> None:
+        """From now on keep what every eviction removes, for ``take_evicted``."""
+        self._evicted = []
+
+    def take_evicted(self) -> tuple[np.ndarray, np.ndarray, HashKeys]:
+        """(slots, save ids, keys) of the chunks evicted since the last call, oldest first."""
+        parts, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        if not parts:
+            return _EMPTY, _EMPTY, HashKeys.of([])
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                HashKeys(np.concatenate([p[2].k1 for p in parts]), np.concatenate([p[2].k2 for p in parts])))
+
     def _evict(self, victims: np.ndarray) -> None:
         """LRU victims (READY, unpinned, already out of the LRU order) lose their chunk; their
         slots stay allocated for the caller."""
+        if self._evicted is not None:
+            keys = HashKeys(self._table.k1_at(self._cell[victims]), self._key2[victims].copy())
+            self._evicted.append((victims.copy(), self._save_id[victims].copy(), keys))
         self._unname(victims)
         self._state_np[victims] = FREE
         self._save_id[victims] = -1

@@ -28,7 +28,8 @@ from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
-from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.scheduler.disk_index import DiskIndex, FetchPlanner
 from tpuoffload.scheduler.index import ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.lifecycle import RequestLifecycle
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+_NO_DISK = DiskBatch()
 
 
 def waits_for_load(request: "Request") -> bool:
@@ -80,6 +84,17 @@ class OffloadScheduler:
         self.loads = LoadTracker(self.index, block_size, self.counters)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
+        self.disk: DiskIndex | None = None
+        self.fetches: FetchPlanner | None = None
+        if config.disk_path is not None:
+            disk_chunks = DiskIndex.capacity(config.disk_bytes_to_use, chunk_bytes)
+            if disk_chunks == 0:
+                raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
+            self.disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s)
+            self.fetches = FetchPlanner(self.index, self.ledger, self.disk, self.staging, chunk_bytes, block_size,
+                                        self.counters, lambda: self.clock(), config.save_timeout_s,
+                                        self.loads.take_lookup)
+            self.index.record_evictions()
         self.restart = WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
                                    self.index, num_hosts, self.counters, lambda: self.clock())
         self._kv_cache_manager: KVCacheManager | None = None
@@ -105,6 +120,8 @@ class OffloadScheduler:
         asynchronously (always, when there are any). No side effect: vLLM asks again every step
         until it admits the request."""
         hits = self.loads.lookup(request, num_computed_tokens)
+        if self.fetches is not None and self.fetches.wants(request, num_computed_tokens // self.block_size, hits):
+            return None, False  # its prefix continues on disk: ask again once it is back in host RAM
         return hits * self.block_size, hits > 0
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int,
@@ -112,6 +129,8 @@ class OffloadScheduler:
         """vLLM allocated ``blocks`` for ``request`` (admission or resumption), expecting
         ``num_external_tokens`` tokens from host RAM."""
         self.requests.admit(request)
+        if self.fetches is not None:
+            self.fetches.forget(request.request_id)
         lookup = self.loads.take_lookup(request.request_id)
         if num_external_tokens == 0:
             if lookup is not None:
@@ -148,8 +167,11 @@ class OffloadScheduler:
         # them, so the pins only have to outlive this plan's slot allocations.
         checkpoint = self.restart.plan(step)
         plan = self._skip_saves if self.restart.saves_blocked else self.saves.plan
+        fetch = spill = drops = _NO_DISK
         self.index.pin(load_slots)
         try:
+            if self.fetches is not None and not self.restart.saves_blocked:
+                fetch = self.fetches.plan(step)
             flush = plan(*self.requests.take_flush(), step)
             if self.config.lazy_offload:
                 self.requests.track_computed(scheduler_output, block_ids_of)
@@ -158,8 +180,13 @@ class OffloadScheduler:
                 save = plan(*self.requests.step_candidates(scheduler_output, block_ids_of), step)
         finally:
             self.index.unpin(load_slots)
+        if self.disk is not None:  # what this plan evicted from host RAM goes to disk first
+            self.disk.apply_resolved()
+            spill = self.disk.spill(*self.index.take_evicted(), step)
+            drops = self.disk.take_drops()
         self._apply_resolved()  # early reports replayed by the new batches
         meta = OffloadMetadata(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
+                               disk_drop=drops, spill=spill, fetch=fetch,
                                checkpoint=checkpoint, persist_waiting=self.restart.saves_blocked,
                                revoke_below=self.restart.take_revoke())
         self._step += 1
@@ -179,6 +206,8 @@ class OffloadScheduler:
         before any later step can reuse the blocks."""
         req_id = request.request_id
         self.loads.forget(req_id)
+        if self.fetches is not None:
+            self.fetches.forget(req_id)
         return self.requests.finish(request, block_ids, self.loads.in_flight(req_id)), None
 
     # ------------------------------------------------------------------ reports from workers
@@ -193,6 +222,11 @@ class OffloadScheduler:
                 self.ledger.report(host, ok=ranges)
             for host, ranges in report.failed.items():
                 self.ledger.report(host, failed=ranges)
+            if self.disk is not None:
+                for host, ranges in report.disk_saved.items():
+                    self.disk.report(host, ok=ranges)
+                for host, ranges in report.disk_failed.items():
+                    self.disk.report(host, failed=ranges)
             self._apply_resolved()
         # A chunk that failed to load on some host is not offered again (vLLM recomputes it).
         if output.invalid_block_ids:
@@ -214,6 +248,8 @@ class OffloadScheduler:
             self.index.mark_ready(res.ready_slots, res.ready_ids)
         if len(res.dropped_ids):
             self.index.drop(res.dropped_slots, res.dropped_ids)
+        if self.fetches is not None:
+            self.fetches.resolved(res.ready_ids, res.dropped_ids)
         self.staging.release(len(res) * self.chunk_bytes)
 
     # ------------------------------------------------------------------ reset
@@ -224,6 +260,9 @@ class OffloadScheduler:
         ``reset_prefix_cache(reset_connector=True)``, between steps."""
         revoked = self.index.revoke_all()
         self.restart.on_reset(self.ledger.next_save_id)
+        if self.disk is not None:
+            self.disk.revoke_all()
+            self.fetches.clear()
         self.loads.clear_lookups()
         self.requests.forget_unsaved()
         self.counters[C.RESETS] += 1
@@ -255,6 +294,7 @@ class OffloadScheduler:
             "saving_chunks": self.index.num_saving(),
             "ledger_pending": len(self.ledger),
             "staging_bytes": self.staging.in_use,
+            **(self.disk.leak_report() if self.disk is not None else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -169,7 +169,7 @@ class InProcessEngine:
     def settle(self, timeout: float = 30.0) -> None:
         """Wait for every background save, then run empty steps until all reports reached the scheduler."""
         for conn in self.connectors:
-            conn.worker.engine.wait_idle(timeout)
+            conn.worker.wait_idle(timeout)
         for _ in range(3):
             so = self.scheduler.schedule()
             self._process(so, self._execute(so))

@@ -721,10 +721,10 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
                 connector.shutdown()
                 _send(stdout, dict(connector.worker.totals))
             elif msg[0] == "idle":
-                _send(stdout, connector.worker.engine.wait_idle(msg[1]))
+                _send(stdout, connector.worker.wait_idle(msg[1]))
             elif msg[0] == "state":
                 eng = connector.worker.engine
-                idle = eng.wait_idle(30)
+                idle = connector.worker.wait_idle(30)
                 chunks, staging, _ = eng.inflight()
                 _send(stdout, {"host": rank, "mismatches": runner.stats.mismatches,
                                "mismatched_requests": sorted(runner.stats.mismatched_requests),

@@ -39,6 +39,7 @@ from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
+from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.transfer_engine import TransferEngine
 
@@ -75,6 +76,7 @@ class OffloadWorker:
         self._snapshot: SnapshotWriter | None = None
         self.digests: deque[StepDigest] = deque(maxlen=digest_history)
         self.persistence: HostPersistence | None = None  # warm restart (persist_path)
+        self.disk: DiskStage | None = None  # the disk tier (disk_path)
 
     # ------------------------------------------------------------------ setup
     def register_runner(self, runner: CacheOwner) -> None:
@@ -95,6 +97,9 @@ class OffloadWorker:
         )
         if self.config.persist_path:
             self._start_persistence(layout)
+        if self.config.disk_path:
+            self.disk = DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
+                                  self.config.disk_bytes_to_use, self.config.load_wait_timeout_s)
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.
@@ -139,6 +144,10 @@ class OffloadWorker:
             self.engine.backend.revoke_below(meta.revoke_below)
         if meta.checkpoint:
             self._checkpoint(meta.step)
+        if self.disk is not None:
+            self._disk_step(meta)
+        elif len(meta.spill) or len(meta.fetch):
+            raise ValueError(f"the scheduler plans disk-tier work but disk_path is not set on host {self.host_id}")
         self._save(meta.flush)
         self._load(meta.loads)
 
@@ -172,6 +181,14 @@ class OffloadWorker:
             return
         self._saved = True
         self._save(self._meta.save)
+
+    def _disk_step(self, meta: OffloadMetadata) -> None:
+        try:
+            if self.persistence is not None and (len(meta.fetch) or len(meta.spill)):
+                self.persistence.before_save()  # installs donate the stores too
+            self.disk.run(meta.step, meta.disk_drop, meta.spill, meta.fetch)
+        except Exception:  # what failed is reported by the stage (failed spills, failed fetches)
+            logger.exception("tpuoffload: disk-tier step failed on host %d", self.host_id)
 
     def _checkpoint(self, step: int) -> None:
         if self.persistence is None:
@@ -213,6 +230,10 @@ class OffloadWorker:
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
         report = OffloadWorkerReport.from_host(self.host_id, saved, failed)
+        if self.disk is not None:
+            written, lost = self.disk.take_outcomes()
+            disk = OffloadWorkerReport.from_host(self.host_id, written, lost)
+            report.disk_saved, report.disk_failed = disk.saved, disk.failed
         if self.persistence is not None:
             self.persistence.add_to_report(report, repeat=self._meta is not None and self._meta.persist_waiting)
         return report if report else None
@@ -227,6 +248,8 @@ class OffloadWorker:
         delta = self.engine.take_counters()
         if self.persistence is not None:
             delta.update(self.persistence.take_counters())
+        if self.disk is not None:
+            delta.update(self.disk.take_counters())
         self.totals.update(delta)
         self._unreported.update(delta)
 
@@ -270,6 +293,11 @@ class OffloadWorker:
             "oldest_inflight_age_s": (time.monotonic() - oldest) if oldest is not None else 0.0,
         }
 
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait for this host's background work: saves, and spills to disk."""
+        idle = self.engine.wait_idle(timeout)
+        return (self.disk.wait_idle(timeout) if self.disk is not None else True) and idle
+
     def idle_report(self) -> dict[str, int]:
         """What this host still has under way; all zero when it is idle (public gauges for
         operators and tests)."""
@@ -279,12 +307,15 @@ class OffloadWorker:
             "staging_bytes": staging,
             "unreported_save_failures": len(self._report_failures),
             "pending_load_reports": len(self._finished_recving),
+            **({"disk_pending": self.disk.pending()} if self.disk is not None else {}),
         }
 
     def close(self) -> None:
         """Clean shutdown: the last checkpoint (warm restart), then the engine's threads."""
         if self.persistence is not None:
             self.persistence.close()
+        if self.disk is not None:
+            self.disk.close()
         if self.engine is not None:
             self.engine.close()
             self._collect_counters()  # totals are final

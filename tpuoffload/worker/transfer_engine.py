@@ -158,6 +158,10 @@ class TransferEngine:
         for piece in self._pieces(len(block_ids)):
             self._save_piece(kv_caches, block_ids[piece], slots[piece], save_ids[piece])
 
+    def pieces(self, n: int) -> list[slice]:
+        """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``."""
+        return self._pieces(n)
+
     def _pieces(self, n: int) -> list[slice]:
         step = self.max_chunks_per_transfer
         return [slice(i, i + step) for i in range(0, n, step)]

@@ -1,0 +1,249 @@
+"""The disk tier, the scheduler's side: what every host's disk holds, and fetches back into RAM.
+
+Every host's disk tier holds the same chunks, because the scheduler decides every write (a spill of
+a chunk evicted from host RAM), every delete (a disk eviction) and every read (a fetch), and the
+hosts only carry them out. ``DiskIndex`` reuses the host-RAM bookkeeping for it: a ``ChunkIndex``
+whose "slots" are disk chunk numbers (``disk_bytes_to_use // file bytes`` of them: the budget is
+never exceeded) and a ``CompletionLedger`` of disk writes, so a spilled chunk is fetchable only
+once every host wrote it (invariant 7), a write that failed anywhere is forgotten (invariant 11),
+and a chunk being fetched is pinned against disk eviction.
+
+A fetch (``FetchPlanner``) is a save into host RAM whose bytes come from disk:
+
+    lookup (get_num_new_matched_tokens): host RAM's prefix stops where the disk's continues ->
+        the request waits (vLLM is told None: "ask again"), the fetch is wanted
+    plan (build_connector_meta, with the step's loads pinned): RAM slots allocated (evictions
+        spill), one RAM ledger batch, the disk chunks pinned -> ``meta.fetch``
+    the hosts read in the background and write the slots at the start of the next step, and
+        report it like a save -> every host confirmed: READY in host RAM; the disk chunks unpinned
+    the request's next lookup finds the prefix in host RAM and loads it like any other
+
+A fetch that failed on any host forgets the disk chunk (it is never fetched again) and the request
+is looked up as if the disk had nothing more: vLLM recomputes. One fetch per request admission.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tpuoffload import counters as C
+from tpuoffload.messages import DiskBatch, Range, pack_keys
+from tpuoffload.scheduler.hash_table import HashKeys
+from tpuoffload.scheduler.index import ChunkIndex
+from tpuoffload.scheduler.ledger import CompletionLedger
+from tpuoffload.scheduler.staging import StagingBudget
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+FILE_HEADER_BYTES = 4096  # backend/disk_tier.py HEADER_BYTES: a chunk file is the header + one chunk
+
+_EMPTY_BATCH = DiskBatch()
+
+
+class DiskIndex:
+    def __init__(self, num_chunks: int, num_hosts: int, counters: Counter[str], clock: Callable[[], float],
+                 timeout_s: float) -> None:
+        self.index = ChunkIndex(num_chunks)  # disk chunk number -> chunk; its own counters
+        self.ledger = CompletionLedger(num_hosts, source="disk tier")
+        self.counters = counters
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self._keys = np.zeros((num_chunks, 2), np.uint64)  # what each disk chunk number holds ...
+        self._held = np.zeros(num_chunks, bool)  # ... while this is set (the hosts may have its file)
+        self._drops: list[np.ndarray] = []  # chunk numbers whose files the hosts must delete
+
+    @staticmethod
+    def capacity(disk_bytes: int, chunk_bytes: int) -> int:
+        return disk_bytes // (FILE_HEADER_BYTES + chunk_bytes)
+
+    # ---------------------------------------------------------------- spills
+    def spill(self, slots: np.ndarray, save_ids: np.ndarray, keys: HashKeys, step: int) -> DiskBatch:
+        """Chunks just evicted from host RAM go to disk (those not there already)."""
+        if not len(slots):
+            return _EMPTY_BATCH
+        new = self.index.find(keys) < 0
+        _, first = np.unique(keys.k1, return_index=True)
+        new &= np.isin(np.arange(len(keys)), first)
+        slots, save_ids, keys = slots[new], save_ids[new], keys.take(new)
+        entries = self.index.allocate(len(slots))
+        self._forget(entries[self._held[entries]])  # evicted from disk: the hosts delete them
+        n = len(entries)
+        if not n:
+            return _EMPTY_BATCH
+        slots, save_ids, keys = slots[:n], save_ids[:n], keys.take(slice(0, n))
+        base = self.ledger.open_batch(entries, self.clock() + self.timeout_s, step)
+        self.index.add_saving(keys, entries, base)
+        self._keys[entries, 0], self._keys[entries, 1] = keys.k1, keys.k2
+        self._held[entries] = True
+        self.counters[C.SPILLS_ISSUED] += n
+        return DiskBatch(tuple(slots.tolist()), tuple(save_ids.tolist()), range(base, base + n),
+                         pack_keys(keys.k1, keys.k2))
+
+    def report(self, host: int, ok: tuple[Range, ...] = (), failed: tuple[Range, ...] = ()) -> None:
+        self.ledger.report(host, ok=ok, failed=failed)
+
+    def apply_resolved(self) -> None:
+        self.ledger.expire(self.clock())
+        res = self.ledger.take_resolved()
+        if len(res.ready_ids):
+            self.counters[C.SPILLS_CONFIRMED] += self.index.mark_ready(res.ready_slots, res.ready_ids)
+        if len(res.dropped_ids):
+            dropped = np.asarray(res.dropped_slots, dtype=np.int64)
+            keep = self.index.save_ids(dropped) == res.dropped_ids
+            self.index.drop(res.dropped_slots, res.dropped_ids)
+            self._forget(dropped[keep])
+            self.counters[C.SPILLS_DROPPED] += len(res.dropped_ids)
+
+    def take_drops(self) -> DiskBatch:
+        if not self._drops:
+            return _EMPTY_BATCH
+        entries = np.concatenate(self._drops)
+        self._drops = []
+        return DiskBatch(keys=pack_keys(self._keys[entries, 0], self._keys[entries, 1]))
+
+    def _forget(self, entries: np.ndarray) -> None:
+        if len(entries):
+            self._held[entries] = False
+            self._drops.append(entries.copy())
+
+    # ---------------------------------------------------------------- fetches
+    def ready_prefix(self, hashes) -> list[int]:
+        return self.index.ready_prefix(hashes)
+
+    def start_fetch(self, entries: np.ndarray) -> np.ndarray:
+        """Pin disk chunks for a fetch; their disk ids."""
+        self.index.pin(entries)
+        return self.index.save_ids(entries)
+
+    def fetch_resolved(self, entry: int, disk_id: int, ok: bool) -> None:
+        self.index.unpin(np.array([entry], dtype=np.int64))
+        if not ok and self.index.discard(entry, disk_id):
+            self._forget(np.array([entry], dtype=np.int64))
+
+    def revoke_all(self) -> None:
+        """A connector reset: nothing on disk is fetched again, and the hosts delete it all."""
+        self._forget(np.flatnonzero(self._held))
+        self.index.revoke_all()
+
+    def leak_report(self) -> dict[str, int]:
+        return {"disk_ledger_pending": len(self.ledger), "disk_pinned": self.index.num_pinned()}
+
+
+class FetchPlanner:
+    WANTED, IN_FLIGHT, DONE = 0, 1, 2
+    MAX_TRIES = 8  # plans in which no host-RAM slot was free for a wanted fetch before giving up
+
+    def __init__(self, ram: ChunkIndex, ledger: CompletionLedger, disk: DiskIndex, staging: StagingBudget,
+                 chunk_bytes: int, block_size: int, counters: Counter[str], clock: Callable[[], float],
+                 save_timeout_s: float, forget_lookup: Callable[[str], object]) -> None:
+        self.ram, self.ledger, self.disk = ram, ledger, disk
+        self.staging, self.chunk_bytes = staging, chunk_bytes  # a fetch is a save in flight too
+        self.block_size = block_size
+        self.counters = counters
+        self.clock = clock
+        self.save_timeout_s = save_timeout_s
+        self._forget_lookup = forget_lookup
+        self._state: dict[str, int] = {}
+        self._wanted: dict[str, tuple[np.ndarray, list]] = {}  # req -> (disk entries, their hashes)
+        self._by_save_id: dict[int, tuple[str, int, int]] = {}  # RAM save id -> (req, disk entry, disk id)
+        self._left: Counter[str] = Counter()  # req -> fetched chunks not resolved yet
+        self._tries: Counter[str] = Counter()  # req -> plans that found no slot for its fetch
+
+    def wants(self, request: "Request", local_blocks: int, ram_hits: int) -> bool:
+        """True while the request should wait for chunks coming back from disk (vLLM: None)."""
+        rid = request.request_id
+        state = self._state.get(rid)
+        if state is not None:
+            return state != self.DONE
+        start = local_blocks + ram_hits
+        limit = (request.num_tokens - 1) // self.block_size
+        if limit <= start:
+            return False
+        hashes = request.block_hashes[start:limit]
+        entries = self.disk.ready_prefix(hashes)
+        if not entries:
+            return False
+        self._wanted[rid] = (np.asarray(entries, dtype=np.int64), list(hashes[:len(entries)]))
+        self._state[rid] = self.WANTED
+        return True
+
+    def plan(self, step: int) -> DiskBatch:
+        """Fetches wanted since the last plan (call with the step's loads pinned)."""
+        if not self._wanted:
+            return DiskBatch()
+        slots_out, ids_out, disk_out, keys_out = [], [], [], []
+        retry: dict[str, tuple[np.ndarray, list]] = {}
+        for rid, (entries, hashes) in self._wanted.items():
+            keys = HashKeys.of(hashes)
+            # Still on disk, and not in host RAM meanwhile (saved again, or another fetch).
+            ok = (self.disk.index.find(keys) == entries) & (self.ram.find(keys) < 0)
+            n = len(ok) if ok.all() else int(ok.argmin())
+            n = self.staging.reserve_up_to(n, self.chunk_bytes) if n else 0
+            slots = self.ram.allocate(n) if n else np.zeros(0, np.int64)
+            self.staging.release((n - len(slots)) * self.chunk_bytes)
+            if not len(slots):
+                # Host RAM is all saving or pinned right now: try again next step, a few times.
+                self._tries[rid] += 1
+                if n and self._tries[rid] < self.MAX_TRIES:
+                    retry[rid] = (entries, hashes)
+                else:
+                    self._state[rid] = self.DONE
+                continue
+            n = len(slots)
+            entries, keys = entries[:n], keys.take(slice(0, n))
+            base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
+            self.ram.add_saving(keys, slots, base)
+            disk_ids = self.disk.start_fetch(entries)
+            for i in range(n):
+                self._by_save_id[base + i] = (rid, int(entries[i]), int(disk_ids[i]))
+            self._left[rid] += n
+            self._state[rid] = self.IN_FLIGHT
+            slots_out.append(slots)
+            ids_out.append(np.arange(base, base + n))
+            disk_out.append(disk_ids)
+            keys_out.append(pack_keys(keys.k1, keys.k2))
+            self.counters[C.FETCHES_ISSUED] += n
+        self._wanted = retry
+        if not slots_out:
+            return DiskBatch()
+        return DiskBatch(tuple(np.concatenate(slots_out).tolist()), tuple(np.concatenate(ids_out).tolist()),
+                         tuple(np.concatenate(disk_out).tolist()), b"".join(keys_out))
+
+    def resolved(self, ready_ids: np.ndarray, dropped_ids: np.ndarray) -> None:
+        """RAM saves resolved: those that were fetches unpin their disk chunks."""
+        if not self._by_save_id:
+            return
+        for ids, ok in ((ready_ids, True), (dropped_ids, False)):
+            for sid in ids.tolist():
+                hit = self._by_save_id.pop(sid, None)
+                if hit is None:
+                    continue
+                rid, entry, disk_id = hit
+                self.disk.fetch_resolved(entry, disk_id, ok)
+                if not ok:
+                    self.counters[C.FETCHES_FAILED] += 1
+                self._left[rid] -= 1
+                if self._left[rid] <= 0:
+                    del self._left[rid]
+                    if rid in self._state:
+                        self._state[rid] = self.DONE
+                        self._forget_lookup(rid)  # the next lookup sees the fetched chunks
+
+    def forget(self, rid: str) -> None:
+        """The request finished or was admitted: its next admission may fetch again."""
+        self._state.pop(rid, None)
+        self._wanted.pop(rid, None)
+        self._tries.pop(rid, None)
+
+    def clear(self) -> None:
+        """A connector reset: nothing wanted is fetched (fetches in flight still resolve)."""
+        self._wanted.clear()
+        self._state = {rid: s for rid, s in self._state.items() if s == self.IN_FLIGHT}
+
+    def num_in_flight(self) -> int:
+        return len(self._by_save_id)

@@ -1,0 +1,156 @@
+"""The disk tier, the worker's side: spill evicted chunks to this host's disk, fetch them back.
+
+Per step, in ``bind``, before the step's saves (which may reuse the evicted slots) and loads:
+
+    install   fetches planned in earlier steps: wait (bounded) for their background reads, then
+              write the chunks into their host-RAM slots (``TransferEngine.install``: one program
+              per layer group); their completion is reported like a save, under the fetch's save
+              ids, so the scheduler makes them loadable once every host has them
+    drop      delete the disk chunks the scheduler evicted from disk
+    spill     copy the chunks evicted from host RAM in this plan out of their slots (one read
+              program per layer group); a background thread writes them to disk and reports each
+              disk id written or failed (``disk_saved``/``disk_failed``), confirmed by every host
+              through the scheduler's disk ledger
+    fetch     start the background reads of this plan's fetches (installed next step)
+
+Every dispatch is planned in the metadata and issued here, on the main thread, the same on every
+host; a failed read or write only changes what is reported (a fetch whose read failed on this host
+installs zeros there, is reported failed, and never becomes loadable anywhere). File I/O and
+checksums run on the tier's own threads (backend/disk_tier.py).
+
+Not supported yet: layouts whose blocks are split across hosts by data parallelism (the chunk
+file would have to record which batch shard it came from); ``register_runner`` refuses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpuoffload import counters as C
+from tpuoffload.backend.disk_tier import ChunkKey, DiskTier
+from tpuoffload.messages import DiskBatch, unpack_keys
+from tpuoffload.worker.transfer_engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+def _hashes(batch: DiskBatch) -> list[bytes]:
+    """The 16 bytes of each chunk's hash keys: its name in the tier."""
+    return [row.tobytes() for row in unpack_keys(batch.keys)]
+
+
+@dataclass
+class _Fetch:
+    step: int
+    batch: DiskBatch
+    reads: list[futures.Future]
+
+
+class DiskStage:
+    def __init__(self, engine: TransferEngine, path: str, capacity_bytes: int, read_timeout_s: float) -> None:
+        if any(g.num_shards > 1 for g in engine.layout.groups):
+            raise ValueError("the disk tier does not support layouts whose blocks are split across hosts by data "
+                             "parallelism yet; unset disk_path")
+        self.engine = engine
+        self.tier = DiskTier(path, capacity_bytes, engine.disk_chunk_bytes)
+        self.read_timeout_s = read_timeout_s
+        self._fetches: list[_Fetch] = []  # main thread only
+        self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="disk-spill")
+        self._lock = threading.Lock()  # guards _written, _failed, _pending
+        self._written: list[int] = []  # disk ids written since the last report
+        self._failed: list[int] = []
+        self._pending = 0  # spills dispatched, not yet resolved
+        self._counted: Counter[str] = Counter()
+        logger.info("tpuoffload disk tier at %s: %d chunk files of %d bytes (%d adopted at start-up)",
+                    self.tier.path, self.tier.capacity_chunks, self.tier.file_bytes, self.tier.scan_report.adopted)
+
+    # ---------------------------------------------------------------- per step (main thread)
+    def run(self, step: int, drop: DiskBatch, spill: DiskBatch, fetch: DiskBatch) -> None:
+        self._install_due(step)
+        for h in _hashes(drop):
+            self.tier.delete(h)
+        if len(spill):
+            self._spill(spill)
+        if len(fetch):
+            self._fetches.append(_Fetch(step, fetch, [self.tier.read(ChunkKey(int(d), h))
+                                                      for d, h in zip(fetch.disk_ids, _hashes(fetch))]))
+
+    def _install_due(self, step: int) -> None:
+        due = [f for f in self._fetches if f.step < step]
+        self._fetches = [f for f in self._fetches if f.step >= step]
+        for f in due:
+            deadline = time.monotonic() + self.read_timeout_s
+            payloads = []
+            for read in f.reads:
+                try:
+                    result = read.result(timeout=max(0.0, deadline - time.monotonic()))
+                except futures.TimeoutError:
+                    result = None
+                payloads.append(result.data if result is not None and result.ok else None)
+            for piece in self.engine.pieces(len(f.batch.slots)):
+                self.engine.install(payloads[piece], f.batch.slots[piece], f.batch.save_ids[piece])
+
+    def _spill(self, batch: DiskBatch) -> None:
+        hashes = _hashes(batch)
+        for piece in self.engine.pieces(len(batch.slots)):
+            rows, ok = self.engine.read_slots(batch.slots[piece], batch.save_ids[piece])
+            keys = [ChunkKey(int(d), h) for d, h in zip(batch.disk_ids[piece], hashes[piece])]
+            with self._lock:
+                self._pending += 1
+            self._pool.submit(self._write, rows, ok, keys)
+
+    # ---------------------------------------------------------------- background
+    def _write(self, rows, ok: list[bool], keys: list[ChunkKey]) -> None:
+        written, failed = [], [k.save_id for k, good in zip(keys, ok) if not good]
+        try:
+            payloads = self.engine.rows_to_payloads(rows, len(keys))
+            writes = [(k, self.tier.write(k, p)) for k, p, good in zip(keys, payloads, ok) if good]
+            for key, w in writes:
+                (written if w.future.result().ok else failed).append(key.save_id)
+        except Exception as exc:  # noqa: BLE001 - every chunk of the batch is reported failed
+            logger.warning("tpuoffload: spill of %d chunks to disk failed: %s", len(keys), exc)
+            failed = [k.save_id for k in keys]
+            written = []
+        with self._lock:
+            self._written += written
+            self._failed += failed
+            self._pending -= 1
+
+    # ---------------------------------------------------------------- reports
+    def take_outcomes(self) -> tuple[list[int], list[int]]:
+        """Disk ids written and failed since the last call."""
+        with self._lock:
+            out = self._written, self._failed
+            self._written, self._failed = [], []
+        return out
+
+    def take_counters(self) -> Counter[str]:
+        """The tier's counts (registered names only) since the last call."""
+        now = Counter({k: v for k, v in self.tier.counters_snapshot().items() if k in C.REGISTRY})
+        delta, self._counted = now - self._counted, now
+        return delta
+
+    def pending(self) -> int:
+        """Spills not yet resolved plus fetches not yet installed (a gauge)."""
+        with self._lock:
+            return self._pending + len(self._fetches)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.tier.close()
