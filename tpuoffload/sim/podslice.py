@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 from tpuoffload.sim.engine import absorb_outputs
 from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, create_caches, scheduler_kv_shape, sharding_config,
                                         slice_page_bytes)
+from tpuoffload.backend.disk_tier import DiskFaults
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 
@@ -76,6 +77,10 @@ class Chaos:
     duplicate_report_rate: float = 0.0  # a worker's output is delivered twice to the aggregator
     broken: str | None = None  # negative controls: "host_order" or "background_dispatch"
     abort_rate: float = 0.0  # per step: probability of aborting one random live request
+    slow_disk_host: int | None = None  # this host's disk tier is slow ...
+    slow_disk_s: float = 0.0  # ... by up to this much per chunk file written or read
+    fail_disk_host: int | None = None  # this host's disk writes and reads fail ...
+    fail_disk_rate: float = 0.0  # ... with this probability each
 
     @classmethod
     def storm(cls, num_hosts: int, seed: int = 0) -> "Chaos":
@@ -89,7 +94,35 @@ class Chaos:
             lose_slot_host=1 % num_hosts, lose_slot_rate=0.3,  # local loss: load errors, recompute everywhere
             drop_report_rate=0.05, duplicate_report_rate=0.1,  # reports lost (saves expire) and doubled
             abort_rate=0.08,  # aborts at random steps
+            slow_disk_host=0, slow_disk_s=0.02,  # the disk tier (when on): one slow disk ...
+            fail_disk_host=num_hosts - 1, fail_disk_rate=0.2,  # ... and failed writes and reads on another
         )
+
+
+class ChaosDiskFaults(DiskFaults):
+    """``Chaos``'s disk faults for one host's disk tier (runs on the tier's threads): a slow disk
+    sleeps before each write and read; a failing one raises with ``fail_disk_rate``."""
+
+    def __init__(self, chaos: Chaos, host: int) -> None:
+        self.slow = chaos.slow_disk_s if chaos.slow_disk_host == host else 0.0
+        self.fail = chaos.fail_disk_rate if chaos.fail_disk_host == host else 0.0
+        self._rng = random.Random(chaos.seed * 2000 + host)
+        self._lock = threading.Lock()  # guards _rng (several tier threads)
+
+    def _maybe(self, what: str) -> None:
+        with self._lock:
+            delay = self._rng.uniform(0, self.slow) if self.slow else 0.0
+            fail = self.fail > 0 and self._rng.random() < self.fail
+        if delay:
+            time.sleep(delay)
+        if fail:
+            raise OSError(f"injected disk {what} failure")
+
+    def before_write(self, key) -> None:
+        self._maybe("write")
+
+    def before_read(self, key) -> None:
+        self._maybe("read")
 
 
 @dataclass(frozen=True)
@@ -697,7 +730,8 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         connector = TPUOffloadConnector(init["vllm_config"], KVConnectorRole.WORKER, init["kv_cache_config"])
         vllm_config = init["vllm_config"]
         connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
-            vllm_config.model_config.model, vllm_config.cache_config.block_size))
+            vllm_config.model_config.model, vllm_config.cache_config.block_size),
+            disk_faults=ChaosDiskFaults(chaos, rank))
         connector.register_runner(runner)
         _mark_hooks(connector, runner)
         if chaos.broken:

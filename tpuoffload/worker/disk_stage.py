@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.backend.disk_tier import ChunkKey, DiskTier
+from tpuoffload.backend.disk_tier import ChunkKey, DiskFaults, DiskTier
 from tpuoffload.messages import DiskBatch, unpack_keys
 from tpuoffload.worker.transfer_engine import TransferEngine
 
@@ -54,12 +54,13 @@ class _Fetch:
 
 
 class DiskStage:
-    def __init__(self, engine: TransferEngine, path: str, capacity_bytes: int, read_timeout_s: float) -> None:
+    def __init__(self, engine: TransferEngine, path: str, capacity_bytes: int, read_timeout_s: float,
+                 faults: DiskFaults | None = None) -> None:
         if any(g.num_shards > 1 for g in engine.layout.groups):
             raise ValueError("the disk tier does not support layouts whose blocks are split across hosts by data "
                              "parallelism yet; unset disk_path")
         self.engine = engine
-        self.tier = DiskTier(path, capacity_bytes, engine.disk_chunk_bytes)
+        self.tier = DiskTier(path, capacity_bytes, engine.disk_chunk_bytes, faults=faults)
         self.read_timeout_s = read_timeout_s
         self._fetches: list[_Fetch] = []  # main thread only
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="disk-spill")

@@ -39,6 +39,7 @@ from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
+from tpuoffload.backend.disk_tier import DiskFaults
 from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.transfer_engine import TransferEngine
@@ -58,7 +59,8 @@ class CacheOwner(Protocol):
 
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: FaultInjector | None = None,
-                 digest_history: int = 64, deployment: Deployment = Deployment()) -> None:
+                 digest_history: int = 64, deployment: Deployment = Deployment(),
+                 disk_faults: DiskFaults | None = None) -> None:
         self.config = config
         self.deployment = deployment
         self.host_id = jax.process_index() if host_id is None else host_id
@@ -77,6 +79,7 @@ class OffloadWorker:
         self.digests: deque[StepDigest] = deque(maxlen=digest_history)
         self.persistence: HostPersistence | None = None  # warm restart (persist_path)
         self.disk: DiskStage | None = None  # the disk tier (disk_path)
+        self._disk_faults = disk_faults
 
     # ------------------------------------------------------------------ setup
     def register_runner(self, runner: CacheOwner) -> None:
@@ -99,7 +102,7 @@ class OffloadWorker:
             self._start_persistence(layout)
         if self.config.disk_path:
             self.disk = DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
-                                  self.config.disk_bytes_to_use, self.config.load_wait_timeout_s)
+                                  self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults)
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.
