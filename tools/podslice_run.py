@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -48,6 +49,11 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     args.seed = seed
     num_blocks = args.num_blocks or (28 if args.chaos else 48)
     extra = {"cpu_bytes_to_use": args.cpu_bytes, "save_timeout_s": 3.0, "load_wait_timeout_s": 2.0}
+    work_dir = tempfile.mkdtemp(prefix="podslice-run-")
+    if args.disk_bytes:
+        extra.update(disk_path=os.path.join(work_dir, "disk-{host}"), disk_bytes_to_use=args.disk_bytes)
+    if args.restart:
+        extra.update(persist_path=os.path.join(work_dir, "ckpt"))
     spec = SliceSpec(num_hosts=args.hosts, devices_per_host=args.devices_per_host, num_kv_heads=args.kv_heads,
                      layout=args.layout, num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=256,
                      extra_config=extra)
@@ -59,10 +65,25 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     t_start = time.monotonic()
     summary = {"steps": 0, "requests": 0, "saved": 0, "loaded": 0, "mismatches": 0, "wall": 0.0}
     pod = None
+    first_hit: list[float] = []
+
+    def note_first_hit(p) -> None:
+        if not first_hit and p.stats.totals()["hit_tokens"]:
+            first_hit.append(time.monotonic())
+
     try:
+        if args.restart:  # a first slice fills host RAM, checkpoints at its clean shutdown, goes away
+            with PodSlice(spec, chaos, log_dir=args.log_dir) as first:
+                run_prefix_repetition(first, workload)
+                t_stop = time.monotonic()
+                per_host = first.shutdown()
+                print(f"  first slice       {first.steps} steps; shutdown checkpoint {time.monotonic() - t_stop:.1f}s: "
+                      f"{sum(h.get('persist_saved_chunks', 0) for h in per_host)} chunks, "
+                      f"{sum(h.get('persist_saved_bytes', 0) for h in per_host) / 2**20:.1f} MiB")
+            t_start = time.monotonic()
         with PodSlice(spec, chaos, log_dir=args.log_dir) as pod:
             up = time.monotonic() - t_start
-            res = run_prefix_repetition(pod, workload)
+            res = run_prefix_repetition(pod, workload, on_step=note_first_hit)
             states = pod.worker_state()
             leaks = {k: v for k, v in pod.offload.leak_report().items() if v}
     except DigestMismatch as e:
@@ -93,6 +114,15 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
           f"load errors {totals['load_errors']}")
     print(f"  hit rate          {hit_rate:.1%} of prompt tokens from host RAM "
           f"({totals['hit_tokens']}/{totals['lookup_tokens']})")
+    if args.restart:
+        print(f"  warm restart      {totals['persist_restored_chunks']} chunks restored on all hosts, "
+              f"{totals['restored_ready']} loadable; start to first host-RAM hit "
+              f"{first_hit[0] - t_start if first_hit else float('nan'):.1f}s (slice up {up:.1f}s)")
+    if args.disk_bytes:
+        print(f"  disk tier         spilled {totals['spills_confirmed']} (dropped {totals['spills_dropped']}), "
+              f"fetched {totals['fetches_issued']} (failed {totals['fetches_failed']}); chunk files written "
+              f"{totals['disk_written_chunks']}, read {totals['disk_read_chunks']}, failed "
+              f"{totals['disk_write_failed']} writes / {totals['disk_read_failed']} reads on all hosts")
     print(f"  reports           expired {totals['ledger_expired']}, late {totals['ledger_late']}, "
           f"duplicate {totals['ledger_duplicate']}")
     print(f"  wall time         {res.wall_s:.1f}s workload, {time.monotonic() - t_start:.1f}s with start-up")
@@ -123,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-bytes", type=int, default=1 << 22, help="host RAM per host (cpu_bytes_to_use)")
     p.add_argument("--chaos", action="store_true", help="slow/failing hosts, lost slots, dropped and doubled "
                    "reports, aborts, a tiny block pool")
+    p.add_argument("--disk-bytes", type=int, default=0, help="disk tier per host (disk_bytes_to_use; 0: off)")
+    p.add_argument("--restart", action="store_true", help="warm restart: a first slice runs the workload and "
+                   "checkpoints at shutdown; the measured slice restores it and runs the workload again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", type=int, default=1, help="repeat with seeds seed, seed+1, ...")
     p.add_argument("--log-dir", default=None, help="per-host logs (default: a temp dir)")
