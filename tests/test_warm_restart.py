@@ -356,3 +356,13 @@ def test_podslice_refuses_a_corrupt_or_foreign_checkpoint_and_starts_cold(slices
     with open(again.log_path(0)) as f:
         log = f.read()
     assert "starting cold" in log and ("checksum" in log or "unreadable slots" in log), log[-2000:]
+
+
+def test_cli_checkpoint_command_asks_and_reports_no_answer(tmp_path, capsys):
+    from tpuoffload.cli import main
+    from tpuoffload.persist.request import REQUEST_NAME
+
+    assert main(["checkpoint", str(tmp_path)]) == 0
+    assert os.path.exists(os.path.join(tmp_path, REQUEST_NAME))
+    assert main(["checkpoint", str(tmp_path), "--wait", "0.3"]) == 2  # no engine answers
+    assert "no answer" in capsys.readouterr().err

@@ -277,7 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--inflight-age", type=float, default=60.0, metavar="SECONDS",
                     help="flag saves in flight for longer (default 60)")
     st.add_argument("--max-step-lag", type=int, default=50, help="flag hosts this many steps behind (default 50)")
+    ck = sub.add_parser("checkpoint", help="ask a running engine for a warm-restart checkpoint (persist_path)")
+    ck.add_argument("directory", help="the deployment's persist_path")
+    ck.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="wait this long for every host to commit it (exit 0 committed, 1 failed, 2 no answer)")
     args = parser.parse_args(argv)
+    if args.command == "checkpoint":
+        from tpuoffload.persist.request import checkpoint_command
+
+        return checkpoint_command(args.directory, args.wait)
     if args.watch is not None and args.watch <= 0:
         parser.error("--watch needs a positive number of seconds")
     try:

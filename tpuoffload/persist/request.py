@@ -153,17 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                         help="wait this long for the checkpoint to be committed by every host")
     args = parser.parse_args(argv)
+    return checkpoint_command(args.directory, args.wait)
+
+
+def checkpoint_command(directory: str, wait: float) -> int:
+    """``tpuoffload checkpoint DIR [--wait S]``: 0 committed (or asked, without --wait), 1 failed,
+    2 no answer or unusable directory."""
     try:
-        req = request_checkpoint(args.directory)
+        req = request_checkpoint(directory)
     except OSError as e:
-        print(f"cannot write a request in {args.directory}: {e}", file=sys.stderr)
+        print(f"cannot write a request in {directory}: {e}", file=sys.stderr)
         return 2
-    print(f"requested checkpoint {req.id} in {args.directory}")
-    if args.wait <= 0:
+    print(f"requested checkpoint {req.id} in {directory}")
+    if wait <= 0:
         return 0
-    done = wait_done(args.directory, req.id, args.wait)
+    done = wait_done(directory, req.id, wait)
     if done is None:
-        print(f"no answer within {args.wait:.0f} s (is an engine with persist_path={args.directory} running?)",
+        print(f"no answer within {wait:.0f} s (is an engine with persist_path={directory} running?)",
               file=sys.stderr)
         return 2
     if done.ok:
