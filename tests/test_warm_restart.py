@@ -366,3 +366,26 @@ def test_cli_checkpoint_command_asks_and_reports_no_answer(tmp_path, capsys):
     assert os.path.exists(os.path.join(tmp_path, REQUEST_NAME))
     assert main(["checkpoint", str(tmp_path), "--wait", "0.3"]) == 2  # no engine answers
     assert "no answer" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(420)
+def test_podslice_host_killed_during_a_checkpoint_next_start_is_cold_and_correct(slices, tmp_path):
+    from tpuoffload.persist.request import request_checkpoint
+    from tpuoffload.sim.podslice import Chaos, SliceError
+
+    persist = str(tmp_path / "ckpt")
+    spec = _slice_spec(2, 2, persist)
+    spec.extra_config["persist_timeout_s"] = 10.0  # the surviving host gives up on the dead one
+    first = slices(spec, Chaos(die_in_checkpoint_host=1))
+    _serve(first)
+    request_checkpoint(persist)
+    time.sleep(1.2)  # the scheduler polls the request file once a second
+    with pytest.raises(SliceError, match="host 1 died"):
+        for _ in range(20):
+            first.step()
+    first.close()
+    assert not any(n.startswith("ckpt-") and "tmp" not in n for n in os.listdir(persist)), os.listdir(persist)
+    second = slices(spec)
+    _serve(second)
+    totals = second.stats.totals()
+    assert totals[C.PERSIST_RESTORE_REFUSED] == 2 and totals[C.RESTORED_READY] == 0, totals

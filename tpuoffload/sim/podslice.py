@@ -43,6 +43,7 @@ from tpuoffload.sim.engine import absorb_outputs
 from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, create_caches, scheduler_kv_shape, sharding_config,
                                         slice_page_bytes)
 from tpuoffload.backend.disk_tier import DiskFaults
+from tpuoffload.persist import PersistFaults
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 
@@ -81,6 +82,7 @@ class Chaos:
     slow_disk_s: float = 0.0  # ... by up to this much per chunk file written or read
     fail_disk_host: int | None = None  # this host's disk writes and reads fail ...
     fail_disk_rate: float = 0.0  # ... with this probability each
+    die_in_checkpoint_host: int | None = None  # this host is SIGKILLed while its checkpoint is being committed
 
     @classmethod
     def storm(cls, num_hosts: int, seed: int = 0) -> "Chaos":
@@ -123,6 +125,13 @@ class ChaosDiskFaults(DiskFaults):
 
     def before_read(self, key) -> None:
         self._maybe("read")
+
+
+class DieInCheckpoint(PersistFaults):
+    """The host dies (SIGKILL, no cleanup) right after it started writing its part of a checkpoint."""
+
+    def after_save_started(self, seq: int) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -731,7 +740,8 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         vllm_config = init["vllm_config"]
         connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
             vllm_config.model_config.model, vllm_config.cache_config.block_size),
-            disk_faults=ChaosDiskFaults(chaos, rank))
+            disk_faults=ChaosDiskFaults(chaos, rank),
+            persist_faults=DieInCheckpoint() if chaos.die_in_checkpoint_host == rank else None)
         connector.register_runner(runner)
         _mark_hooks(connector, runner)
         if chaos.broken:

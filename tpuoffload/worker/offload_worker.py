@@ -40,6 +40,7 @@ from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
 from tpuoffload.backend.disk_tier import DiskFaults
+from tpuoffload.persist import PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.transfer_engine import TransferEngine
@@ -60,7 +61,7 @@ class CacheOwner(Protocol):
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: FaultInjector | None = None,
                  digest_history: int = 64, deployment: Deployment = Deployment(),
-                 disk_faults: DiskFaults | None = None) -> None:
+                 disk_faults: DiskFaults | None = None, persist_faults: PersistFaults | None = None) -> None:
         self.config = config
         self.deployment = deployment
         self.host_id = jax.process_index() if host_id is None else host_id
@@ -80,6 +81,7 @@ class OffloadWorker:
         self.persistence: HostPersistence | None = None  # warm restart (persist_path)
         self.disk: DiskStage | None = None  # the disk tier (disk_path)
         self._disk_faults = disk_faults
+        self._persist_faults = persist_faults
 
     # ------------------------------------------------------------------ setup
     def register_runner(self, runner: CacheOwner) -> None:
@@ -121,7 +123,7 @@ class OffloadWorker:
                              f"process {jax.process_index()})")
         self.persistence = HostPersistence(self.config.persist_path, self.engine,
                                            fingerprint(layout, self.deployment, jax.process_count()),
-                                           self.host_id, self.config.persist_timeout_s)
+                                           self.host_id, self.config.persist_timeout_s, self._persist_faults)
         self.persistence.restore()
 
     # ------------------------------------------------------------------ per step

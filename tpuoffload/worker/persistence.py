@@ -35,7 +35,7 @@ import numpy as np
 from tpuoffload.backend.host_backend import EMPTY
 from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, SaveBatch, unpack_keys
-from tpuoffload.persist import Fingerprint, Persister, SaveHandle
+from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ class HostPersistence:
     """One host's warm-restart state: its Persister, the keys of its slots, the checkpoint in flight."""
 
     def __init__(self, path: str, engine: TransferEngine, fingerprint: Fingerprint, host: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, faults: PersistFaults | None = None) -> None:
         self.engine = engine
         self.host = host
-        self.persister = Persister(path, fingerprint, host=host, barrier_timeout_s=timeout_s)
+        self.persister = Persister(path, fingerprint, host=host, barrier_timeout_s=timeout_s, faults=faults)
         self.keys = SlotKeys(engine.backend.num_slots)
         self._inflight: SaveHandle | None = None  # main thread only
         self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
