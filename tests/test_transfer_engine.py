@@ -301,18 +301,18 @@ def load_program_shape(monkeypatch):
 
 
 @pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0)])
-def test_load_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max):
-    """The load program's variants (one part or several, scattered as each arrives; reads written
-    out per slot or in fori_loops) move the same bytes: valid rows exact, placeholders zero, every
-    other block untouched, across batch shards."""
+def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max):
+    """The programs' variants (one part or several: saves gathered and loads scattered part by
+    part; load reads written out per slot or in fori_loops) move the same bytes: valid rows exact,
+    placeholders zero, every other block untouched, across batch shards."""
     from tpuoffload.worker import programs
 
-    load_program_shape(LOAD_PART_BYTES=1, LOAD_MAX_PARTS=parts, LOAD_STATIC_MAX=static_max)
+    load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max)
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 20)
     eng = engines(caches)
     g = eng.layout.groups[0]
-    assert programs.load_parts(8, eng._programs[0].row_bytes) == parts
+    assert programs.num_parts(8, eng._programs[0].row_bytes, 1) == parts
     src = host(caches)
     per = g.blocks_per_shard
     blocks = [0, 1, 2, 3, per, per + 1, per + 2, per + 3]

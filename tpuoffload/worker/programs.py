@@ -5,8 +5,9 @@ Host slots live in one preallocated *store* per layer group: a jax.Array in pinn
 device's part of every slot sits in the host memory attached to that device). A save is ONE
 program: gather the blocks on the devices, move each row to host memory and write it into its
 slot of the donated store (XLA updates it in place); a load is ONE program: read each slot's row
-from the store into device memory, then scatter the rows into the donated cache, in a few parts
-so that one part's scatter runs while the next part's rows are still crossing the interconnect. No host thread
+from the store into device memory, then scatter the rows into the donated cache. Both move a large
+batch in a few parts, so that device work on one part (gather, scatter) overlaps the transfer of
+another. No host thread
 copies a byte, and the runtime orders every program after the previous one that produced or read
 the store version it takes: write-after-write and read-after-write hold by data dependency.
 
@@ -40,12 +41,15 @@ LOAD_UNROLL = 16
 # as asynchronous host-to-device copies, all in flight at once) up to this many slots; larger
 # batches of small slots use fori_loops (one synchronous copy per iteration), to bound compile time.
 LOAD_STATIC_MAX = 256
-# A load is split into up to LOAD_MAX_PARTS equal parts of at least LOAD_PART_BYTES (device bytes):
-# each part is scattered as soon as its rows arrived, while the next part's copies are in flight.
-# Measured on an H200 (32 layers, 8 MiB slots): 512 MiB in 2 parts 39.5 GiB/s, 4 parts 38.0, 8 parts
-# 34.8, unsplit 38.5 (static reads) / 34.8 (loops); 2 GiB in 4 parts 40.6, 8 parts 40.3, 16 parts 39.7.
+# A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /
+# LOAD_PART_BYTES (bytes per device): a save gathers part k+1 while part k crosses to host memory; a
+# load scatters part k while part k+1's rows are still crossing. Measured on an H200 (32 layers,
+# 8 MiB slots, GiB/s): loads of 512 MiB in 2 parts 39.5, 4 parts 38.0, 8 parts 34.8, unsplit 38.5
+# (reads written out) / 34.8 (loops); of 2 GiB in 4 parts 40.6, 8 parts 40.3, 16 parts 39.7. Saves
+# of 512 MiB unsplit 39.2, 2 parts 40.6, 4 parts 42.5; of 2 GiB 41.5, 43.7, 45.1 (raw: 41.1, 44.4).
 LOAD_PART_BYTES = 256 << 20
-LOAD_MAX_PARTS = 4
+SAVE_PART_BYTES = 128 << 20
+MAX_PARTS = 4
 
 
 def bucket(n: int, cap: int) -> int:
@@ -98,11 +102,11 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
         for i, c in enumerate(caches))
 
 
-def load_parts(n: int, row_bytes: int) -> int:
-    """Number of equal parts a load of ``n`` rows (a power of two) of ``row_bytes`` device bytes is
-    split into (a power of two, each part at least LOAD_PART_BYTES unless there is one)."""
+def num_parts(n: int, row_bytes: int, part_bytes: int) -> int:
+    """Number of equal parts a batch of ``n`` rows (a power of two) of ``row_bytes`` bytes per device
+    moves in: a power of two up to MAX_PARTS, each part at least ``part_bytes`` unless there is one."""
     parts = 1
-    while parts < LOAD_MAX_PARTS and n % (2 * parts) == 0 and n * row_bytes // (2 * parts) >= LOAD_PART_BYTES:
+    while parts < MAX_PARTS and n % (2 * parts) == 0 and n * row_bytes // (2 * parts) >= part_bytes:
         parts *= 2
     return parts
 
@@ -144,20 +148,23 @@ class GroupPrograms:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
     def _save(self, caches, store, ids):
-        rows = self._gather(ids[0], caches)
+        n = ids.shape[1]
+        step = n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
+        for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
+            rows = self._gather(ids[0, lo:lo + step], caches)
 
-        def write(i, st):
-            row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
-            return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, i], axis=1)
+            def write(i, st, rows=rows, lo=lo):
+                row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
+                return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, lo + i], axis=1)
 
-        store = jax.lax.fori_loop(0, ids.shape[1], write, store, unroll=SAVE_UNROLL)
+            store = jax.lax.fori_loop(0, step, write, store, unroll=SAVE_UNROLL)
         # A small output that is ready when the program is (PJRT marks an execution's outputs ready
         # together): what a background thread waits on, since the store itself is donated onward.
         return store, ids[0, 0] + 0
 
     def _load(self, caches, store, ids):
         n = ids.shape[1]
-        step = n // load_parts(n, self.row_bytes)
+        step = n // num_parts(n, self.row_bytes, LOAD_PART_BYTES)
         for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
             rows = self._read_rows(store, ids, lo, lo + step)
             caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
