@@ -300,14 +300,15 @@ def load_program_shape(monkeypatch):
     programs.programs_for.cache_clear()  # no program built with patched constants outlives the test
 
 
-@pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0)])
+@pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0), (1, 0)])
 def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max):
     """The programs' variants (one part or several: saves gathered and loads scattered part by
-    part; load reads written out per slot or in fori_loops) move the same bytes: valid rows exact,
+    part; reads and writes written out per slot or in fori_loops) move the same bytes: valid rows exact,
     placeholders zero, every other block untouched, across batch shards."""
     from tpuoffload.worker import programs
 
-    load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max)
+    load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max,
+                       SAVE_STATIC_MAX=256 - static_max)
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 20)
     eng = engines(caches)

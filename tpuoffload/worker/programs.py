@@ -41,6 +41,7 @@ LOAD_UNROLL = 16
 # as asynchronous host-to-device copies, all in flight at once) up to this many slots; larger
 # batches of small slots use fori_loops (one synchronous copy per iteration), to bound compile time.
 LOAD_STATIC_MAX = 256
+SAVE_STATIC_MAX = 0  # the same for a save's writes into the store (0: always fori_loops)
 # A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /
 # LOAD_PART_BYTES (bytes per device): a save gathers part k+1 while part k crosses to host memory; a
 # load scatters part k while part k+1's rows are still crossing. Measured on an H200 (32 layers,
@@ -152,15 +153,25 @@ class GroupPrograms:
         step = n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
         for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
             rows = self._gather(ids[0, lo:lo + step], caches)
-
-            def write(i, st, rows=rows, lo=lo):
-                row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
-                return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, lo + i], axis=1)
-
-            store = jax.lax.fori_loop(0, step, write, store, unroll=SAVE_UNROLL)
+            store = self._write_rows(store, rows, ids, lo)
         # A small output that is ready when the program is (PJRT marks an execution's outputs ready
         # together): what a background thread waits on, since the store itself is donated onward.
         return store, ids[0, 0] + 0
+
+    def _write_rows(self, store, rows, ids, lo: int):
+        """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``."""
+        k = rows.shape[1]
+        if ids.shape[1] <= SAVE_STATIC_MAX:
+            for i in range(k):
+                row = jax.device_put(jax.lax.slice_in_dim(rows, i, i + 1, axis=1), HOST)
+                store = jax.lax.dynamic_update_slice_in_dim(store, row, ids[1, lo + i], axis=1)
+            return store
+
+        def write(i, st):
+            row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
+            return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, lo + i], axis=1)
+
+        return jax.lax.fori_loop(0, k, write, store, unroll=SAVE_UNROLL)
 
     def _load(self, caches, store, ids):
         n = ids.shape[1]
