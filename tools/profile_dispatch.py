@@ -38,6 +38,7 @@ def main() -> int:
         print(f"platform is {jax.default_backend()}, expected {args.expect_platform}", file=sys.stderr)
         return 2
     from tpuoffload.worker import transfer_engine as te
+    from tpuoffload.worker.programs import load_plan_ids, save_plan_ids
 
     print(f"platform {jax.default_backend()} | device {jax.devices()[0].device_kind} | jax {jax.__version__}")
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
@@ -58,6 +59,7 @@ def main() -> int:
                 return out
             setattr(eng, name, timed)
         prog = eng._programs[0]
+        compiled = {kind: getattr(prog, kind) for kind in ("save", "load")}
         for kind in ("save", "load"):
             fn = getattr(prog, kind)
 
@@ -89,11 +91,19 @@ def main() -> int:
             jax.block_until_ready(caches)
             parts.setdefault("load() until ready", []).append(time.perf_counter() - t0)
             assert not failed
+        mem = []
+        for kind, plan in (("save", save_plan_ids(src, src, blocks)),
+                           ("load", load_plan_ids(dst, src, [1] * blocks, 2 * blocks, blocks))):
+            stats = compiled[kind].lower(tuple(caches), eng._stores[0], eng._put_ids(plan)).compile().memory_analysis()
+            if stats is not None:
+                mem.append(f"{kind}: device temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
+                           f"host temp {stats.host_temp_size_in_bytes / 2**20:.1f} MiB")
         eng.close()
         print(f"--- {blocks} chunks of {eng_bytes(caches) / 2**20:g} MiB, {args.layers} layers"
               f"{', fresh cache arrays every call' if args.fresh_caches else ''}: median of {args.iters} (ms)")
         for name in sorted(parts, key=lambda k: (k.split()[0].rstrip("()"), "total" in k or "ready" in k, k)):
             print(f"  {name:28s} {statistics.median(parts[name][1:]) * 1e3:8.3f}")
+        print("  compiled: " + "; ".join(mem))
     return 0
 
 

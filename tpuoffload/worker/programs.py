@@ -7,8 +7,7 @@ program: gather the blocks on the devices, move each row to host memory and writ
 slot of the donated store (XLA updates it in place); a load is ONE program: read each slot's row
 from the store into device memory, then scatter the rows into the donated cache. Both move a large
 batch in a few parts, so that device work on one part (gather, scatter) overlaps the transfer of
-another. No host thread
-copies a byte, and the runtime orders every program after the previous one that produced or read
+another. No host thread copies a byte, and the runtime orders every program after the previous one that produced or read
 the store version it takes: write-after-write and read-after-write hold by data dependency.
 
 Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
@@ -41,7 +40,9 @@ LOAD_UNROLL = 16
 # as asynchronous host-to-device copies, all in flight at once) up to this many slots; larger
 # batches of small slots use fori_loops (one synchronous copy per iteration), to bound compile time.
 LOAD_STATIC_MAX = 256
-SAVE_STATIC_MAX = 0  # the same for a save's writes into the store (0: always fori_loops)
+# The same for a save's writes into the store; 0: always fori_loops, which measured faster on the
+# H200 (512 MiB: 37.1 GiB/s written out against 40.0 in loops; 2 GiB: 41.4 against 44.4).
+SAVE_STATIC_MAX = 0
 # A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /
 # LOAD_PART_BYTES (bytes per device): a save gathers part k+1 while part k crosses to host memory; a
 # load scatters part k while part k+1's rows are still crossing. Measured on an H200 (32 layers,
