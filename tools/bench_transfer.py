@@ -19,8 +19,8 @@ Bytes are verified in the same run: before every timed load the destination bloc
 and after it a sample of them (``--verify-blocks``) must equal the source blocks byte for byte, for
 every path; the engine must report no failed block. After each check one tiny host-to-device
 transfer, untimed, absorbs what the check's large copy into numpy leaves the runtime to do (its time
-is printed), so that neither path's timing pays for the benchmark's own checks. Exit status: 0 all verified, 1 a check failed,
-2 wrong platform or arguments.
+is printed), so that neither path's timing pays for the benchmark's own checks. Exit status: 0 all
+verified, 1 a check failed, 2 wrong platform or arguments.
 
 The default cache is tpu-inference's ragged-paged-attention layout: per layer
 ``(num_blocks, block_size, 2*kv_heads/packing, packing, head_dim)`` (packing = 32 // dtype bits),

@@ -7,8 +7,9 @@ program: gather the blocks on the devices, move each row to host memory and writ
 slot of the donated store (XLA updates it in place); a load is ONE program: read each slot's row
 from the store into device memory, then scatter the rows into the donated cache. Both move a large
 batch in a few parts, so that device work on one part (gather, scatter) overlaps the transfer of
-another. No host thread copies a byte, and the runtime orders every program after the previous one that produced or read
-the store version it takes: write-after-write and read-after-write hold by data dependency.
+another. No host thread copies a byte, and the runtime orders every program after the previous one
+that produced or read the store version it takes: write-after-write and read-after-write hold by
+data dependency.
 
 Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
 own shard and no collective is added: each device moves the requested blocks that fall in its
