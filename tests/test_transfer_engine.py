@@ -285,6 +285,57 @@ def test_blocks_split_by_data_parallelism(name, engines):
         assert np.array_equal(chunk(after, t), chunk(src, b)), (b, t)
 
 
+@pytest.fixture
+def load_program_shape(monkeypatch):
+    """Rebuild the programs with the load split into parts / read by loops (module constants)."""
+    from tpuoffload.worker import programs
+
+    def set_(**consts):
+        for k, v in consts.items():
+            monkeypatch.setattr(programs, k, v)
+        programs.programs_for.cache_clear()
+
+    yield set_
+    monkeypatch.undo()
+    programs.programs_for.cache_clear()  # no program built with patched constants outlives the test
+
+
+@pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0), (1, 0)])
+def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max):
+    """The programs' variants (one part or several: saves gathered and loads scattered part by
+    part; reads and writes written out per slot or in fori_loops) move the same bytes: valid rows exact,
+    placeholders zero, every other block untouched, across batch shards."""
+    from tpuoffload.worker import programs
+
+    load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max,
+                       SAVE_STATIC_MAX=256 - static_max)
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 20)
+    eng = engines(caches)
+    g = eng.layout.groups[0]
+    assert programs.num_parts(8, eng._programs[0].row_bytes, 1) == parts
+    src = host(caches)
+    per = g.blocks_per_shard
+    blocks = [0, 1, 2, 3, per, per + 1, per + 2, per + 3]
+    slots = [7, 3, 11, 0, 30, 12, 5, 9]
+    ids = list(range(700, 708))
+    save_ok(eng, caches, blocks, slots, ids)
+    caches = random_caches(name, 21)
+    before = host(caches)
+    targets = [4, 5, per + 6, 7, per + 4, 9, per + 5, per + 7]  # positions 2 and 5 cross shards: zeros
+    caches, failed = eng.load(caches, targets, slots, ids)
+    assert failed == [per + 6, 9]
+    after = host(caches)
+    for b, t in zip(blocks, targets):
+        if t in failed:
+            assert not chunk(after, t).any(), t
+        else:
+            assert np.array_equal(chunk(after, t), chunk(src, b)), (b, t)
+    rest = [x for x in range(g.num_blocks) if x not in targets]
+    for layer in range(len(caches)):
+        assert np.array_equal(after[layer][rest], before[layer][rest])
+
+
 @pytest.mark.parametrize("buffer_chunks,per_piece", [(0.5, 1), (5, 4)])
 def test_transfer_buffer_bounds_each_piece(engines, monkeypatch, buffer_chunks, per_piece):
     """A plan larger than the transfer buffer moves in pieces of at most the buffer, each with one

@@ -1,7 +1,13 @@
-"""Where the engine's main thread spends its time dispatching a save (developer tool).
+"""Where the engine's main thread spends its time dispatching a save and a load (developer tool).
 
 Runs the engine on the platform JAX has (--expect-platform, never a silent fallback) with the
-benchmark's default cache and prints the median of each part of ``save`` over 9 calls.
+benchmark's default cache (32 layers of (64, 8, 2, 128) bf16 blocks, 8 MiB per chunk) and prints,
+per step size, the median over --iters calls of each part of ``save`` and ``load`` on the calling
+thread, and the time until the load's caches are ready. ``--fresh-caches`` hands every call new
+cache arrays (as a serving runner does after each model step), so the layout check runs each time.
+
+    python tools/profile_dispatch.py --expect-platform gpu
+    python tools/profile_dispatch.py --expect-platform gpu --blocks 8 64 --fresh-caches
 """
 
 from __future__ import annotations
@@ -16,50 +22,88 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+SAVE_PARTS = ("_check_caches", "_check_plan", "_put_ids")
+LOAD_PARTS = ("_check_caches", "_check_plan", "_wait_for_writes", "_unusable", "_put_ids")
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--expect-platform", required=True)
-    p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--blocks", type=int, nargs="+", default=[64], help="chunks per call (8 MiB each by default)")
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--fresh-caches", action="store_true", help="new cache arrays before every call")
     args = p.parse_args()
     if jax.default_backend() != args.expect_platform:
         print(f"platform is {jax.default_backend()}, expected {args.expect_platform}", file=sys.stderr)
         return 2
     from tpuoffload.worker import transfer_engine as te
+    from tpuoffload.worker.programs import load_plan_ids, save_plan_ids
 
+    print(f"platform {jax.default_backend()} | device {jax.devices()[0].device_kind} | jax {jax.__version__}")
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     sh = NamedSharding(mesh, PartitionSpec("data", None, "model"))
-    shape = (args.blocks * 2, 64, 8, 2, 128)
-    caches = [jax.jit(lambda: jnp.ones(shape, jnp.bfloat16), out_shardings=sh)() for _ in range(args.layers)]
-    eng = te.TransferEngine(caches, args.blocks * eng_bytes(caches), transfer_buffer_bytes=1 << 34)
-    parts: dict[str, list[float]] = {}
-    orig = {name: getattr(eng, name) for name in ("_check_caches", "_put_ids", "_check_plan")}
-    for name, fn in orig.items():
-        def timed(*a, _fn=fn, _name=name, **k):
-            t0 = time.perf_counter()
-            out = _fn(*a, **k)
-            parts.setdefault(_name, []).append(time.perf_counter() - t0)
-            return out
-        setattr(eng, name, timed)
-    prog = eng._programs[0]
-    save = prog.save
+    renew = jax.jit(lambda cs: cs, donate_argnums=0)  # same buffers, new arrays
+    for blocks in args.blocks:
+        shape = (blocks * 2, 64, 8, 2, 128)
+        caches = [jax.jit(lambda: jnp.ones(shape, jnp.bfloat16), out_shardings=sh)() for _ in range(args.layers)]
+        eng = te.TransferEngine(caches, blocks * eng_bytes(caches), transfer_buffer_bytes=1 << 40)
+        parts: dict[str, list[float]] = {}
+        for name in sorted(set(SAVE_PARTS + LOAD_PARTS)):
+            fn = getattr(eng, name)
 
-    def timed_save(*a):
-        t0 = time.perf_counter()
-        out = save(*a)
-        parts.setdefault("program dispatch", []).append(time.perf_counter() - t0)
-        return out
-    prog.save = timed_save
-    blocks = list(range(args.blocks))
-    for it in range(10):
-        jax.block_until_ready(eng._stores)
-        t0 = time.perf_counter()
-        eng.save(caches, blocks, blocks, list(range(it * 1000, it * 1000 + args.blocks)))
-        parts.setdefault("save() total", []).append(time.perf_counter() - t0)
-        eng.wait_idle()
-    for name, ts in parts.items():
-        print(f"{name:20s} {statistics.median(ts[1:]) * 1e3:8.3f} ms")
+            def timed(*a, _fn=fn, _name=name, **k):
+                t0 = time.perf_counter()
+                out = _fn(*a, **k)
+                parts.setdefault(f"{op[0]} {_name}", []).append(time.perf_counter() - t0)
+                return out
+            setattr(eng, name, timed)
+        prog = eng._programs[0]
+        compiled = {kind: getattr(prog, kind) for kind in ("save", "load")}
+        for kind in ("save", "load"):
+            fn = getattr(prog, kind)
+
+            def timed_prog(*a, _fn=fn, _kind=kind):
+                t0 = time.perf_counter()
+                out = _fn(*a)
+                parts.setdefault(f"{_kind} program dispatch", []).append(time.perf_counter() - t0)
+                return out
+            setattr(prog, kind, timed_prog)
+        src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
+        op = ["save"]
+        for it in range(args.iters + 1):
+            ids = list(range(it * 10 * blocks, it * 10 * blocks + blocks))
+            if args.fresh_caches:
+                caches = list(renew(caches))
+            jax.block_until_ready((eng._stores, caches))
+            op[0] = "save"
+            t0 = time.perf_counter()
+            eng.save(caches, src, src, ids)
+            parts.setdefault("save() total", []).append(time.perf_counter() - t0)
+            eng.wait_idle()
+            if args.fresh_caches:
+                caches = list(renew(caches))
+            jax.block_until_ready((eng._stores, caches))
+            op[0] = "load"
+            t0 = time.perf_counter()
+            caches, failed = eng.load(caches, dst, src, ids)
+            parts.setdefault("load() total", []).append(time.perf_counter() - t0)
+            jax.block_until_ready(caches)
+            parts.setdefault("load() until ready", []).append(time.perf_counter() - t0)
+            assert not failed
+        mem = []
+        for kind, plan in (("save", save_plan_ids(src, src, blocks)),
+                           ("load", load_plan_ids(dst, src, [1] * blocks, 2 * blocks, blocks))):
+            stats = compiled[kind].lower(tuple(caches), eng._stores[0], eng._put_ids(plan)).compile().memory_analysis()
+            if stats is not None:
+                mem.append(f"{kind}: device temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
+                           f"host temp {stats.host_temp_size_in_bytes / 2**20:.1f} MiB")
+        eng.close()
+        print(f"--- {blocks} chunks of {eng_bytes(caches) / 2**20:g} MiB, {args.layers} layers"
+              f"{', fresh cache arrays every call' if args.fresh_caches else ''}: median of {args.iters} (ms)")
+        for name in sorted(parts, key=lambda k: (k.split()[0].rstrip("()"), "total" in k or "ready" in k, k)):
+            print(f"  {name:28s} {statistics.median(parts[name][1:]) * 1e3:8.3f}")
+        print("  compiled: " + "; ".join(mem))
     return 0
 
 
