@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable, _u64
+from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
 
@@ -58,6 +59,7 @@ class ChunkIndex:
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
         self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
+        self._k = kernels()
 
     # ------------------------------------------------------------------ queries (no side effects)
     @property
@@ -92,12 +94,21 @@ class ChunkIndex:
 
     def find(self, keys: HashKeys) -> np.ndarray:
         """Slot of each key held or being saved, -1 for the others."""
-        slots = self._table.find(keys.k1)
-        hit = slots >= 0
-        if hit.any():
-            bad = np.flatnonzero(hit)[self._key2[slots[hit]] != keys.k2[hit]]
-            slots[bad] = -1  # a k1 match from another hash (2**-64 per pair): absent
-        return slots
+        out = np.empty(len(keys), dtype=np.int64)
+        if len(out):
+            self._k.find_confirmed(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2), out)
+        return out
+
+    def select_new(self, keys: HashKeys) -> tuple[np.ndarray, int, int]:
+        """Deduplicate a batch of save candidates (invariant 5), in one pass: returns (positions,
+        ascending, of the keys that are neither held nor being saved nor equal to an earlier key of
+        the batch; how many were equal to an earlier key; how many are held or being saved)."""
+        n = len(keys)
+        keep = np.empty(n, dtype=np.int64)
+        if not n:
+            return keep, 0, 0
+        n_keep, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2), keep)
+        return keep[:n_keep], n_dup, n - n_keep - n_dup
 
     def state_of(self, slot: int) -> int:
         return self._state[slot]
@@ -116,7 +127,7 @@ class ChunkIndex:
     def ready_prefix(self, hashes: Sequence[ChunkHash]) -> list[int]:
         """Slots of the leading hashes that are READY (stops at the first that is not). Does not
         touch the LRU order. The first hash is looked up in plain Python (a miss there, the usual
-        answer, costs about a microsecond); after a hit, the rest in one vectorized lookup."""
+        answer, costs about a microsecond); after a hit, the rest in one compiled loop."""
         n = len(hashes)
         if not n:
             return []
@@ -125,11 +136,10 @@ class ChunkIndex:
             return []
         if n == 1:
             return [first]
-        slots = self.find(HashKeys.of(hashes))
-        ok = slots >= 0
-        ok &= self._state_np[np.where(ok, slots, 0)] == READY
-        k = n if ok.all() else int(ok.argmin())
-        return slots[:k].tolist()
+        keys = HashKeys.of(hashes)
+        out = np.empty(n, dtype=np.int64)
+        k = self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, keys.k1, keys.k2, out)
+        return out[:k].tolist()
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:
@@ -157,8 +167,8 @@ class ChunkIndex:
             raise ValueError(f"{len(keys)} keys for {n} slots")
         if not n:
             return
-        self._cell[slots] = self._table.insert(keys.k1, slots)
-        self._key2[slots] = keys.k2
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        self._table.name(keys.k1, keys.k2, slots, self._cell, self._key2)
         self._state_np[slots] = SAVING
         self._save_id[slots] = np.arange(first_save_id, first_save_id + n, dtype=np.int64)
         self._counts[FREE] -= n

@@ -9,15 +9,14 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is C-level (one dict construction for the batch); the rest
-is a fixed number of numpy calls per batch (``ChunkIndex`` and its ``HashTable``).
+never waited for). The per-chunk work is compiled (``ChunkIndex.select_new`` and ``add_saving``,
+kernels.py); the rest is a fixed number of calls per batch.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from itertools import compress
 
 import numpy as np
 from tpuoffload import counters as C
@@ -52,24 +51,22 @@ class SavePlanner:
         n = len(hashes)
         if not n:
             return EMPTY
-        # Within the batch: one block per hash (any of them: equal hashes mean equal content, and
-        # every candidate block is computed by the time the workers gather it). A dict keeps the
-        # first occurrence's position, so the order stays the candidates' order; it is built only
-        # when there are duplicates (siblings of one prompt in one step), a set tells.
+        # One pass over the batch (compiled): a key equal to an earlier candidate's is a batch
+        # duplicate (equal hashes mean equal content; the first block is as good as any, and every
+        # candidate block is computed by the time the workers gather it), a key held or being
+        # saved is an index duplicate (in flight included).
         counters = self.counters
-        if len(set(hashes)) == n:
-            keys, blocks = HashKeys.of(hashes), list(block_ids)
-        else:
-            by_hash = dict(zip(hashes, block_ids))
-            counters[C.DEDUP_BATCH] += n - len(by_hash)
-            keys, blocks = HashKeys.of(list(by_hash)), list(by_hash.values())
-        # Against the index: held, or being saved (in flight).
-        held = self.index.find(keys) >= 0
-        n_held = int(np.count_nonzero(held))
+        keys = HashKeys.of(hashes)
+        keep, n_dup, n_held = self.index.select_new(keys)
+        if n_dup:
+            counters[C.DEDUP_BATCH] += n_dup
         if n_held:
             counters[C.DEDUP_INDEX] += n_held
-            keep = ~held
-            keys, blocks = keys.take(keep), list(compress(blocks, keep.tolist()))
+        if len(keep) < n:
+            keys = keys.take(keep)
+            blocks = list(map(block_ids.__getitem__, keep.tolist()))
+        else:
+            blocks = list(block_ids)
         if not blocks:
             return EMPTY
         granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)

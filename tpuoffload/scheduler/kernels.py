@@ -1,0 +1,188 @@
+"""Compiled loops of the scheduler half's per-chunk work (``HashTable`` and ``ChunkIndex``).
+
+Why compiled: a prefill step saves about 512 chunks, and every numpy call costs about a
+microsecond whatever its size, so a batch operation written as numpy calls costs tens of
+microseconds in call overhead alone, and a lookup that probes past a full bucket needs another
+round of calls. A plain loop compiled by numba (a vLLM dependency, declared in pyproject.toml)
+does one batch in one call: about 1-3 us of call overhead plus one cache line per key.
+
+Compiled once per process, at the first ``kernels()`` call (the first ``HashTable``; worker
+processes import this module but never build one), with fixed signatures so that no argument can
+trigger a recompilation mid-run. numba caches the machine code on disk (``cache=True``), so a later
+process loads it in a fraction of a second instead of compiling (about 2 s).
+
+Table layout (``HashTable`` documents it): ``tab[bucket] = [k1 x 4 | value x 4]`` as uint64, k1
+words 0 (EMPTY) and 1 (DELETED) mark free cells, a bucket with an EMPTY cell never overflowed. Keys
+are confirmed with ``key2[slot] == k2`` where a value is a slot. Every integer below is kept uint64
+or intp explicitly: numba turns a uint64/int64 mix into a float.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+
+W = 4  # cells per bucket
+EMPTY = np.uint64(0)
+DELETED = np.uint64(1)
+READY = np.uint8(2)  # ChunkIndex's slot state of a loadable chunk (index.py: FREE, SAVING, READY, REVOKED)
+
+
+@numba.njit(inline="always")  # compiled with its caller (decorating is cheap: nothing compiles here)
+def _probe(tab, key):
+    """The value stored under ``key`` (-1 if none): from its home bucket on, up to a bucket that
+    still has an EMPTY cell (no key ever overflowed past it)."""
+    nb = tab.shape[0]
+    b = np.intp((key >> np.uint64(8)) & np.uint64(nb - 1))
+    for _ in range(nb):
+        open_ = False
+        for c in range(W):
+            w = tab[b, c]
+            if w == key:
+                return np.int64(tab[b, W + c])
+            if w == EMPTY:
+                open_ = True
+        if open_:
+            return np.int64(-1)
+        b = (b + 1) & (nb - 1)
+    return np.int64(-1)
+
+
+def _find(tab, k1, out):
+    """``out[i]``: the value under ``k1[i]``, -1 if none."""
+    for i in range(k1.shape[0]):
+        out[i] = _probe(tab, k1[i])
+
+
+def _find_confirmed(tab, key2, k1, k2, out):
+    """``out[i]``: the slot named by key ``(k1[i], k2[i])``, -1 if none (a k1 match whose slot
+    holds another k2 is another hash: absent)."""
+    for i in range(k1.shape[0]):
+        s = _probe(tab, k1[i])
+        out[i] = s if s >= 0 and key2[s] == k2[i] else -1
+
+
+@numba.njit
+def _insert(tab, k1, values, cells):
+    """Each key into the first free (EMPTY or DELETED) cell from its home bucket on; ``cells[i]``
+    = ``bucket * 4 + column``. Returns how many DELETED cells were reused."""
+    nb = tab.shape[0]
+    reused = 0
+    for i in range(k1.shape[0]):
+        b = np.intp((k1[i] >> np.uint64(8)) & np.uint64(nb - 1))
+        done = False
+        for _ in range(nb):
+            for c in range(W):
+                if tab[b, c] <= DELETED:
+                    if tab[b, c] == DELETED:
+                        reused += 1
+                    tab[b, c] = k1[i]
+                    tab[b, W + c] = np.uint64(values[i])
+                    cells[i] = b * W + c
+                    done = True
+                    break
+            if done:
+                break
+            b = (b + 1) & (nb - 1)
+    return reused
+
+
+def _delete(tab, cells):
+    """Free the cells: EMPTY where the bucket still has an EMPTY cell (lookups stop there
+    anyway), else a DELETED marker that lookups go past. Returns how many markers were left."""
+    markers = 0
+    for i in range(cells.shape[0]):
+        b = cells[i] // W
+        c = cells[i] % W
+        open_ = False
+        for j in range(W):
+            if tab[b, j] == EMPTY:
+                open_ = True
+        if open_:
+            tab[b, c] = EMPTY
+        else:
+            tab[b, c] = DELETED
+            markers += 1
+    return markers
+
+
+def _select_new(tab, key2, k1, k2, keep):
+    """Deduplicate one batch of save candidates: ``keep[:n_keep]`` = positions (ascending) of the
+    candidates whose key is neither held nor equal to an earlier candidate's. Returns
+    ``(n_keep, n_dup_batch)``; the rest (``len - n_keep - n_dup_batch``) are held already."""
+    n = k1.shape[0]
+    m = 1
+    while m < 2 * n:
+        m *= 2
+    seen = np.zeros(m, dtype=np.int64)  # open addressing on k1: 1 + position of a kept or held key
+    n_keep = 0
+    n_dup = 0
+    for i in range(n):
+        h = np.intp(k1[i] & np.uint64(m - 1))
+        dup = False
+        while seen[h] != 0:
+            j = seen[h] - 1
+            if k1[j] == k1[i] and k2[j] == k2[i]:
+                dup = True
+                break
+            h = (h + 1) & (m - 1)
+        if dup:
+            n_dup += 1
+            continue
+        seen[h] = i + 1
+        s = _probe(tab, k1[i])
+        if s >= 0 and key2[s] == k2[i]:
+            continue  # held (READY or being saved)
+        keep[n_keep] = i
+        n_keep += 1
+    return n_keep, n_dup
+
+
+def _name(tab, k1, k2, slots, cell, key2):
+    """Insert ``k1[i] -> slots[i]`` (absent, distinct keys), recording each slot's cell and k2.
+    Returns how many DELETED cells were reused."""
+    cells = np.empty(k1.shape[0], dtype=np.int64)
+    reused = _insert(tab, k1, slots, cells)
+    for i in range(slots.shape[0]):
+        cell[slots[i]] = cells[i]
+        key2[slots[i]] = k2[i]
+    return reused
+
+
+def _ready_prefix(tab, key2, state, k1, k2, out):
+    """``out[:k]``: the slots of the leading keys that name READY chunks; returns ``k`` (stops at
+    the first key that does not)."""
+    for i in range(k1.shape[0]):
+        s = _probe(tab, k1[i])
+        if s < 0 or key2[s] != k2[i] or state[s] != READY:
+            return i
+        out[i] = s
+    return k1.shape[0]
+
+
+class Kernels:
+    """The compiled functions (attributes named as the Python functions above, without ``_``)."""
+
+    __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "ready_prefix")
+
+
+@functools.cache
+def kernels() -> Kernels:
+    try:
+        numba.njit(cache=True)(_delete)  # raises where no cache directory is writable
+        cache = True
+    except RuntimeError:
+        cache = False
+    jit = functools.partial(numba.njit, cache=cache, nogil=True)
+    tab, u64, i64, u8 = numba.uint64[:, ::1], numba.uint64[::1], numba.int64[::1], numba.uint8[::1]
+    k = Kernels()
+    k.find = jit(numba.void(tab, u64, i64))(_find)
+    k.find_confirmed = jit(numba.void(tab, u64, u64, u64, i64))(_find_confirmed)
+    k.insert = jit(numba.int64(tab, u64, i64, i64))(_insert.py_func)
+    k.delete = jit(numba.int64(tab, i64))(_delete)
+    k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, u64, u64, u64, i64))(_select_new)
+    k.name = jit(numba.int64(tab, u64, u64, i64, i64, u64))(_name)
+    k.ready_prefix = jit(numba.int64(tab, u64, u8, u64, u64, i64))(_ready_prefix)
+    return k
