@@ -640,6 +640,7 @@ def test_ledger_randomized_against_model(seed):
     led = CompletionLedger(hosts, max_early=1 << 20)
     model = LedgerModel(hosts)
     now = last_deadline = 0.0
+    batches = []
     for _ in range(1500):
         op = rng.random()
         if op < 0.15:
@@ -647,10 +648,19 @@ def test_ledger_randomized_against_model(seed):
             last_deadline = max(last_deadline, now + rng.uniform(0, 5))  # deadlines never decrease
             base = model.next_id
             assert led.open_batch(np.arange(base, base + n) + 1000, last_deadline, 0) == model.open(n, last_deadline)
+            batches.append((base, base + n))
         elif op < 0.2:
             now += rng.uniform(0, 2)
             led.expire(now)
             model.expire(now)
+        elif op < 0.5 and batches:
+            # The usual report: one host confirms a whole batch (the ledger's fast path), often
+            # a recent one, sometimes twice or after a partial report.
+            a, b = batches[-1 - min(int(rng.expovariate(0.7)), len(batches) - 1)]
+            host = rng.randrange(-1, hosts + 1)
+            led.report(host, ok=[(a, b)])
+            for i in range(a, b):
+                model.one(host, i, True)
         else:
             host = rng.randrange(-1, hosts + 1)
             ok_ids = sorted({rng.randrange(-2, model.next_id + 4) for _ in range(rng.randrange(0, 6))})

@@ -134,23 +134,20 @@ class HashTable:
         cells = np.empty(n, dtype=np.int64)
         if not n:
             return cells
-        if (self._live + n) * 4 > self.num_buckets * _W + 4 * _W:
-            raise ValueError(f"hash table over capacity: {self._live} + {n} keys in {self.num_buckets} buckets")
-        reused = self._k.insert(self._tab, _u64(k1), np.ascontiguousarray(values, dtype=np.int64), cells)
-        self._deleted -= reused
-        self._live += n
+        self.check_room(n)
+        self.inserted(n, self._k.insert(self._tab, _u64(k1), np.ascontiguousarray(values, dtype=np.int64), cells))
         return cells
 
-    def name(self, k1: np.ndarray, k2: np.ndarray, slots: np.ndarray, cell: np.ndarray, key2: np.ndarray) -> None:
-        """``insert(k1, slots)`` that also records, per slot, its cell (``cell[slot]``) and the
-        key's confirming word (``key2[slot] = k2``): one compiled loop for ``ChunkIndex``."""
-        n = len(k1)
-        if not n:
-            return
+    def check_room(self, n: int) -> None:
+        """Raise unless ``n`` more keys fit."""
         if (self._live + n) * 4 > self.num_buckets * _W + 4 * _W:
             raise ValueError(f"hash table over capacity: {self._live} + {n} keys in {self.num_buckets} buckets")
-        self._deleted -= self._k.name(self._tab, _u64(k1), _u64(k2), slots, cell, key2)
+
+    def inserted(self, n: int, reused: int) -> None:
+        """Account for ``n`` keys that a compiled loop inserted (kernels.py ``_insert``) into
+        ``buckets``, ``reused`` of them into deleted cells."""
         self._live += n
+        self._deleted -= reused
 
     def delete_cells(self, cells: np.ndarray) -> bool:
         """Empty the given cells (as ``insert`` returned them for live keys). Returns True when

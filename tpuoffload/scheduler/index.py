@@ -167,10 +167,11 @@ class ChunkIndex:
             raise ValueError(f"{len(keys)} keys for {n} slots")
         if not n:
             return
-        slots = np.ascontiguousarray(slots, dtype=np.int64)
-        self._table.name(keys.k1, keys.k2, slots, self._cell, self._key2)
-        self._state_np[slots] = SAVING
-        self._save_id[slots] = np.arange(first_save_id, first_save_id + n, dtype=np.int64)
+        table = self._table
+        table.check_room(n)
+        reused = self._k.name(table.buckets, _u64(keys.k1), _u64(keys.k2), np.ascontiguousarray(slots, dtype=np.int64),
+                              self._cell, self._key2, self._state_np, self._save_id, first_save_id)
+        table.inserted(n, reused)
         self._counts[FREE] -= n
         self._counts[SAVING] += n
 
@@ -182,8 +183,7 @@ class ChunkIndex:
         slots = np.asarray(slots, dtype=np.int64)
         if not len(slots):
             return 0
-        if ((self._save_id[slots] == save_ids) & (self._state_np[slots] == SAVING)).all():  # the usual case
-            self._state_np[slots] = READY
+        if self._k.mark_ready(self._state_np, self._save_id, slots, np.ascontiguousarray(save_ids, dtype=np.int64)):
             self._counts[SAVING] -= len(slots)
             self._counts[READY] += len(slots)
             self._lru.touch(slots)

@@ -27,7 +27,7 @@ import numpy as np
 W = 4  # cells per bucket
 EMPTY = np.uint64(0)
 DELETED = np.uint64(1)
-READY = np.uint8(2)  # ChunkIndex's slot state of a loadable chunk (index.py: FREE, SAVING, READY, REVOKED)
+SAVING, READY = np.uint8(1), np.uint8(2)  # ChunkIndex's slot states (index.py: FREE, SAVING, READY, REVOKED)
 
 
 @numba.njit(inline="always")  # compiled with its caller (decorating is cheap: nothing compiles here)
@@ -48,6 +48,19 @@ def _probe(tab, key):
             return np.int64(-1)
         b = (b + 1) & (nb - 1)
     return np.int64(-1)
+
+
+@numba.njit(inline="always")
+def _touch_homes(tab, k1):
+    """Read the first word of every key's home bucket, all loads independent of each other, so
+    the CPU overlaps their cache misses (a cold table costs one miss per key; one at a time they
+    add up to tens of microseconds per batch, overlapped to a few). Returns a value the caller
+    must use, so the compiler keeps the loads."""
+    mask = np.uint64(tab.shape[0] - 1)
+    acc = np.uint64(0)
+    for i in range(k1.shape[0]):
+        acc ^= tab[np.intp((k1[i] >> np.uint64(8)) & mask), 0]
+    return acc
 
 
 def _find(tab, k1, out):
@@ -110,13 +123,15 @@ def _delete(tab, cells):
 
 def _select_new(tab, key2, k1, k2, keep):
     """Deduplicate one batch of save candidates: ``keep[:n_keep]`` = positions (ascending) of the
-    candidates whose key is neither held nor equal to an earlier candidate's. Returns
-    ``(n_keep, n_dup_batch)``; the rest (``len - n_keep - n_dup_batch``) are held already."""
+    candidates whose key is neither held nor equal to an earlier candidate's (what lies beyond is
+    scratch). Returns ``(n_keep, n_dup_batch)``; the rest (``len - n_keep - n_dup_batch``) are
+    held already."""
     n = k1.shape[0]
     m = 1
     while m < 2 * n:
         m *= 2
     seen = np.zeros(m, dtype=np.int64)  # open addressing on k1: 1 + position of a kept or held key
+    keep[n - 1] = np.int64(_touch_homes(tab, k1) >> np.uint64(1))  # prefetch (a scratch value: see below)
     n_keep = 0
     n_dup = 0
     for i in range(n):
@@ -140,15 +155,29 @@ def _select_new(tab, key2, k1, k2, keep):
     return n_keep, n_dup
 
 
-def _name(tab, k1, k2, slots, cell, key2):
-    """Insert ``k1[i] -> slots[i]`` (absent, distinct keys), recording each slot's cell and k2.
-    Returns how many DELETED cells were reused."""
+def _name(tab, k1, k2, slots, cell, key2, state, save_id, first_id):
+    """Insert ``k1[i] -> slots[i]`` (absent, distinct keys) and make each slot SAVING under save
+    id ``first_id + i``, recording its cell and k2. Returns how many DELETED cells were reused."""
     cells = np.empty(k1.shape[0], dtype=np.int64)
     reused = _insert(tab, k1, slots, cells)
     for i in range(slots.shape[0]):
-        cell[slots[i]] = cells[i]
-        key2[slots[i]] = k2[i]
+        s = slots[i]
+        cell[s] = cells[i]
+        key2[s] = k2[i]
+        state[s] = SAVING
+        save_id[s] = first_id + i
     return reused
+
+
+def _mark_ready(state, save_id, slots, ids):
+    """If every listed slot is SAVING under its listed save id (the usual case), make them all
+    READY and return True; else change nothing and return False."""
+    for i in range(slots.shape[0]):
+        if state[slots[i]] != SAVING or save_id[slots[i]] != ids[i]:
+            return False
+    for i in range(slots.shape[0]):
+        state[slots[i]] = READY
+    return True
 
 
 def _ready_prefix(tab, key2, state, k1, k2, out):
@@ -165,7 +194,7 @@ def _ready_prefix(tab, key2, state, k1, k2, out):
 class Kernels:
     """The compiled functions (attributes named as the Python functions above, without ``_``)."""
 
-    __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "ready_prefix")
+    __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "ready_prefix")
 
 
 @functools.cache
@@ -176,13 +205,16 @@ def kernels() -> Kernels:
     except RuntimeError:
         cache = False
     jit = functools.partial(numba.njit, cache=cache, nogil=True)
-    tab, u64, i64, u8 = numba.uint64[:, ::1], numba.uint64[::1], numba.int64[::1], numba.uint8[::1]
+    tab, u8 = numba.uint64[:, ::1], numba.uint8[::1]
+    u64, i64 = numba.uint64[::1], numba.int64[::1]  # per-slot arrays and outputs: contiguous
+    keys, ints = numba.uint64[:], numba.int64[:]  # inputs: any layout (a reversed view, a column)
     k = Kernels()
-    k.find = jit(numba.void(tab, u64, i64))(_find)
-    k.find_confirmed = jit(numba.void(tab, u64, u64, u64, i64))(_find_confirmed)
-    k.insert = jit(numba.int64(tab, u64, i64, i64))(_insert.py_func)
-    k.delete = jit(numba.int64(tab, i64))(_delete)
-    k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, u64, u64, u64, i64))(_select_new)
-    k.name = jit(numba.int64(tab, u64, u64, i64, i64, u64))(_name)
-    k.ready_prefix = jit(numba.int64(tab, u64, u8, u64, u64, i64))(_ready_prefix)
+    k.find = jit(numba.void(tab, keys, i64))(_find)
+    k.find_confirmed = jit(numba.void(tab, u64, keys, keys, i64))(_find_confirmed)
+    k.insert = jit(numba.int64(tab, keys, ints, i64))(_insert.py_func)
+    k.delete = jit(numba.int64(tab, ints))(_delete)
+    k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, u64, keys, keys, i64))(_select_new)
+    k.name = jit(numba.int64(tab, keys, keys, ints, i64, u64, u8, i64, numba.int64))(_name)
+    k.mark_ready = jit(numba.boolean(u8, i64, ints, ints))(_mark_ready)
+    k.ready_prefix = jit(numba.int64(tab, u64, u8, keys, keys, i64))(_ready_prefix)
     return k

@@ -24,7 +24,7 @@ import bisect
 import logging
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,20 +38,35 @@ Range = tuple[int, int]  # save ids [start, stop)
 
 @dataclass(eq=False)
 class _Batch:
-    """One save batch: save ids ``base .. base + len(slots) - 1``."""
+    """One save batch: save ids ``base .. base + len(slots) - 1``.
+
+    The usual report confirms a whole batch at once (a host saved every chunk of it), so a batch
+    starts with no per-save state: ``whole`` lists the hosts that confirmed all of it. Any other
+    report (part of the batch, a failure) first builds the per-save arrays (``detail``)."""
 
     base: int
     slots: np.ndarray  # slot of each save id: handed back with its resolution
     deadline: float
     step: int
-    count: np.ndarray  # hosts that confirmed each save
-    seen: np.ndarray  # [host, i]: host confirmed save base + i
-    open: np.ndarray  # save base + i is not resolved yet
     n_open: int
+    whole: set[int] = field(default_factory=set)  # hosts that confirmed every save (no detail yet)
+    detail: "_Detail | None" = None
 
     @property
     def stop(self) -> int:
         return self.base + len(self.slots)
+
+    def any_confirmed(self) -> bool:
+        return bool(self.whole) if self.detail is None else bool(self.detail.count.any())
+
+
+@dataclass(eq=False)
+class _Detail:
+    """Per-save state of a batch, built at its first report that is not a whole-batch confirmation."""
+
+    count: np.ndarray  # hosts that confirmed each save
+    seen: np.ndarray  # [host, i]: host confirmed save base + i
+    open: np.ndarray  # save base + i is not resolved yet
 
 
 @dataclass(frozen=True)
@@ -115,9 +130,7 @@ class CompletionLedger:
         if not n:
             return base
         self._next_id = base + n
-        batch = _Batch(base, np.asarray(slots, dtype=np.int64), deadline, step,
-                       np.zeros(n, dtype=np.int32), np.zeros((self.num_hosts, n), dtype=bool),
-                       np.ones(n, dtype=bool), n)
+        batch = _Batch(base, np.asarray(slots, dtype=np.int64), deadline, step, n)
         self._batches[base] = batch
         self._bases.append(base)
         self._n_open += n
@@ -153,9 +166,8 @@ class CompletionLedger:
             batch = next(iter(self._batches.values()))
             if batch.deadline > now:
                 break
-            idx = np.flatnonzero(batch.open)
-            n += len(idx)
-            self._resolve(batch, idx, False)  # removes the batch: every id is resolved now
+            n += batch.n_open
+            self._resolve_rest(batch, False)  # removes the batch: every id is resolved now
         self.counters[C.LEDGER_EXPIRED] += n
         return n
 
@@ -185,7 +197,7 @@ class CompletionLedger:
         if self._missing_reported or not self._batches:
             return None
         oldest = next(iter(self._batches.values()))
-        if step - oldest.step < self._mismatch_steps or self._hosts_seen.all() or not oldest.count.any():
+        if step - oldest.step < self._mismatch_steps or self._hosts_seen.all() or not oldest.any_confirmed():
             return None
         missing = np.flatnonzero(~self._hosts_seen).tolist()
         seen = np.flatnonzero(self._hosts_seen).tolist()
@@ -236,7 +248,13 @@ class CompletionLedger:
             self.counters[C.LEDGER_LATE] += b - a - covered
 
     def _apply_batch(self, batch: _Batch, host: int, i0: int, i1: int, ok: bool) -> None:
-        open_ = batch.open[i0:i1]
+        if batch.detail is None:
+            if ok and i0 == 0 and i1 == len(batch.slots):  # the usual report: a few Python operations
+                self._confirm_whole(batch, host)
+                return
+            self._build_detail(batch)
+        detail = batch.detail
+        open_ = detail.open[i0:i1]
         n_open = int(np.count_nonzero(open_))
         if n_open < i1 - i0:
             self.counters[C.LEDGER_LATE] += (i1 - i0) - n_open
@@ -251,7 +269,7 @@ class CompletionLedger:
             self.counters[C.LEDGER_CONFIRMED] += n_open
             self._resolve(batch, idx, True)
             return
-        seen = batch.seen[host, i0:i1]  # a view: updated in place
+        seen = detail.seen[host, i0:i1]  # a view: updated in place
         new = open_ & ~seen
         n_new = int(np.count_nonzero(new))
         if n_new < n_open:
@@ -259,7 +277,7 @@ class CompletionLedger:
         if not n_new:
             return
         seen |= new
-        count = batch.count[i0:i1]
+        count = detail.count[i0:i1]
         count += new
         done = new & (count >= self.num_hosts)
         if done.any():
@@ -267,12 +285,40 @@ class CompletionLedger:
             self.counters[C.LEDGER_CONFIRMED] += len(idx)
             self._resolve(batch, idx, True)
 
+    def _confirm_whole(self, batch: _Batch, host: int) -> None:
+        """``host`` confirmed every save of a batch that has no per-save state yet."""
+        n = len(batch.slots)
+        if host in batch.whole:
+            self.counters[C.LEDGER_DUPLICATE] += n
+            return
+        batch.whole.add(host)
+        if len(batch.whole) == self.num_hosts:
+            self.counters[C.LEDGER_CONFIRMED] += n
+            self._resolve_rest(batch, True)
+
+    def _build_detail(self, batch: _Batch) -> None:
+        n = len(batch.slots)
+        seen = np.zeros((self.num_hosts, n), dtype=bool)
+        for host in batch.whole:
+            seen[host] = True
+        batch.detail = _Detail(np.full(n, len(batch.whole), dtype=np.int32), seen, np.ones(n, dtype=bool))
+
+    def _resolve_rest(self, batch: _Batch, ready: bool) -> None:
+        """Resolve every save of the batch still open, and remove it."""
+        if batch.detail is not None:
+            self._resolve(batch, np.flatnonzero(batch.detail.open), ready)
+            return
+        self._n_open -= batch.n_open
+        batch.n_open = 0
+        self._res.append((ready, np.arange(batch.base, batch.stop), batch.slots))
+        self._remove(batch)
+
     def _resolve(self, batch: _Batch, idx: np.ndarray, ready: bool) -> None:
         if not len(idx):
             if not batch.n_open:
                 self._remove(batch)
             return
-        batch.open[idx] = False
+        batch.detail.open[idx] = False
         batch.n_open -= len(idx)
         self._n_open -= len(idx)
         self._res.append((ready, batch.base + idx, batch.slots[idx]))
