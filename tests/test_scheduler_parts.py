@@ -257,6 +257,10 @@ def test_index_ready_prefix_has_no_side_effects():
     assert idx.lru_order() == before and idx.num_pinned() == 0 and not idx.counters
     save(idx, [h(4)], 3)
     assert len(idx.ready_prefix([h(1), h(4)])) == 1  # stops at a saving chunk
+    # A range of the list (LoadTracker passes a request's hashes with bounds, not a copy).
+    assert idx.ready_prefix([h(9), h(1), h(2), h(3)], 1, 3) == idx.ready_prefix([h(1), h(2)])
+    assert len(idx.ready_prefix([h(9), h(1), h(2), h(3)], 1)) == 3
+    assert idx.ready_prefix([h(1), h(2)], 2) == [] and idx.ready_prefix([h(1), h(2)], 1, 1) == []
 
 
 def test_index_discard_pinned_keeps_slot_until_last_unpin():
@@ -420,14 +424,31 @@ def test_index_randomized_against_model(seed):
             model.chunks.clear()
             model.lru.clear()
         else:
-            q = [rng.choice(universe) for _ in range(4)]
+            q = [rng.choice(universe) for _ in range(rng.randrange(1, 7))]
+            start = rng.randrange(0, len(q))
             want = []
-            for x in q:
+            for x in q[start:]:
                 r = model.chunks.get(x)
                 if r is None or r.state != "ready":
                     break
                 want.append(r.slot)
-            assert idx.ready_prefix(q) == want
+            assert idx.ready_prefix(q, start) == want
+            if start == 0:
+                assert idx.ready_prefix(q) == want
+            # Batch dedup: first occurrences that no chunk (saving or ready) holds, in order.
+            seen, keep, dup, held_ = set(), [], 0, 0
+            for i, x in enumerate(q):
+                if x in seen:
+                    dup += 1
+                elif x in model.chunks:
+                    seen.add(x)
+                    held_ += 1
+                else:
+                    seen.add(x)
+                    keep.append(i)
+            got_keep, got_dup, got_held = idx.select_new(HashKeys.of(q))
+            assert (got_keep.tolist(), got_dup, got_held) == (keep, dup, held_)
+            assert idx.find(HashKeys.of(q)).tolist() == [model.chunks[x].slot if x in model.chunks else -1 for x in q]
 
         # ---- invariants after every operation ----
         assert len(idx) == len(model.chunks)

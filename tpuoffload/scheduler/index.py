@@ -124,20 +124,23 @@ class ChunkIndex:
         and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
         return self._lru.order().tolist()
 
-    def ready_prefix(self, hashes: Sequence[ChunkHash]) -> list[int]:
-        """Slots of the leading hashes that are READY (stops at the first that is not). Does not
-        touch the LRU order. The first hash is looked up in plain Python (a miss there, the usual
-        answer, costs about a microsecond); after a hit, the rest in one compiled loop."""
-        n = len(hashes)
-        if not n:
+    def ready_prefix(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> list[int]:
+        """Slots of the leading hashes of ``hashes[start:stop]`` that are READY (stops at the
+        first that is not). Does not touch the LRU order. The first hash is looked up in plain
+        Python (a miss there, the usual answer, costs about a microsecond); after a hit, the rest
+        in one compiled loop."""
+        if stop is None or stop > len(hashes):
+            stop = len(hashes)
+        if start >= stop:
             return []
-        first = self.slot_of(hashes[0])
-        if first is None or self._state[first] != READY:
+        k1, k2 = HashKeys.one(hashes[start])
+        first = self._table.find_one(k1)
+        if first < 0 or self._key2_words[first] != k2 or self._state[first] != READY:
             return []
-        if n == 1:
+        if stop - start == 1:
             return [first]
-        keys = HashKeys.of(hashes)
-        out = np.empty(n, dtype=np.int64)
+        keys = HashKeys.of(hashes[start:stop])
+        out = np.empty(len(keys), dtype=np.int64)
         k = self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, keys.k1, keys.k2, out)
         return out[:k].tolist()
 
@@ -224,10 +227,10 @@ class ChunkIndex:
         twice is pinned twice. Raises if one is not READY."""
         if not len(slots):
             return
-        bad = self._state_np[slots] != READY
-        if bad.any():
-            raise ValueError(f"cannot pin slots that are not READY: {np.asarray(slots)[bad][:8]}")
-        np.add.at(self._pins, slots, 1)
+        slots = np.asarray(slots, dtype=np.int64)
+        if not self._k.pin(self._pins, self._state_np, slots):
+            bad = self._state_np[slots] != READY
+            raise ValueError(f"cannot pin slots that are not READY: {slots[bad][:8]}")
 
     def unpin(self, slots: np.ndarray) -> None:
         """Release one pin per listed slot. ``slots`` lists each load's chunks in prefix order; the
@@ -236,14 +239,17 @@ class ChunkIndex:
         prefix stays loadable. A revoked or discarded chunk's slot is freed at its last unpin."""
         if not len(slots):
             return
-        np.subtract.at(self._pins, slots, 1)
-        if (self._pins[slots] < 0).any():
-            np.add.at(self._pins, slots, 1)
+        released = np.empty(len(slots), dtype=np.int64)
+        k = self._k.unpin(self._pins, np.asarray(slots, dtype=np.int64), released)
+        if k < 0:
             raise ValueError("unpin of a slot that is not pinned")
-        rev = np.asarray(slots)[::-1]
-        released = rev[self._pins[rev] == 0]
+        released = released[:k]
         states = self._state_np[released]
-        self._lru.touch(released[states == READY])
+        ready = states == READY
+        if ready.all():  # the usual case: nothing was revoked or discarded meanwhile
+            self._lru.touch(released)
+            return
+        self._lru.touch(released[ready])
         gone = np.unique(released[states == REVOKED])
         if len(gone):
             self._free(gone, REVOKED)

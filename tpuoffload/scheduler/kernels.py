@@ -180,6 +180,36 @@ def _mark_ready(state, save_id, slots, ids):
     return True
 
 
+def _pin(pins, state, slots):
+    """One more pin per listed slot if every one is READY (returns True); else nothing (False)."""
+    for i in range(slots.shape[0]):
+        if state[slots[i]] != READY:
+            return False
+    for i in range(slots.shape[0]):
+        pins[slots[i]] += 1
+    return True
+
+
+def _unpin(pins, slots, released):
+    """One pin less per listed slot; ``released[:k]`` = the listed slots whose last pin went, in
+    reverse order (a slot listed twice appears twice). Returns ``k``, or -1 (nothing changed) if
+    a slot would go below zero pins."""
+    n = slots.shape[0]
+    for i in range(n):
+        pins[slots[i]] -= 1
+    for i in range(n):
+        if pins[slots[i]] < 0:
+            for j in range(n):
+                pins[slots[j]] += 1
+            return -1
+    k = 0
+    for i in range(n - 1, -1, -1):
+        if pins[slots[i]] == 0:
+            released[k] = slots[i]
+            k += 1
+    return k
+
+
 def _ready_prefix(tab, key2, state, k1, k2, out):
     """``out[:k]``: the slots of the leading keys that name READY chunks; returns ``k`` (stops at
     the first key that does not)."""
@@ -194,7 +224,8 @@ def _ready_prefix(tab, key2, state, k1, k2, out):
 class Kernels:
     """The compiled functions (attributes named as the Python functions above, without ``_``)."""
 
-    __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "ready_prefix")
+    __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
+                 "ready_prefix")
 
 
 @functools.cache
@@ -216,5 +247,7 @@ def kernels() -> Kernels:
     k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, u64, keys, keys, i64))(_select_new)
     k.name = jit(numba.int64(tab, keys, keys, ints, i64, u64, u8, i64, numba.int64))(_name)
     k.mark_ready = jit(numba.boolean(u8, i64, ints, ints))(_mark_ready)
+    k.pin = jit(numba.boolean(numba.int32[::1], u8, ints))(_pin)
+    k.unpin = jit(numba.int64(numba.int32[::1], ints, i64))(_unpin)
     k.ready_prefix = jit(numba.int64(tab, u64, u8, keys, keys, i64))(_ready_prefix)
     return k

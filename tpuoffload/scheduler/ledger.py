@@ -69,7 +69,7 @@ class _Detail:
     open: np.ndarray  # save base + i is not resolved yet
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Resolved:
     """Saves resolved since the last ``take_resolved``: READY ones and dropped (failed or expired)."""
 
@@ -168,7 +168,8 @@ class CompletionLedger:
                 break
             n += batch.n_open
             self._resolve_rest(batch, False)  # removes the batch: every id is resolved now
-        self.counters[C.LEDGER_EXPIRED] += n
+        if n:  # (a zero would still add a key, and make every step's stats non-empty)
+            self.counters[C.LEDGER_EXPIRED] += n
         return n
 
     def take_resolved(self) -> Resolved:
@@ -177,6 +178,8 @@ class CompletionLedger:
         res, self._res = self._res, []
         if not res:
             return _NOTHING
+        if len(res) == 1 and res[0][0]:  # the usual case: one batch confirmed, one ascending run
+            return Resolved(res[0][1][::-1], res[0][2][::-1], _EMPTY, _EMPTY)
         ready = [(i, s) for r, i, s in res if r]
         dropped = [(i, s) for r, i, s in res if not r]
         if len(ready) == 1:  # one ascending run: reverse it

@@ -73,14 +73,16 @@ class LoadTracker:
         step, until it admits the request) as long as no chunk has left the index since (the
         memoised slots are then still READY; chunks that became READY since are not counted:
         at worst a few blocks are recomputed)."""
-        local = num_computed_tokens // self.block_size
-        memo = self._lookups.get(request.request_id)
-        if memo is not None and memo.local == local and memo.version == self.index.version:
+        bs = self.block_size
+        local = num_computed_tokens // bs
+        req_id = request.request_id
+        version = self.index.version
+        memo = self._lookups.get(req_id)
+        if memo is not None and memo.local == local and memo.version == version:
             return len(memo.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        limit = (request.num_tokens - 1) // self.block_size
-        slots = self.index.ready_prefix(request.block_hashes[local:limit]) if limit > local else []
-        self._lookups[request.request_id] = _Lookup(local, slots, self.index.version)
+        slots = self.index.ready_prefix(request.block_hashes, local, (request.num_tokens - 1) // bs)
+        self._lookups[req_id] = _Lookup(local, slots, version)
         return len(slots)
 
     def take_lookup(self, req_id: str) -> _Lookup | None:
@@ -105,7 +107,7 @@ class LoadTracker:
             local, slots = lookup.local, lookup.slots[:num_blocks]
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
-            slots = self.index.ready_prefix(request.block_hashes[local:local + num_blocks])
+            slots = self.index.ready_prefix(request.block_hashes, local, local + num_blocks)
         targets = block_ids[local:local + num_blocks]
         ready = len(slots)
         slot_arr = np.array(slots, dtype=np.int64)
