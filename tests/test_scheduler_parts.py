@@ -16,7 +16,7 @@ from tpuoffload.scheduler.hash_table import HashKeys, HashTable
 from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.recency import RecencyLog
-from tpuoffload.scheduler.save_planner import SavePlanner
+from tpuoffload.scheduler.save_planner import SavePlanner, compact_ints
 from tpuoffload.scheduler.slot_pool import SlotPool
 from tpuoffload.scheduler.staging import StagingBudget
 
@@ -735,6 +735,26 @@ def test_planner_dedups_once_and_accounts_every_candidate():
     assert isinstance(batch.save_ids, range) and list(batch.save_ids) == [0, 1, 2]
     assert +counters == {C.DEDUP_INDEX: 2, C.DEDUP_BATCH: 2, C.SAVES_ISSUED: 3}
     assert budget.in_use == 30 and len(led) == 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compact_ints_is_the_same_sequence(seed):
+    """Slots travel as a range when consecutive (either direction), else as a tuple; always the
+    same values in the same order."""
+    rng = random.Random(seed)
+    cases = [[5], [3, 4, 5], [9, 8, 7, 6], [0, 2], [4, 3, 5], [1, 1], [7, 6, 5, 6]]
+    for _ in range(200):
+        n, a = rng.randrange(1, 9), rng.randrange(0, 50)
+        run = list(range(a, a + n)) if rng.random() < 0.5 else list(range(a + n, a, -1))
+        if rng.random() < 0.4:
+            run[rng.randrange(n)] += rng.choice([-2, -1, 1, 2])
+        cases.append(run)
+    for case in cases:
+        got = compact_ints(np.array(case, dtype=np.int64))
+        assert list(got) == case
+        consecutive = len(case) > 1 and all(b - a == case[1] - case[0] for a, b in zip(case, case[1:])) \
+            and abs(case[1] - case[0]) == 1
+        assert isinstance(got, range) == consecutive, case
 
 
 def test_planner_staging_cut_keeps_the_first_and_counts_the_rest():

@@ -12,11 +12,11 @@ READY chunks with no pin can be evicted, so a chunk being saved or being loaded 
 A REVOKED slot keeps its slot until nothing can be writing or reading it, but no hash names it, so
 nothing saved before a reset is ever offered again.
 
-Per-slot state lives in flat arrays (numpy views over a bytearray for the state byte, so Python
-reads it at list speed and numpy writes it in bulk); hashes map to slots through a numpy
-``HashTable``; the LRU order is a ``RecencyLog``. Every operation takes or returns slot arrays and
-costs a fixed number of numpy calls per batch, not Python work per chunk, so its cost does not grow
-with the number of chunks held.
+Per-slot fields live in one array of 32-byte records (state, save id, pins, the hash's second key
+word, its table cell); hashes map to slots through a ``HashTable``; the LRU order is a
+``RecencyLog``. Every operation takes or returns slot arrays and costs one call of a compiled loop
+(kernels.py) or a fixed number of numpy calls per batch, not Python work per chunk, so its cost does
+not grow with the number of chunks held.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from tpuoffload.scheduler.slot_pool import SlotPool
 ChunkHash = bytes
 
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
+_SLOT = np.dtype([("key2", np.uint64), ("cell", np.int64), ("save_id", np.int64), ("pins", np.int32),
+                  ("state", np.uint8)], align=True)  # 32 bytes
 
 
 class ChunkIndex:
@@ -49,13 +51,16 @@ class ChunkIndex:
         self._pool = SlotPool(num_slots)
         self._lru = RecencyLog(num_slots)
         self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
-        self._key2 = np.zeros(num_slots, dtype=np.uint64)  # slot -> k2 of its hash (confirms a match)
-        self._key2_words = memoryview(self._key2)
-        self._cell = np.zeros(num_slots, dtype=np.int64)  # slot -> its cell in the table
-        self._state = bytearray(num_slots)  # slot -> FREE/SAVING/READY/REVOKED
-        self._state_np = np.frombuffer(self._state, dtype=np.uint8)  # the same memory, for bulk ops
-        self._save_id = np.full(num_slots, -1, dtype=np.int64)
-        self._pins = np.zeros(num_slots, dtype=np.int32)
+        # Per-slot fields side by side in one record of 32 bytes (the views below are its
+        # columns): a save or a confirmation writes several fields of each of its slots, one
+        # cache line per two slots instead of one per field.
+        self._slots = np.zeros(num_slots, dtype=_SLOT)
+        self._key2 = self._slots["key2"]  # k2 of the slot's hash (confirms a table match)
+        self._cell = self._slots["cell"]  # the slot's cell in the table
+        self._save_id = self._slots["save_id"]
+        self._save_id[:] = -1
+        self._pins = self._slots["pins"]
+        self._state_np = self._slots["state"]  # FREE/SAVING/READY/REVOKED
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
         self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
@@ -86,7 +91,7 @@ class ChunkIndex:
         """The slot of a chunk held or being saved (None if there is none)."""
         k1, k2 = HashKeys.one(chunk_hash)
         slot = self._table.find_one(k1)
-        return slot if slot >= 0 and self._key2_words[slot] == k2 else None
+        return slot if slot >= 0 and int(self._key2[slot]) == k2 else None
 
     def contains(self, chunk_hash: ChunkHash) -> bool:
         """True if the hash is held or being saved (a save of it would be a duplicate)."""
@@ -111,7 +116,7 @@ class ChunkIndex:
         return keep[:n_keep], n_dup, n - n_keep - n_dup
 
     def state_of(self, slot: int) -> int:
-        return self._state[slot]
+        return int(self._state_np[slot])
 
     def save_id_of(self, slot: int) -> int:
         return int(self._save_id[slot])
@@ -135,7 +140,7 @@ class ChunkIndex:
             return []
         k1, k2 = HashKeys.one(hashes[start])
         first = self._table.find_one(k1)
-        if first < 0 or self._key2_words[first] != k2 or self._state[first] != READY:
+        if first < 0 or int(self._key2[first]) != k2 or self._state_np[first] != READY:
             return []
         if stop - start == 1:
             return [first]
@@ -259,7 +264,7 @@ class ChunkIndex:
         (invariant 11: vLLM recomputes it; no load loops on a lost chunk). A
         pinned chunk leaves the index at once but keeps its slot until its last unpin. Returns
         False if the slot now holds another chunk (or none)."""
-        if not 0 <= slot < self.num_slots or self._state[slot] != READY or self._save_id[slot] != save_id:
+        if not 0 <= slot < self.num_slots or self._state_np[slot] != READY or self._save_id[slot] != save_id:
             return False
         one = np.array([slot], dtype=np.int64)
         self._unname(one)

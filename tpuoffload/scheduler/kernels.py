@@ -236,18 +236,20 @@ def kernels() -> Kernels:
     except RuntimeError:
         cache = False
     jit = functools.partial(numba.njit, cache=cache, nogil=True)
-    tab, u8 = numba.uint64[:, ::1], numba.uint8[::1]
-    u64, i64 = numba.uint64[::1], numba.int64[::1]  # per-slot arrays and outputs: contiguous
+    tab = numba.uint64[:, ::1]
+    i64 = numba.int64[::1]  # outputs: contiguous
     keys, ints = numba.uint64[:], numba.int64[:]  # inputs: any layout (a reversed view, a column)
+    # ChunkIndex's per-slot fields: columns of one record array (strided).
+    key2, cell, save_id, pins, state = numba.uint64[:], numba.int64[:], numba.int64[:], numba.int32[:], numba.uint8[:]
     k = Kernels()
     k.find = jit(numba.void(tab, keys, i64))(_find)
-    k.find_confirmed = jit(numba.void(tab, u64, keys, keys, i64))(_find_confirmed)
+    k.find_confirmed = jit(numba.void(tab, key2, keys, keys, i64))(_find_confirmed)
     k.insert = jit(numba.int64(tab, keys, ints, i64))(_insert.py_func)
     k.delete = jit(numba.int64(tab, ints))(_delete)
-    k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, u64, keys, keys, i64))(_select_new)
-    k.name = jit(numba.int64(tab, keys, keys, ints, i64, u64, u8, i64, numba.int64))(_name)
-    k.mark_ready = jit(numba.boolean(u8, i64, ints, ints))(_mark_ready)
-    k.pin = jit(numba.boolean(numba.int32[::1], u8, ints))(_pin)
-    k.unpin = jit(numba.int64(numba.int32[::1], ints, i64))(_unpin)
-    k.ready_prefix = jit(numba.int64(tab, u64, u8, keys, keys, i64))(_ready_prefix)
+    k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, key2, keys, keys, i64))(_select_new)
+    k.name = jit(numba.int64(tab, keys, keys, ints, cell, key2, state, save_id, numba.int64))(_name)
+    k.mark_ready = jit(numba.boolean(state, save_id, ints, ints))(_mark_ready)
+    k.pin = jit(numba.boolean(pins, state, ints))(_pin)
+    k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
+    k.ready_prefix = jit(numba.int64(tab, key2, state, keys, keys, i64))(_ready_prefix)
     return k

@@ -86,4 +86,18 @@ class SavePlanner:
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
         self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got))
+        return SaveBatch(block_ids=tuple(blocks), slots=compact_ints(slots), save_ids=range(base, base + got))
+
+
+def compact_ints(values: np.ndarray) -> Sequence[int]:
+    """``values`` as a ``range`` when they are consecutive, ascending or descending (the usual
+    case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
+    batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
+    range costs neither a per-element conversion here nor bytes per element on the wire."""
+    n = len(values)
+    if n > 1:
+        first, last = int(values[0]), int(values[-1])
+        step = 1 if last > first else -1
+        if (last - first) * step == n - 1 and (np.diff(values) == step).all():
+            return range(first, last + step, step)
+    return tuple(values.tolist())
