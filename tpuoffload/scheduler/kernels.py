@@ -221,11 +221,25 @@ def _ready_prefix(tab, key2, state, k1, k2, out):
     return k1.shape[0]
 
 
+def _run_step(values):
+    """1 if ``values`` ascend by one, -1 if they descend by one, else 0 (also for fewer than 2)."""
+    n = values.shape[0]
+    if n < 2:
+        return 0
+    step = values[1] - values[0]
+    if step != 1 and step != -1:
+        return 0
+    for i in range(2, n):
+        if values[i] - values[i - 1] != step:
+            return 0
+    return step
+
+
 class Kernels:
     """The compiled functions (attributes named as the Python functions above, without ``_``)."""
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
-                 "ready_prefix")
+                 "ready_prefix", "run_step")
 
 
 @functools.cache
@@ -252,4 +266,5 @@ def kernels() -> Kernels:
     k.pin = jit(numba.boolean(pins, state, ints))(_pin)
     k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
     k.ready_prefix = jit(numba.int64(tab, key2, state, keys, keys, i64))(_ready_prefix)
+    k.run_step = jit(numba.int64(ints))(_run_step)
     return k

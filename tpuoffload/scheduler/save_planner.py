@@ -23,6 +23,7 @@ from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch
 from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
+from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.staging import StagingBudget
 
@@ -94,10 +95,8 @@ def compact_ints(values: np.ndarray) -> Sequence[int]:
     case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
     batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
     range costs neither a per-element conversion here nor bytes per element on the wire."""
-    n = len(values)
-    if n > 1:
-        first, last = int(values[0]), int(values[-1])
-        step = 1 if last > first else -1
-        if (last - first) * step == n - 1 and (np.diff(values) == step).all():
-            return range(first, last + step, step)
+    step = kernels().run_step(values)
+    if step:
+        first = int(values[0])
+        return range(first, first + step * len(values), step)
     return tuple(values.tolist())
