@@ -38,8 +38,8 @@ class LoadRequest:
 
     req_id: str
     block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    save_ids: tuple[int, ...]
+    slots: Sequence[int]  # a range when consecutive (usually), else a tuple
+    save_ids: Sequence[int]  # likewise
     unavailable_block_ids: tuple[int, ...] = ()
 
 

@@ -66,6 +66,24 @@ class HashKeys:
         words = np.frombuffer(buf, dtype=np.uint64).reshape(n, width // 8)
         return cls(np.maximum(words[:, 0], np.uint64(2)), words[:, 1].copy())
 
+    @classmethod
+    def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "HashKeys":
+        """Keys of the hashes of ``runs`` one after the other (``of`` of their concatenation),
+        without building the concatenated list: each run is joined as it is, so every hash
+        object is read once (on a cold cache, that read is most of the cost)."""
+        if len(runs) == 1:
+            return cls.of(runs[0])
+        try:
+            w = len(next(r[0] for r in runs if len(r)))
+            buf = b"".join([b"".join(r) for r in runs])
+        except TypeError:
+            w = 0  # not bytes: ``of`` says so
+        n = len(buf) // w if w >= 16 and not w % 8 else -1
+        if n != sum(map(len, runs)):  # not bytes, or of another or several lengths: ``of`` normalises
+            return cls.of([h for r in runs for h in r])
+        words = np.frombuffer(buf, dtype=np.uint64).reshape(n, w // 8)
+        return cls(np.maximum(words[:, 0], np.uint64(2)), words[:, 1].copy())
+
     @staticmethod
     def one(h: bytes) -> tuple[int, int]:
         """(k1, k2) of one hash, as Python ints."""

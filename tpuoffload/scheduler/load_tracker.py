@@ -26,6 +26,7 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
 from tpuoffload.scheduler.index import ChunkIndex
+from tpuoffload.scheduler.save_planner import compact_ints
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -108,15 +109,15 @@ class LoadTracker:
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
             slots = self.index.ready_prefix(request.block_hashes, local, local + num_blocks)
-        targets = block_ids[local:local + num_blocks]
         ready = len(slots)
         slot_arr = np.array(slots, dtype=np.int64)
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
-            block_ids=tuple(targets[:ready]),
-            slots=tuple(slots),
-            save_ids=tuple(self.index.save_ids(slot_arr).tolist()),
-            unavailable_block_ids=tuple(targets[ready:]),
+            block_ids=tuple(block_ids[local:local + ready]),
+            # Usually runs (a prefix saved in one batch): ranges, a few bytes on the wire.
+            slots=compact_ints(slot_arr),
+            save_ids=compact_ints(self.index.save_ids(slot_arr)),
+            unavailable_block_ids=tuple(block_ids[local + ready:local + num_blocks]),
         ), slot_arr)
 
     def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:

@@ -29,6 +29,7 @@ from vllm.v1.request import RequestStatus
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
 from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.lifecycle import RequestLifecycle
@@ -150,7 +151,8 @@ class OffloadScheduler:
                 self.requests.track_computed(scheduler_output, block_ids_of)
                 save: SaveBatch = EMPTY
             else:
-                save = self.saves.plan(*self.requests.step_candidates(scheduler_output, block_ids_of), step)
+                blocks, runs = self.requests.step_candidates(scheduler_output, block_ids_of)
+                save = self.saves.plan(blocks, HashKeys.of_runs(runs), step) if blocks else EMPTY
         finally:
             self.index.unpin(load_slots)
         self._apply_resolved()  # early reports replayed by the new batches

@@ -42,9 +42,10 @@ class SavePlanner:
         self.clock = clock
         self.counters = counters
 
-    def plan(self, block_ids: Sequence[int], hashes: Sequence[ChunkHash], step: int) -> SaveBatch:
+    def plan(self, block_ids: Sequence[int], hashes: Sequence[ChunkHash] | HashKeys, step: int) -> SaveBatch:
         """Chunks to save among the candidates ``zip(block_ids, hashes)``, earliest first. The
         blocks must hold their content until the workers gather them in this step's plan.
+        ``hashes`` may also be given as their ``HashKeys`` already.
 
         Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
         against saves in flight) and invariant 10 (``StagingBudget.reserve_up_to`` grants what
@@ -57,19 +58,19 @@ class SavePlanner:
         # candidate block is computed by the time the workers gather it), a key held or being
         # saved is an index duplicate (in flight included).
         counters = self.counters
-        keys = HashKeys.of(hashes)
+        keys = hashes if isinstance(hashes, HashKeys) else HashKeys.of(hashes)
         keep, n_dup, n_held = self.index.select_new(keys)
         if n_dup:
             counters[C.DEDUP_BATCH] += n_dup
         if n_held:
             counters[C.DEDUP_INDEX] += n_held
         if len(keep) < n:
+            if not len(keep):
+                return EMPTY
             keys = keys.take(keep)
-            blocks = list(map(block_ids.__getitem__, keep.tolist()))
+            blocks = tuple(map(block_ids.__getitem__, keep.tolist()))
         else:
-            blocks = list(block_ids)
-        if not blocks:
-            return EMPTY
+            blocks = tuple(block_ids)
         granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
         if granted < len(blocks):
             counters[C.SKIPPED_STAGING] += len(blocks) - granted
@@ -87,7 +88,7 @@ class SavePlanner:
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
         self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=tuple(blocks), slots=compact_ints(slots), save_ids=range(base, base + got))
+        return SaveBatch(block_ids=blocks, slots=compact_ints(slots), save_ids=range(base, base + got))
 
 
 def compact_ints(values: np.ndarray) -> Sequence[int]:
