@@ -172,8 +172,13 @@ class HashTable:
         deleted markers have piled up and the caller should ``rebuild``."""
         if not len(cells):
             return False
-        self._deleted += self._k.delete(self._tab, np.ascontiguousarray(cells, dtype=np.int64))
-        self._live -= len(cells)
+        return self.removed(len(cells), self._k.delete(self._tab, np.asarray(cells, dtype=np.int64)))
+
+    def removed(self, n: int, markers: int) -> bool:
+        """Account for ``n`` keys that a compiled loop deleted from ``buckets`` (kernels.py
+        ``_delete_cell``), leaving ``markers`` DELETED markers. Returns ``delete_cells``'s answer."""
+        self._live -= n
+        self._deleted += markers
         return self._deleted > self.num_buckets // 2  # deleted markers in an eighth of the cells
 
     def clear(self) -> None:

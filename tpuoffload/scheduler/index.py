@@ -316,9 +316,10 @@ class ChunkIndex:
     def _evict(self, victims: np.ndarray) -> None:
         """LRU victims (READY, unpinned, already out of the LRU order) lose their chunk; their
         slots stay allocated for the caller."""
-        self._unname(victims)
-        self._state_np[victims] = FREE
-        self._save_id[victims] = -1
+        table = self._table
+        markers = self._k.evict(table.buckets, self._cell, self._state_np, self._save_id, victims)
+        if table.removed(len(victims), markers):
+            self._rebuild()
         self._counts[READY] -= len(victims)
         self._counts[FREE] += len(victims)
         self.counters[C.EVICTED] += len(victims)
@@ -327,8 +328,12 @@ class ChunkIndex:
     def _unname(self, slots: np.ndarray) -> None:
         """Remove the keys that name ``slots`` from the hash table (by cell: no lookup)."""
         if self._table.delete_cells(self._cell[slots]):
-            vals, cells = self._table.rebuild()
-            self._cell[vals] = cells
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The table's deleted markers piled up: rebuild it (cells move)."""
+        vals, cells = self._table.rebuild()
+        self._cell[vals] = cells
 
     def _set_state(self, slots: np.ndarray, old: int, new: int) -> None:
         self._state_np[slots] = new

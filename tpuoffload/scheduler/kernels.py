@@ -102,22 +102,36 @@ def _insert(tab, k1, values, cells):
     return reused
 
 
+@numba.njit(inline="always")
+def _delete_cell(tab, cell):
+    """Free one cell: EMPTY where its bucket still has an EMPTY cell (lookups stop there anyway),
+    else a DELETED marker that lookups go past. Returns 1 for a marker, else 0."""
+    b = cell // W
+    for j in range(W):
+        if tab[b, j] == EMPTY:
+            tab[b, cell % W] = EMPTY
+            return 0
+    tab[b, cell % W] = DELETED
+    return 1
+
+
 def _delete(tab, cells):
-    """Free the cells: EMPTY where the bucket still has an EMPTY cell (lookups stop there
-    anyway), else a DELETED marker that lookups go past. Returns how many markers were left."""
+    """Free the cells; returns how many DELETED markers were left."""
     markers = 0
     for i in range(cells.shape[0]):
-        b = cells[i] // W
-        c = cells[i] % W
-        open_ = False
-        for j in range(W):
-            if tab[b, j] == EMPTY:
-                open_ = True
-        if open_:
-            tab[b, c] = EMPTY
-        else:
-            tab[b, c] = DELETED
-            markers += 1
+        markers += _delete_cell(tab, cells[i])
+    return markers
+
+
+def _evict(tab, cell, state, save_id, victims):
+    """The victims' chunks leave the table (by cell) and their slots become FREE with no save id.
+    Returns how many DELETED markers were left."""
+    markers = 0
+    for i in range(victims.shape[0]):
+        s = victims[i]
+        markers += _delete_cell(tab, cell[s])
+        state[s] = 0  # FREE
+        save_id[s] = -1
     return markers
 
 
@@ -239,7 +253,7 @@ class Kernels:
     """The compiled functions (attributes named as the Python functions above, without ``_``)."""
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
-                 "ready_prefix", "run_step")
+                 "ready_prefix", "run_step", "evict")
 
 
 @functools.cache
@@ -267,4 +281,5 @@ def kernels() -> Kernels:
     k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
     k.ready_prefix = jit(numba.int64(tab, key2, state, keys, keys, i64))(_ready_prefix)
     k.run_step = jit(numba.int64(ints))(_run_step)
+    k.evict = jit(numba.int64(tab, cell, state, save_id, ints))(_evict)
     return k
