@@ -261,6 +261,11 @@ def test_index_ready_prefix_has_no_side_effects():
     assert idx.ready_prefix([h(9), h(1), h(2), h(3)], 1, 3) == idx.ready_prefix([h(1), h(2)])
     assert len(idx.ready_prefix([h(9), h(1), h(2), h(3)], 1)) == 3
     assert idx.ready_prefix([h(1), h(2)], 2) == [] and idx.ready_prefix([h(1), h(2)], 1, 1) == []
+    # The array form, as LoadTracker uses it (a miss included) and ships it.
+    for hashes in ([h(1), h(2), h(9)], [h(9), h(1)], [h(3)]):
+        got = idx.ready_prefix_slots(hashes)
+        assert got.dtype == np.int64 and got.tolist() == idx.ready_prefix(hashes)
+        assert list(compact_ints(got)) == got.tolist()
 
 
 def test_index_discard_pinned_keeps_slot_until_last_unpin():

@@ -33,6 +33,7 @@ from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
 
 ChunkHash = bytes
+_NO_SLOTS = np.zeros(0, dtype=np.int64)  # shared: empty, so nothing can be written into it
 
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
 _SLOT = np.dtype([("key2", np.uint64), ("cell", np.int64), ("save_id", np.int64), ("pins", np.int32),
@@ -131,23 +132,27 @@ class ChunkIndex:
 
     def ready_prefix(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> list[int]:
         """Slots of the leading hashes of ``hashes[start:stop]`` that are READY (stops at the
-        first that is not). Does not touch the LRU order. The first hash is looked up in plain
-        Python (a miss there, the usual answer, costs about a microsecond); after a hit, the rest
-        in one compiled loop."""
+        first that is not). Does not touch the LRU order."""
+        return self.ready_prefix_slots(hashes, start, stop).tolist()
+
+    def ready_prefix_slots(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``ready_prefix`` as an int64 array. The first hash is looked up in plain Python (a miss
+        there, the usual answer, costs about a microsecond); after a hit, the rest in one
+        compiled loop."""
         if stop is None or stop > len(hashes):
             stop = len(hashes)
         if start >= stop:
-            return []
+            return _NO_SLOTS
         k1, k2 = HashKeys.one(hashes[start])
         first = self._table.find_one(k1)
         if first < 0 or int(self._key2[first]) != k2 or self._state_np[first] != READY:
-            return []
+            return _NO_SLOTS
         if stop - start == 1:
-            return [first]
+            return np.array([first], dtype=np.int64)
         keys = HashKeys.of(hashes[start:stop])
         out = np.empty(len(keys), dtype=np.int64)
         k = self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, keys.k1, keys.k2, out)
-        return out[:k].tolist()
+        return out[:k]
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:

@@ -72,6 +72,8 @@ def _find(tab, k1, out):
 def _find_confirmed(tab, key2, k1, k2, out):
     """``out[i]``: the slot named by key ``(k1[i], k2[i])``, -1 if none (a k1 match whose slot
     holds another k2 is another hash: absent)."""
+    if k1.shape[0]:
+        out[0] = np.int64(_touch_homes(tab, k1) >> np.uint64(1))  # prefetch (overwritten below)
     for i in range(k1.shape[0]):
         s = _probe(tab, k1[i])
         out[i] = s if s >= 0 and key2[s] == k2[i] else -1
@@ -227,6 +229,8 @@ def _unpin(pins, slots, released):
 def _ready_prefix(tab, key2, state, k1, k2, out):
     """``out[:k]``: the slots of the leading keys that name READY chunks; returns ``k`` (stops at
     the first key that does not)."""
+    if k1.shape[0]:
+        out[0] = np.int64(_touch_homes(tab, k1) >> np.uint64(1))  # prefetch (overwritten below)
     for i in range(k1.shape[0]):
         s = _probe(tab, k1[i])
         if s < 0 or key2[s] != k2[i] or state[s] != READY:

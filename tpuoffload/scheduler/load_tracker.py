@@ -37,7 +37,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 @dataclass(slots=True)
 class _Lookup:
     local: int  # blocks vLLM's own prefix cache covers
-    slots: list[int]  # host slots of the READY blocks right after them
+    slots: np.ndarray  # host slots of the READY blocks right after them
     version: int  # index version when looked up: the slots are exact while it is unchanged
 
 
@@ -82,7 +82,7 @@ class LoadTracker:
         if memo is not None and memo.local == local and memo.version == version:
             return len(memo.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        slots = self.index.ready_prefix(request.block_hashes, local, (request.num_tokens - 1) // bs)
+        slots = self.index.ready_prefix_slots(request.block_hashes, local, (request.num_tokens - 1) // bs)
         self._lookups[req_id] = _Lookup(local, slots, version)
         return len(slots)
 
@@ -108,9 +108,9 @@ class LoadTracker:
             local, slots = lookup.local, lookup.slots[:num_blocks]
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
-            slots = self.index.ready_prefix(request.block_hashes, local, local + num_blocks)
+            slots = self.index.ready_prefix_slots(request.block_hashes, local, local + num_blocks)
         ready = len(slots)
-        slot_arr = np.array(slots, dtype=np.int64)
+        slot_arr = slots
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
             block_ids=tuple(block_ids[local:local + ready]),

@@ -96,6 +96,8 @@ def compact_ints(values: np.ndarray) -> Sequence[int]:
     case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
     batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
     range costs neither a per-element conversion here nor bytes per element on the wire."""
+    if len(values) < 2:
+        return tuple(values.tolist())
     step = kernels().run_step(values)
     if step:
         first = int(values[0])
