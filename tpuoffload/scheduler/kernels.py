@@ -128,6 +128,12 @@ def _delete(tab, cells):
 def _evict(tab, cell, state, save_id, victims):
     """The victims' chunks leave the table (by cell) and their slots become FREE with no save id.
     Returns how many DELETED markers were left."""
+    if victims.shape[0] == 0:
+        return 0
+    acc = np.uint64(0)
+    for i in range(victims.shape[0]):  # independent loads first: their cache misses overlap
+        acc ^= tab[cell[victims[i]] // W, 0]
+    save_id[victims[0]] = np.int64(acc >> np.uint64(1))  # keeps the loads (overwritten below)
     markers = 0
     for i in range(victims.shape[0]):
         s = victims[i]
