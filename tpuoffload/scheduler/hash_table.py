@@ -63,8 +63,14 @@ class HashKeys:
         width = len(hashes[0])
         if width < 16 or width % 8 or len(buf) != n * width:
             return cls.of([bytes(h[:16]).ljust(16, b"\0") for h in hashes])
-        words = np.frombuffer(buf, dtype=np.uint64).reshape(n, width // 8)
-        return cls(np.maximum(words[:, 0], np.uint64(2)), words[:, 1].copy())
+        return cls._of_buffer(buf, width)
+
+    @classmethod
+    def _of_buffer(cls, buf: bytes, width: int) -> "HashKeys":
+        """Keys of the hashes of ``width`` bytes laid end to end in ``buf``: one compiled pass
+        (every numpy call costs microseconds on a cold cache: a step runs few of them)."""
+        k1, k2 = kernels().split_keys(np.frombuffer(buf, dtype=np.uint64), width // 8)
+        return cls(k1, k2)
 
     @classmethod
     def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "HashKeys":
@@ -81,8 +87,7 @@ class HashKeys:
         n = len(buf) // w if w >= 16 and not w % 8 else -1
         if n != sum(map(len, runs)):  # not bytes, or of another or several lengths: ``of`` normalises
             return cls.of([h for r in runs for h in r])
-        words = np.frombuffer(buf, dtype=np.uint64).reshape(n, w // 8)
-        return cls(np.maximum(words[:, 0], np.uint64(2)), words[:, 1].copy())
+        return cls._of_buffer(buf, w)
 
     @staticmethod
     def one(h: bytes) -> tuple[int, int]:
@@ -153,7 +158,7 @@ class HashTable:
         if not n:
             return cells
         self.check_room(n)
-        self.inserted(n, self._k.insert(self._tab, _u64(k1), np.ascontiguousarray(values, dtype=np.int64), cells))
+        self.inserted(n, self._k.insert(self._tab, _u64(k1), _i64(values), cells))
         return cells
 
     def check_room(self, n: int) -> None:
@@ -172,7 +177,7 @@ class HashTable:
         deleted markers have piled up and the caller should ``rebuild``."""
         if not len(cells):
             return False
-        return self.removed(len(cells), self._k.delete(self._tab, np.asarray(cells, dtype=np.int64)))
+        return self.removed(len(cells), self._k.delete(self._tab, _i64(cells)))
 
     def removed(self, n: int, markers: int) -> bool:
         """Account for ``n`` keys that a compiled loop deleted from ``buckets`` (kernels.py
@@ -195,5 +200,15 @@ class HashTable:
         return vals, self.insert(k1, vals)
 
 
-def _u64(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.uint64)
+_U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)  # numpy's dtype objects are singletons
+
+
+def _u64(a) -> np.ndarray:
+    """``a`` as a uint64 array: itself when it is one already (no numpy call: on a cold cache
+    each costs microseconds, and the hot path hands over arrays of the right type)."""
+    return a if type(a) is np.ndarray and a.dtype is _U64 else np.asarray(a, dtype=np.uint64)
+
+
+def _i64(a) -> np.ndarray:
+    """``a`` as an int64 array (itself when it is one already)."""
+    return a if type(a) is np.ndarray and a.dtype is _I64 else np.asarray(a, dtype=np.int64)

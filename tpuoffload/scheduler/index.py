@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable, _u64
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable, _i64, _u64
 from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
@@ -109,12 +109,8 @@ class ChunkIndex:
         """Deduplicate a batch of save candidates (invariant 5), in one pass: returns (positions,
         ascending, of the keys that are neither held nor being saved nor equal to an earlier key of
         the batch; how many were equal to an earlier key; how many are held or being saved)."""
-        n = len(keys)
-        keep = np.empty(n, dtype=np.int64)
-        if not n:
-            return keep, 0, 0
-        n_keep, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2), keep)
-        return keep[:n_keep], n_dup, n - n_keep - n_dup
+        keep, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2))
+        return keep, n_dup, len(keys) - len(keep) - n_dup
 
     def state_of(self, slot: int) -> int:
         return int(self._state_np[slot])
@@ -182,7 +178,7 @@ class ChunkIndex:
             return
         table = self._table
         table.check_room(n)
-        reused = self._k.name(table.buckets, _u64(keys.k1), _u64(keys.k2), np.ascontiguousarray(slots, dtype=np.int64),
+        reused = self._k.name(table.buckets, _u64(keys.k1), _u64(keys.k2), _i64(slots),
                               self._cell, self._key2, self._state_np, self._save_id, first_save_id)
         table.inserted(n, reused)
         self._counts[FREE] -= n
@@ -193,10 +189,10 @@ class ChunkIndex:
         (the last listed most of all); REVOKED ones are freed. The only way a chunk becomes
         loadable (invariant 7; the ledger calls for it once every reporting host confirmed). Slots whose save id no longer
         matches are ignored. Returns how many became READY."""
-        slots = np.asarray(slots, dtype=np.int64)
+        slots = _i64(slots)
         if not len(slots):
             return 0
-        if self._k.mark_ready(self._state_np, self._save_id, slots, np.ascontiguousarray(save_ids, dtype=np.int64)):
+        if self._k.mark_ready(self._state_np, self._save_id, slots, _i64(save_ids)):
             self._counts[SAVING] -= len(slots)
             self._counts[READY] += len(slots)
             self._lru.touch(slots)
@@ -250,7 +246,7 @@ class ChunkIndex:
         if not len(slots):
             return
         released = np.empty(len(slots), dtype=np.int64)
-        k = self._k.unpin(self._pins, np.asarray(slots, dtype=np.int64), released)
+        k = self._k.unpin(self._pins, _i64(slots), released)
         if k < 0:
             raise ValueError("unpin of a slot that is not pinned")
         released = released[:k]

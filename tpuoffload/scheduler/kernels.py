@@ -143,12 +143,14 @@ def _evict(tab, cell, state, save_id, victims):
     return markers
 
 
-def _select_new(tab, key2, k1, k2, keep):
-    """Deduplicate one batch of save candidates: ``keep[:n_keep]`` = positions (ascending) of the
-    candidates whose key is neither held nor equal to an earlier candidate's (what lies beyond is
-    scratch). Returns ``(n_keep, n_dup_batch)``; the rest (``len - n_keep - n_dup_batch``) are
-    held already."""
+def _select_new(tab, key2, k1, k2):
+    """Deduplicate one batch of save candidates. Returns (the positions, ascending, of the
+    candidates whose key is neither held nor equal to an earlier candidate's; how many were equal
+    to an earlier candidate's); the rest are held already."""
     n = k1.shape[0]
+    keep = np.empty(n, dtype=np.int64)
+    if n == 0:
+        return keep, 0
     m = 1
     while m < 2 * n:
         m *= 2
@@ -174,7 +176,7 @@ def _select_new(tab, key2, k1, k2, keep):
             continue  # held (READY or being saved)
         keep[n_keep] = i
         n_keep += 1
-    return n_keep, n_dup
+    return keep[:n_keep], n_dup
 
 
 def _name(tab, k1, k2, slots, cell, key2, state, save_id, first_id):
@@ -259,11 +261,48 @@ def _run_step(values):
     return step
 
 
+def _split_keys(words, stride):
+    """The keys of hashes of ``stride`` 8-byte words each, laid end to end: k1 (the first word,
+    at least 2: 0 and 1 mark free cells) and k2 (the second)."""
+    n = words.shape[0] // stride
+    k1 = np.empty(n, dtype=np.uint64)
+    k2 = np.empty(n, dtype=np.uint64)
+    for i in range(n):
+        w = words[i * stride]
+        k1[i] = w if w > DELETED else np.uint64(2)
+        k2[i] = words[i * stride + 1]
+    return k1, k2
+
+
+def _pool_take(stack, allocated, top, k):
+    """SlotPool: the ``k`` slots below ``top`` of the free stack, top first, marked allocated."""
+    out = np.empty(k, dtype=np.int64)
+    for i in range(k):
+        s = stack[top - 1 - i]
+        out[i] = s
+        allocated[s] = True
+    return out
+
+
+def _stamp(stamp, slots, first):
+    """RecencyLog: stamp ``first + i`` for ``slots[i]`` (a slot listed twice keeps its last);
+    returns private copies of (slots, stamps) for the log."""
+    n = slots.shape[0]
+    own = np.empty(n, dtype=np.int64)
+    stamps = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        own[i] = slots[i]
+        stamps[i] = first + i
+        stamp[slots[i]] = first + i
+    return own, stamps
+
+
 class Kernels:
     """The compiled functions (attributes named as the Python functions above, without ``_``)."""
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
-                 "ready_prefix", "run_step", "evict")
+                 "ready_prefix", "run_step", "evict",
+                 "split_keys", "pool_take", "stamp")
 
 
 @functools.cache
@@ -276,6 +315,7 @@ def kernels() -> Kernels:
     jit = functools.partial(numba.njit, cache=cache, nogil=True)
     tab = numba.uint64[:, ::1]
     i64 = numba.int64[::1]  # outputs: contiguous
+    u64out = numba.uint64[::1]
     keys, ints = numba.uint64[:], numba.int64[:]  # inputs: any layout (a reversed view, a column)
     # ChunkIndex's per-slot fields: columns of one record array (strided).
     key2, cell, save_id, pins, state = numba.uint64[:], numba.int64[:], numba.int64[:], numba.int32[:], numba.uint8[:]
@@ -284,7 +324,7 @@ def kernels() -> Kernels:
     k.find_confirmed = jit(numba.void(tab, key2, keys, keys, i64))(_find_confirmed)
     k.insert = jit(numba.int64(tab, keys, ints, i64))(_insert.py_func)
     k.delete = jit(numba.int64(tab, ints))(_delete)
-    k.select_new = jit(numba.types.UniTuple(numba.int64, 2)(tab, key2, keys, keys, i64))(_select_new)
+    k.select_new = jit(numba.types.Tuple((i64, numba.int64))(tab, key2, keys, keys))(_select_new)
     k.name = jit(numba.int64(tab, keys, keys, ints, cell, key2, state, save_id, numba.int64))(_name)
     k.mark_ready = jit(numba.boolean(state, save_id, ints, ints))(_mark_ready)
     k.pin = jit(numba.boolean(pins, state, ints))(_pin)
@@ -292,4 +332,8 @@ def kernels() -> Kernels:
     k.ready_prefix = jit(numba.int64(tab, key2, state, keys, keys, i64))(_ready_prefix)
     k.run_step = jit(numba.int64(ints))(_run_step)
     k.evict = jit(numba.int64(tab, cell, state, save_id, ints))(_evict)
+    words = numba.types.Array(numba.uint64, 1, "C", readonly=True)  # np.frombuffer of bytes
+    k.pool_take = jit(i64(i64, numba.boolean[::1], numba.int64, numba.int64))(_pool_take)
+    k.stamp = jit(numba.types.UniTuple(i64, 2)(i64, ints, numba.int64))(_stamp)
+    k.split_keys = jit(numba.types.UniTuple(u64out, 2)(words, numba.int64))(_split_keys)
     return k

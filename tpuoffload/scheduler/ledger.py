@@ -130,7 +130,7 @@ class CompletionLedger:
         if not n:
             return base
         self._next_id = base + n
-        batch = _Batch(base, np.asarray(slots, dtype=np.int64), deadline, step, n)
+        batch = _Batch(base, slots if type(slots) is np.ndarray else np.asarray(slots, dtype=np.int64), deadline, step, n)
         self._batches[base] = batch
         self._bases.append(base)
         self._n_open += n
