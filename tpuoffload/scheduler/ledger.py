@@ -102,7 +102,8 @@ class CompletionLedger:
         self._n_early = 0
         self._max_early = max_early
         self._mismatch_steps = mismatch_steps
-        self._hosts_seen = np.zeros(num_hosts, dtype=bool)
+        self._hosts_seen = [False] * num_hosts  # (a list: read every report, at list speed)
+        self._n_hosts_seen = 0
         self._unexpected_hosts: set[int] = set()
         self._missing_reported = False
         self._res: list[tuple[bool, np.ndarray, np.ndarray]] = []  # (ready?, ids, slots)
@@ -151,6 +152,7 @@ class CompletionLedger:
             return
         if not self._hosts_seen[host]:
             self._hosts_seen[host] = True
+            self._n_hosts_seen += 1
             if self._missing_reported:
                 logger.warning("tpuoffload: host %d reports at last (it was reported missing)", host)
         for a, b in ok:
@@ -171,6 +173,10 @@ class CompletionLedger:
         if n:  # (a zero would still add a key, and make every step's stats non-empty)
             self.counters[C.LEDGER_EXPIRED] += n
         return n
+
+    def has_resolved(self) -> bool:
+        """Whether ``take_resolved`` has anything to give."""
+        return bool(self._res)
 
     def take_resolved(self) -> Resolved:
         """READY and dropped saves since the last call, READY ones newest first (so a prefix's
@@ -200,10 +206,11 @@ class CompletionLedger:
         if self._missing_reported or not self._batches:
             return None
         oldest = next(iter(self._batches.values()))
-        if step - oldest.step < self._mismatch_steps or self._hosts_seen.all() or not oldest.any_confirmed():
+        if (step - oldest.step < self._mismatch_steps or self._n_hosts_seen == self.num_hosts
+                or not oldest.any_confirmed()):
             return None
-        missing = np.flatnonzero(~self._hosts_seen).tolist()
-        seen = np.flatnonzero(self._hosts_seen).tolist()
+        missing = [h for h, ok in enumerate(self._hosts_seen) if not ok]
+        seen = [h for h, ok in enumerate(self._hosts_seen) if ok]
         msg = (f"tpuoffload: the scheduler expects {self.num_hosts} reporting workers ({self.source or 'configured'}) "
                f"but after {step - oldest.step} steps only host(s) {seen} ever confirmed a save; host(s) {missing} "
                f"never reported. No save can become loadable: every save will expire and the hit rate stays 0. "

@@ -199,9 +199,9 @@ class OffloadScheduler:
             self.counters[C.UNKNOWN_REQUEST] += unknown
 
     def _apply_resolved(self) -> None:
-        res = self.ledger.take_resolved()
-        if not len(res):
+        if not self.ledger.has_resolved():
             return
+        res = self.ledger.take_resolved()
         if len(res.ready_ids):
             self.index.mark_ready(res.ready_slots, res.ready_ids)
         if len(res.dropped_ids):
