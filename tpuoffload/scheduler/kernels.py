@@ -1,10 +1,14 @@
-"""Compiled loops of the scheduler half's per-chunk work (``HashTable`` and ``ChunkIndex``).
+"""Compiled loops of the scheduler half's per-chunk work (``HashKeys``, ``HashTable``,
+``ChunkIndex``, ``SlotPool``, ``RecencyLog``, the save planner's slot runs).
 
 Why compiled: a prefill step saves about 512 chunks, and every numpy call costs about a
-microsecond whatever its size, so a batch operation written as numpy calls costs tens of
-microseconds in call overhead alone, and a lookup that probes past a full bucket needs another
-round of calls. A plain loop compiled by numba (a vLLM dependency, declared in pyproject.toml)
-does one batch in one call: about 1-3 us of call overhead plus one cache line per key.
+microsecond whatever its size, several when vLLM's own step has just evicted numpy's code and data
+from the caches (the usual case: the scheduler runs between two of vLLM's steps). A batch
+operation written as numpy calls costs tens of microseconds in call overhead alone, and a lookup
+that probes past a full bucket needs another round of calls. A plain loop compiled by numba (a
+vLLM dependency, declared in pyproject.toml) does one batch in one call: under a microsecond of
+call overhead plus one cache line per key, and the loops that probe the table read every key's
+bucket first, so that their cache misses overlap.
 
 Compiled once per process, at the first ``kernels()`` call (the first ``HashTable``; worker
 processes import this module but never build one), with fixed signatures so that no argument can
