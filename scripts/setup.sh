@@ -3,7 +3,7 @@
 # the parts of tpu-inference whose KV cache layouts and meshes the tests run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpuoffload, vllm, jax, orbax.checkpoint, pytest, flax, importlib.util as u; assert u.find_spec('tpu_inference') and u.find_spec('torchax')" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpuoffload, vllm, jax, numba, orbax.checkpoint, pytest, flax, importlib.util as u; assert u.find_spec('tpu_inference') and u.find_spec('torchax')" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
   # torch first, pinned: vLLM 0.32's pin, whose CPU build is what this machine offers.

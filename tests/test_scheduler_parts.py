@@ -16,7 +16,7 @@ from tpuoffload.scheduler.hash_table import HashKeys, HashTable
 from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.recency import RecencyLog
-from tpuoffload.scheduler.save_planner import SavePlanner
+from tpuoffload.scheduler.save_planner import SavePlanner, compact_ints
 from tpuoffload.scheduler.slot_pool import SlotPool
 from tpuoffload.scheduler.staging import StagingBudget
 
@@ -257,6 +257,15 @@ def test_index_ready_prefix_has_no_side_effects():
     assert idx.lru_order() == before and idx.num_pinned() == 0 and not idx.counters
     save(idx, [h(4)], 3)
     assert len(idx.ready_prefix([h(1), h(4)])) == 1  # stops at a saving chunk
+    # A range of the list (LoadTracker passes a request's hashes with bounds, not a copy).
+    assert idx.ready_prefix([h(9), h(1), h(2), h(3)], 1, 3) == idx.ready_prefix([h(1), h(2)])
+    assert len(idx.ready_prefix([h(9), h(1), h(2), h(3)], 1)) == 3
+    assert idx.ready_prefix([h(1), h(2)], 2) == [] and idx.ready_prefix([h(1), h(2)], 1, 1) == []
+    # The array form, as LoadTracker uses it (a miss included) and ships it.
+    for hashes in ([h(1), h(2), h(9)], [h(9), h(1)], [h(3)]):
+        got = idx.ready_prefix_slots(hashes)
+        assert got.dtype == np.int64 and got.tolist() == idx.ready_prefix(hashes)
+        assert list(compact_ints(got)) == got.tolist()
 
 
 def test_index_discard_pinned_keeps_slot_until_last_unpin():
@@ -420,14 +429,31 @@ def test_index_randomized_against_model(seed):
             model.chunks.clear()
             model.lru.clear()
         else:
-            q = [rng.choice(universe) for _ in range(4)]
+            q = [rng.choice(universe) for _ in range(rng.randrange(1, 7))]
+            start = rng.randrange(0, len(q))
             want = []
-            for x in q:
+            for x in q[start:]:
                 r = model.chunks.get(x)
                 if r is None or r.state != "ready":
                     break
                 want.append(r.slot)
-            assert idx.ready_prefix(q) == want
+            assert idx.ready_prefix(q, start) == want
+            if start == 0:
+                assert idx.ready_prefix(q) == want
+            # Batch dedup: first occurrences that no chunk (saving or ready) holds, in order.
+            seen, keep, dup, held_ = set(), [], 0, 0
+            for i, x in enumerate(q):
+                if x in seen:
+                    dup += 1
+                elif x in model.chunks:
+                    seen.add(x)
+                    held_ += 1
+                else:
+                    seen.add(x)
+                    keep.append(i)
+            got_keep, got_dup, got_held = idx.select_new(HashKeys.of(q))
+            assert (got_keep.tolist(), got_dup, got_held) == (keep, dup, held_)
+            assert idx.find(HashKeys.of(q)).tolist() == [model.chunks[x].slot if x in model.chunks else -1 for x in q]
 
         # ---- invariants after every operation ----
         assert len(idx) == len(model.chunks)
@@ -640,6 +666,7 @@ def test_ledger_randomized_against_model(seed):
     led = CompletionLedger(hosts, max_early=1 << 20)
     model = LedgerModel(hosts)
     now = last_deadline = 0.0
+    batches = []
     for _ in range(1500):
         op = rng.random()
         if op < 0.15:
@@ -647,10 +674,19 @@ def test_ledger_randomized_against_model(seed):
             last_deadline = max(last_deadline, now + rng.uniform(0, 5))  # deadlines never decrease
             base = model.next_id
             assert led.open_batch(np.arange(base, base + n) + 1000, last_deadline, 0) == model.open(n, last_deadline)
+            batches.append((base, base + n))
         elif op < 0.2:
             now += rng.uniform(0, 2)
             led.expire(now)
             model.expire(now)
+        elif op < 0.5 and batches:
+            # The usual report: one host confirms a whole batch (the ledger's fast path), often
+            # a recent one, sometimes twice or after a partial report.
+            a, b = batches[-1 - min(int(rng.expovariate(0.7)), len(batches) - 1)]
+            host = rng.randrange(-1, hosts + 1)
+            led.report(host, ok=[(a, b)])
+            for i in range(a, b):
+                model.one(host, i, True)
         else:
             host = rng.randrange(-1, hosts + 1)
             ok_ids = sorted({rng.randrange(-2, model.next_id + 4) for _ in range(rng.randrange(0, 6))})
@@ -704,6 +740,26 @@ def test_planner_dedups_once_and_accounts_every_candidate():
     assert isinstance(batch.save_ids, range) and list(batch.save_ids) == [0, 1, 2]
     assert +counters == {C.DEDUP_INDEX: 2, C.DEDUP_BATCH: 2, C.SAVES_ISSUED: 3}
     assert budget.in_use == 30 and len(led) == 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compact_ints_is_the_same_sequence(seed):
+    """Slots travel as a range when consecutive (either direction), else as a tuple; always the
+    same values in the same order."""
+    rng = random.Random(seed)
+    cases = [[5], [3, 4, 5], [9, 8, 7, 6], [0, 2], [4, 3, 5], [1, 1], [7, 6, 5, 6]]
+    for _ in range(200):
+        n, a = rng.randrange(1, 9), rng.randrange(0, 50)
+        run = list(range(a, a + n)) if rng.random() < 0.5 else list(range(a + n, a, -1))
+        if rng.random() < 0.4:
+            run[rng.randrange(n)] += rng.choice([-2, -1, 1, 2])
+        cases.append(run)
+    for case in cases:
+        got = compact_ints(np.array(case, dtype=np.int64))
+        assert list(got) == case
+        consecutive = len(case) > 1 and all(b - a == case[1] - case[0] for a, b in zip(case, case[1:])) \
+            and abs(case[1] - case[0]) == 1
+        assert isinstance(got, range) == consecutive, case
 
 
 def test_planner_staging_cut_keeps_the_first_and_counts_the_rest():
@@ -793,3 +849,21 @@ def test_hash_keys_of_vllm_hashes_and_odd_input():
     assert len(odd) == 2 and odd.k1[0] == max(int.from_bytes(b"short\0\0\0", "little"), 2)
     with pytest.raises(TypeError, match="bytes"):
         HashKeys.of([1, 2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hash_keys_of_runs_is_of_the_concatenation(seed):
+    rng = random.Random(seed)
+    for _ in range(50):
+        width = rng.choice([16, 32])
+        runs = [[rng.randbytes(width) for _ in range(rng.randrange(0, 5))] for _ in range(rng.randrange(1, 5))]
+        if not any(runs):
+            runs[0].append(rng.randbytes(width))
+        flat = [x for r in runs for x in r]
+        got, want = HashKeys.of_runs(runs), HashKeys.of(flat)
+        assert got.k1.tolist() == want.k1.tolist() and got.k2.tolist() == want.k2.tolist()
+    mixed = [[b"a" * 32], [b"b" * 16, b"short"]]  # lengths differ: normalised like ``of``
+    got, want = HashKeys.of_runs(mixed), HashKeys.of([b"a" * 32, b"b" * 16, b"short"])
+    assert got.k1.tolist() == want.k1.tolist() and got.k2.tolist() == want.k2.tolist()
+    with pytest.raises(TypeError, match="bytes"):
+        HashKeys.of_runs([[b"x" * 16], [1]])

@@ -224,6 +224,27 @@ def test_failed_load_discards_the_chunk_and_promised_blocks_that_vanished_are_er
     assert f.off.index.counters[C.DISCARDED] == 1
 
 
+@pytest.mark.parametrize("vanish", [0, 1])
+def test_promised_blocks_that_vanished_before_admission_are_load_errors(vanish):
+    """Looked up (3 hits), then chunk ``vanish`` leaves host RAM before vLLM admits the request:
+    the load covers the READY prefix that remains, the rest of the promise is listed as
+    unavailable (the workers report it as load errors, vLLM recomputes)."""
+    f = Fake()
+    seed = saved_and_ready(f, "p", 3)
+    req = f.request("b", "p", 3)
+    ext, _ = f.off.get_num_new_matched_tokens(req, 0)
+    assert ext == 3 * BS
+    slot = f.off.index.slot_of(seed.block_hashes[vanish])
+    assert f.off.index.discard(slot, f.off.index.save_id_of(slot))
+    f.blocks["b"] = [7, 8, 9, 10]
+    f.off.update_state_after_alloc(req, ext)
+    req.status = WAITING_FOR_KV
+    (load,) = f.plan().loads
+    assert load.block_ids == (7, 8, 9)[:vanish] and load.unavailable_block_ids == (7, 8, 9)[vanish:]
+    assert list(load.slots) == [f.off.index.slot_of(x) for x in seed.block_hashes[:vanish]]
+    assert list(load.save_ids) == [f.off.index.save_id_of(s) for s in load.slots]
+
+
 def test_load_of_a_request_vllm_no_longer_waits_for_is_cancelled_and_counted():
     """Admitted with a load, then (in the same schedule()) no longer waiting: the load is never
     sent (vLLM would assert on its completion) and its pins are released."""

@@ -1,8 +1,8 @@
 """Messages between the scheduler half and the worker halves, one of each per engine step.
 
 ``OffloadMetadata`` crosses the network to every host every step, so it is kept compact: a save
-batch's save ids are one ``range`` (the scheduler hands them out contiguously), block ids and slots
-are tuples of ints. ``metadata_bytes`` measures it the way vLLM's executors ship it (pickle).
+batch's save ids are one ``range`` (the scheduler hands them out contiguously), its slots a
+``range`` when they are consecutive (usually) or else a tuple, block ids are tuples of ints. ``metadata_bytes`` measures it the way vLLM's executors ship it (pickle).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ Range = tuple[int, int]  # [start, stop)
 @dataclass(frozen=True)
 class SaveBatch:
     """Chunks to copy from KV-cache blocks into host slots (position i of each sequence is chunk i).
-    ``save_ids`` is a ``range`` when built by the scheduler (any int sequence is accepted)."""
+    ``save_ids`` is a ``range`` when built by the scheduler, ``slots`` a ``range`` or a tuple (any
+    int sequence is accepted)."""
 
     block_ids: Sequence[int] = ()
     slots: Sequence[int] = ()
@@ -60,8 +61,8 @@ class LoadRequest:
 
     req_id: str
     block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    save_ids: tuple[int, ...]
+    slots: Sequence[int]  # a range when consecutive (usually), else a tuple
+    save_ids: Sequence[int]  # likewise
     unavailable_block_ids: tuple[int, ...] = ()
 
 

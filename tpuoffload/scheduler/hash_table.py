@@ -3,8 +3,8 @@
 Why not a Python dict: at a million chunks every dict operation is two or three cache misses (the
 index, the entry, and the hash object itself to read its cached hash), and a prefill step that
 evicts does a lookup, an insert and a delete per chunk. Here the key lives inside the table (no
-object to follow), a batch of keys is looked up or inserted with a fixed handful of numpy calls,
-and a delete does not look anything up: the caller passes the cell each value was stored in (which
+object to follow), a batch of keys is looked up or inserted in one call of a compiled loop
+(kernels.py), and a delete does not look anything up: the caller passes the cell each value was stored in (which
 ``insert`` returned), one cache line per key.
 
 Keys: the first 8 bytes of vLLM's block hash (sha256 or xxhash128 output, uniformly distributed)
@@ -23,17 +23,15 @@ cells the table is rebuilt (cells move: ``rebuild`` says where). A cell is ``buc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
+from tpuoffload.scheduler.kernels import DELETED, EMPTY, kernels
+from tpuoffload.scheduler.kernels import W as _W  # cells per bucket: a row holds 4 k1 words then 4 values
+
 _TWO_WORDS = struct.Struct("<QQ").unpack_from  # the first 16 bytes as two little-endian uint64
-EMPTY = np.uint64(0)
-DELETED = np.uint64(1)
-_W = 4  # cells per bucket; a bucket's row holds their 4 k1 words then their 4 values
-_SHIFT = np.uint64(8)
 
 
 class HashKeys:
@@ -65,8 +63,31 @@ class HashKeys:
         width = len(hashes[0])
         if width < 16 or width % 8 or len(buf) != n * width:
             return cls.of([bytes(h[:16]).ljust(16, b"\0") for h in hashes])
-        words = np.frombuffer(buf, dtype=np.uint64).reshape(n, width // 8)
-        return cls(np.maximum(words[:, 0], np.uint64(2)), words[:, 1].copy())
+        return cls._of_buffer(buf, width)
+
+    @classmethod
+    def _of_buffer(cls, buf: bytes, width: int) -> "HashKeys":
+        """Keys of the hashes of ``width`` bytes laid end to end in ``buf``: one compiled pass
+        (every numpy call costs microseconds on a cold cache: a step runs few of them)."""
+        k1, k2 = kernels().split_keys(np.frombuffer(buf, dtype=np.uint64), width // 8)
+        return cls(k1, k2)
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "HashKeys":
+        """Keys of the hashes of ``runs`` one after the other (``of`` of their concatenation),
+        without building the concatenated list: each run is joined as it is, so every hash
+        object is read once (on a cold cache, that read is most of the cost)."""
+        if len(runs) == 1:
+            return cls.of(runs[0])
+        try:
+            w = len(next(r[0] for r in runs if len(r)))
+            buf = b"".join([b"".join(r) for r in runs])
+        except TypeError:
+            w = 0  # not bytes: ``of`` says so
+        n = len(buf) // w if w >= 16 and not w % 8 else -1
+        if n != sum(map(len, runs)):  # not bytes, or of another or several lengths: ``of`` normalises
+            return cls.of([h for r in runs for h in r])
+        return cls._of_buffer(buf, w)
 
     @staticmethod
     def one(h: bytes) -> tuple[int, int]:
@@ -78,7 +99,11 @@ class HashKeys:
 
 
 class HashTable:
-    """k1 -> int value (a slot, below 2**63). Single-threaded. ``capacity``: most keys live at once."""
+    """k1 -> int value (a slot, below 2**63). Single-threaded. ``capacity``: most keys live at once.
+
+    Each batch operation is one call into compiled code (kernels.py), so its cost is a couple of
+    microseconds of call overhead plus one cache line per key, whatever the number of keys held.
+    """
 
     CELLS_PER_BUCKET = _W
 
@@ -87,56 +112,33 @@ class HashTable:
         while nb * _W < 4 * max(capacity, 1):
             nb *= 2
         self.num_buckets = nb
-        self._mask = np.uint64(nb - 1)
+        self._k = kernels()
         self._tab = np.zeros((nb, 2 * _W), dtype=np.uint64)  # [k1 x 4 | value x 4] per bucket
-        self._flat = self._tab.reshape(-1)
-        self._words = memoryview(self._flat)  # the same memory read word by word as Python ints
-        self._claim = np.zeros(nb, dtype=np.int64)  # scratch: which key claims a bucket this round
+        self._words = memoryview(self._tab.reshape(-1))  # the same memory read word by word as Python ints
         self._live = 0
         self._deleted = 0
 
     def __len__(self) -> int:
         return self._live
 
-    def _home(self, k1: np.ndarray) -> np.ndarray:
-        return ((k1 >> _SHIFT) & self._mask).astype(np.intp)
+    @property
+    def buckets(self) -> np.ndarray:
+        """The table itself, ``(num_buckets, 8)`` uint64, for compiled loops that probe it
+        (kernels.py); only this class writes it."""
+        return self._tab
 
-    # Each round gathers one bucket row per key still in play and compares the rows, flattened,
-    # at once: the positions of the matches give (key, column) pairs directly, and a row's 4
-    # flags read as one uint32 say whether it has an empty (or free) cell. No per-row loops, and
-    # flat numpy operations (broadcasting and 2-D fancy indexing cost several times more here).
     def find(self, k1: np.ndarray) -> np.ndarray:
         """For each key, the value of a cell holding it (-1 if none). Equal k1 words from two
         different hashes (a 2**-64 event per pair) give one of their values: the caller confirms
         with k2 and treats a mismatch as absent."""
-        n = len(k1)
-        out = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return out
-        b = self._home(k1)
-        idx = None  # None: every key still looked for, in order
-        for _ in range(self.num_buckets):
-            rows = self._tab.take(b, axis=0)
-            flat = rows.reshape(-1)  # a view: 4 k1 words then 4 values per row
-            p = (flat == np.repeat(k1, 2 * _W)).nonzero()[0]
-            if len(p):
-                p = p[(p & 7) < _W]  # a match among the values is no match
-            r = p >> 3
-            if len(p):
-                out[r if idx is None else idx[r]] = flat[p + _W].view(np.int64)
-            go_on = (rows[:, :_W] == EMPTY).view(np.uint32).reshape(-1) == 0
-            if not go_on.any():
-                break
-            go_on[r] = False
-            if not go_on.any():
-                break
-            idx = go_on.nonzero()[0] if idx is None else idx[go_on]
-            k1, b = k1[go_on], (b[go_on] + 1) & (self.num_buckets - 1)
+        out = np.empty(len(k1), dtype=np.int64)
+        if len(out):
+            self._k.find(self._tab, _u64(k1), out)
         return out
 
     def find_one(self, k1: int) -> int:
-        """``find`` for one key, in plain Python over a memoryview of the table (no numpy call:
-        about a microsecond, for the per-request lookups)."""
+        """``find`` for one key, in plain Python over a memoryview of the table (no call into
+        compiled code or numpy: about a microsecond, for the per-request lookups)."""
         words, mask = self._words, self.num_buckets - 1
         b = (k1 >> 8) & mask
         for _ in range(self.num_buckets):
@@ -149,65 +151,43 @@ class HashTable:
             b = (b + 1) & mask
         return -1
 
-    def insert(self, k1: np.ndarray, values: np.ndarray) -> np.ndarray:
+    def insert(self, k1: np.ndarray, values) -> np.ndarray:
         """Add distinct keys that are absent (the caller checked); returns the cell of each."""
         n = len(k1)
         cells = np.empty(n, dtype=np.int64)
         if not n:
             return cells
+        self.check_room(n)
+        self.inserted(n, self._k.insert(self._tab, _u64(k1), _i64(values), cells))
+        return cells
+
+    def check_room(self, n: int) -> None:
+        """Raise unless ``n`` more keys fit."""
         if (self._live + n) * 4 > self.num_buckets * _W + 4 * _W:
             raise ValueError(f"hash table over capacity: {self._live} + {n} keys in {self.num_buckets} buckets")
-        v = np.asarray(values, dtype=np.int64).view(np.uint64)
-        b = self._home(k1)
-        idx = None  # None: every key still to place, in order
-        for _ in range(n + self.num_buckets):
-            free = self._tab.take(b, axis=0)[:, :_W] <= DELETED  # (keys, 4), contiguous
-            p = free.reshape(-1).nonzero()[0]
-            r = p >> 2
-            first = np.ones(len(p), dtype=bool)
-            first[1:] = r[1:] != r[:-1]
-            p, r = p[first], r[first]  # each key's first free cell, for keys whose bucket has one
-            # One key per bucket per round. Usually every bucket is distinct (a sort says so without
-            # touching memory at random); otherwise the last writer of _claim wins, the rest retry.
-            rb = b[r]
-            srt = np.sort(rb)
-            if len(srt) > 1 and (srt[1:] == srt[:-1]).any():
-                self._claim[rb] = r
-                won = self._claim[rb] == r
-                r, rb, p = r[won], rb[won], p[won]
-            col = p & 3
-            kpos = (rb << 3) | col  # the k1 word of the cell; its value is 4 words further
-            if self._deleted:
-                self._deleted -= int(np.count_nonzero(self._flat[kpos] == DELETED))
-            self._flat[kpos] = k1[r]
-            self._flat[kpos + _W] = v[r]
-            cells[r if idx is None else idx[r]] = (rb << 2) | col
-            if len(r) == len(b):
-                break
-            # Keys whose bucket has no free cell move on to the next one; losers of a claim stay.
-            full = free.view(np.uint32).reshape(-1) == 0
-            b = np.where(full, (b + 1) & (self.num_buckets - 1), b)
-            keep = np.ones(len(b), dtype=bool)
-            keep[r] = False
-            idx = keep.nonzero()[0] if idx is None else idx[keep]
-            k1, v, b = k1[keep], v[keep], b[keep]
+
+    def inserted(self, n: int, reused: int) -> None:
+        """Account for ``n`` keys that a compiled loop inserted (kernels.py ``_insert``) into
+        ``buckets``, ``reused`` of them into deleted cells."""
         self._live += n
-        return cells
+        self._deleted -= reused
 
     def k1_at(self, cells: np.ndarray) -> np.ndarray:
         """The k1 words stored in live ``cells`` (as ``insert`` returned them)."""
-        return self._flat[(cells >> 2 << 3) | (cells & 3)]
+        return self._tab.reshape(-1)[(cells >> 2 << 3) | (cells & 3)]
 
     def delete_cells(self, cells: np.ndarray) -> bool:
         """Empty the given cells (as ``insert`` returned them for live keys). Returns True when
         deleted markers have piled up and the caller should ``rebuild``."""
         if not len(cells):
             return False
-        b = cells >> 2
-        open_ = (self._tab.take(b, axis=0)[:, :_W] == EMPTY).view(np.uint32).reshape(-1) != 0
-        self._flat[(b << 3) | (cells & 3)] = np.where(open_, EMPTY, DELETED)
-        self._live -= len(cells)
-        self._deleted += len(cells) - int(np.count_nonzero(open_))
+        return self.removed(len(cells), self._k.delete(self._tab, _i64(cells)))
+
+    def removed(self, n: int, markers: int) -> bool:
+        """Account for ``n`` keys that a compiled loop deleted from ``buckets`` (kernels.py
+        ``_delete_cell``), leaving ``markers`` DELETED markers. Returns ``delete_cells``'s answer."""
+        self._live -= n
+        self._deleted += markers
         return self._deleted > self.num_buckets // 2  # deleted markers in an eighth of the cells
 
     def clear(self) -> None:
@@ -222,3 +202,17 @@ class HashTable:
         vals = self._tab[:, _W:][live].view(np.int64)
         self.clear()
         return vals, self.insert(k1, vals)
+
+
+_U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)  # numpy's dtype objects are singletons
+
+
+def _u64(a) -> np.ndarray:
+    """``a`` as a uint64 array: itself when it is one already (no numpy call: on a cold cache
+    each costs microseconds, and the hot path hands over arrays of the right type)."""
+    return a if type(a) is np.ndarray and a.dtype is _U64 else np.asarray(a, dtype=np.uint64)
+
+
+def _i64(a) -> np.ndarray:
+    """``a`` as an int64 array (itself when it is one already)."""
+    return a if type(a) is np.ndarray and a.dtype is _I64 else np.asarray(a, dtype=np.int64)

@@ -12,11 +12,11 @@ READY chunks with no pin can be evicted, so a chunk being saved or being loaded 
 A REVOKED slot keeps its slot until nothing can be writing or reading it, but no hash names it, so
 nothing saved before a reset is ever offered again.
 
-Per-slot state lives in flat arrays (numpy views over a bytearray for the state byte, so Python
-reads it at list speed and numpy writes it in bulk); hashes map to slots through a numpy
-``HashTable``; the LRU order is a ``RecencyLog``. Every operation takes or returns slot arrays and
-costs a fixed number of numpy calls per batch, not Python work per chunk, so its cost does not grow
-with the number of chunks held.
+Per-slot fields live in one array of 32-byte records (state, save id, pins, the hash's second key
+word, its table cell); hashes map to slots through a ``HashTable``; the LRU order is a
+``RecencyLog``. Every operation takes or returns slot arrays and costs one call of a compiled loop
+(kernels.py) or a fixed number of numpy calls per batch, not Python work per chunk, so its cost does
+not grow with the number of chunks held.
 """
 
 from __future__ import annotations
@@ -27,14 +27,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable, _i64, _u64
+from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
 
 ChunkHash = bytes
+_NO_SLOTS = np.zeros(0, dtype=np.int64)  # shared: empty, so nothing can be written into it
 
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
 _EMPTY = np.zeros(0, dtype=np.int64)
+_SLOT = np.dtype([("key2", np.uint64), ("cell", np.int64), ("save_id", np.int64), ("pins", np.int32),
+                  ("state", np.uint8)], align=True)  # 32 bytes
 
 
 class ChunkIndex:
@@ -49,19 +53,23 @@ class ChunkIndex:
         self._pool = SlotPool(num_slots)
         self._lru = RecencyLog(num_slots)
         self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
-        self._key2 = np.zeros(num_slots, dtype=np.uint64)  # slot -> k2 of its hash (confirms a match)
-        self._key2_words = memoryview(self._key2)
-        self._cell = np.zeros(num_slots, dtype=np.int64)  # slot -> its cell in the table
-        self._state = bytearray(num_slots)  # slot -> FREE/SAVING/READY/REVOKED
-        self._state_np = np.frombuffer(self._state, dtype=np.uint8)  # the same memory, for bulk ops
-        self._save_id = np.full(num_slots, -1, dtype=np.int64)
-        self._pins = np.zeros(num_slots, dtype=np.int32)
+        # Per-slot fields side by side in one record of 32 bytes (the views below are its
+        # columns): a save or a confirmation writes several fields of each of its slots, one
+        # cache line per two slots instead of one per field.
+        self._slots = np.zeros(num_slots, dtype=_SLOT)
+        self._key2 = self._slots["key2"]  # k2 of the slot's hash (confirms a table match)
+        self._cell = self._slots["cell"]  # the slot's cell in the table
+        self._save_id = self._slots["save_id"]
+        self._save_id[:] = -1
+        self._pins = self._slots["pins"]
+        self._state_np = self._slots["state"]  # FREE/SAVING/READY/REVOKED
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
         self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
         # (slots, save ids, keys) of the chunks evicted since the last take_evicted, when kept
         # (record_evictions): what the disk tier spills.
         self._evicted: list[tuple[np.ndarray, np.ndarray, HashKeys]] | None = None
+        self._k = kernels()
 
     # ------------------------------------------------------------------ queries (no side effects)
     @property
@@ -88,7 +96,7 @@ class ChunkIndex:
         """The slot of a chunk held or being saved (None if there is none)."""
         k1, k2 = HashKeys.one(chunk_hash)
         slot = self._table.find_one(k1)
-        return slot if slot >= 0 and self._key2_words[slot] == k2 else None
+        return slot if slot >= 0 and int(self._key2[slot]) == k2 else None
 
     def contains(self, chunk_hash: ChunkHash) -> bool:
         """True if the hash is held or being saved (a save of it would be a duplicate)."""
@@ -96,15 +104,20 @@ class ChunkIndex:
 
     def find(self, keys: HashKeys) -> np.ndarray:
         """Slot of each key held or being saved, -1 for the others."""
-        slots = self._table.find(keys.k1)
-        hit = slots >= 0
-        if hit.any():
-            bad = np.flatnonzero(hit)[self._key2[slots[hit]] != keys.k2[hit]]
-            slots[bad] = -1  # a k1 match from another hash (2**-64 per pair): absent
-        return slots
+        out = np.empty(len(keys), dtype=np.int64)
+        if len(out):
+            self._k.find_confirmed(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2), out)
+        return out
+
+    def select_new(self, keys: HashKeys) -> tuple[np.ndarray, int, int]:
+        """Deduplicate a batch of save candidates (invariant 5), in one pass: returns (positions,
+        ascending, of the keys that are neither held nor being saved nor equal to an earlier key of
+        the batch; how many were equal to an earlier key; how many are held or being saved)."""
+        keep, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2))
+        return keep, n_dup, len(keys) - len(keep) - n_dup
 
     def state_of(self, slot: int) -> int:
-        return self._state[slot]
+        return int(self._state_np[slot])
 
     def save_id_of(self, slot: int) -> int:
         return int(self._save_id[slot])
@@ -117,23 +130,29 @@ class ChunkIndex:
         and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
         return self._lru.order().tolist()
 
-    def ready_prefix(self, hashes: Sequence[ChunkHash]) -> list[int]:
-        """Slots of the leading hashes that are READY (stops at the first that is not). Does not
-        touch the LRU order. The first hash is looked up in plain Python (a miss there, the usual
-        answer, costs about a microsecond); after a hit, the rest in one vectorized lookup."""
-        n = len(hashes)
-        if not n:
-            return []
-        first = self.slot_of(hashes[0])
-        if first is None or self._state[first] != READY:
-            return []
-        if n == 1:
-            return [first]
-        slots = self.find(HashKeys.of(hashes))
-        ok = slots >= 0
-        ok &= self._state_np[np.where(ok, slots, 0)] == READY
-        k = n if ok.all() else int(ok.argmin())
-        return slots[:k].tolist()
+    def ready_prefix(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> list[int]:
+        """Slots of the leading hashes of ``hashes[start:stop]`` that are READY (stops at the
+        first that is not). Does not touch the LRU order."""
+        return self.ready_prefix_slots(hashes, start, stop).tolist()
+
+    def ready_prefix_slots(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``ready_prefix`` as an int64 array. The first hash is looked up in plain Python (a miss
+        there, the usual answer, costs about a microsecond); after a hit, the rest in one
+        compiled loop."""
+        if stop is None or stop > len(hashes):
+            stop = len(hashes)
+        if start >= stop:
+            return _NO_SLOTS
+        k1, k2 = HashKeys.one(hashes[start])
+        first = self._table.find_one(k1)
+        if first < 0 or int(self._key2[first]) != k2 or self._state_np[first] != READY:
+            return _NO_SLOTS
+        if stop - start == 1:
+            return np.array([first], dtype=np.int64)
+        keys = HashKeys.of(hashes[start:stop])
+        out = np.empty(len(keys), dtype=np.int64)
+        k = self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, keys.k1, keys.k2, out)
+        return out[:k]
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:
@@ -161,10 +180,11 @@ class ChunkIndex:
             raise ValueError(f"{len(keys)} keys for {n} slots")
         if not n:
             return
-        self._cell[slots] = self._table.insert(keys.k1, slots)
-        self._key2[slots] = keys.k2
-        self._state_np[slots] = SAVING
-        self._save_id[slots] = np.arange(first_save_id, first_save_id + n, dtype=np.int64)
+        table = self._table
+        table.check_room(n)
+        reused = self._k.name(table.buckets, _u64(keys.k1), _u64(keys.k2), _i64(slots),
+                              self._cell, self._key2, self._state_np, self._save_id, first_save_id)
+        table.inserted(n, reused)
         self._counts[FREE] -= n
         self._counts[SAVING] += n
 
@@ -173,11 +193,10 @@ class ChunkIndex:
         (the last listed most of all); REVOKED ones are freed. The only way a chunk becomes
         loadable (invariant 7; the ledger calls for it once every reporting host confirmed). Slots whose save id no longer
         matches are ignored. Returns how many became READY."""
-        slots = np.asarray(slots, dtype=np.int64)
+        slots = _i64(slots)
         if not len(slots):
             return 0
-        if ((self._save_id[slots] == save_ids) & (self._state_np[slots] == SAVING)).all():  # the usual case
-            self._state_np[slots] = READY
+        if self._k.mark_ready(self._state_np, self._save_id, slots, _i64(save_ids)):
             self._counts[SAVING] -= len(slots)
             self._counts[READY] += len(slots)
             self._lru.touch(slots)
@@ -244,10 +263,10 @@ class ChunkIndex:
         twice is pinned twice. Raises if one is not READY."""
         if not len(slots):
             return
-        bad = self._state_np[slots] != READY
-        if bad.any():
-            raise ValueError(f"cannot pin slots that are not READY: {np.asarray(slots)[bad][:8]}")
-        np.add.at(self._pins, slots, 1)
+        slots = np.asarray(slots, dtype=np.int64)
+        if not self._k.pin(self._pins, self._state_np, slots):
+            bad = self._state_np[slots] != READY
+            raise ValueError(f"cannot pin slots that are not READY: {slots[bad][:8]}")
 
     def unpin(self, slots: np.ndarray) -> None:
         """Release one pin per listed slot. ``slots`` lists each load's chunks in prefix order; the
@@ -256,14 +275,17 @@ class ChunkIndex:
         prefix stays loadable. A revoked or discarded chunk's slot is freed at its last unpin."""
         if not len(slots):
             return
-        np.subtract.at(self._pins, slots, 1)
-        if (self._pins[slots] < 0).any():
-            np.add.at(self._pins, slots, 1)
+        released = np.empty(len(slots), dtype=np.int64)
+        k = self._k.unpin(self._pins, _i64(slots), released)
+        if k < 0:
             raise ValueError("unpin of a slot that is not pinned")
-        rev = np.asarray(slots)[::-1]
-        released = rev[self._pins[rev] == 0]
+        released = released[:k]
         states = self._state_np[released]
-        self._lru.touch(released[states == READY])
+        ready = states == READY
+        if ready.all():  # the usual case: nothing was revoked or discarded meanwhile
+            self._lru.touch(released)
+            return
+        self._lru.touch(released[ready])
         gone = np.unique(released[states == REVOKED])
         if len(gone):
             self._free(gone, REVOKED)
@@ -273,7 +295,7 @@ class ChunkIndex:
         (invariant 11: vLLM recomputes it; no load loops on a lost chunk). A
         pinned chunk leaves the index at once but keeps its slot until its last unpin. Returns
         False if the slot now holds another chunk (or none)."""
-        if not 0 <= slot < self.num_slots or self._state[slot] != READY or self._save_id[slot] != save_id:
+        if not 0 <= slot < self.num_slots or self._state_np[slot] != READY or self._save_id[slot] != save_id:
             return False
         one = np.array([slot], dtype=np.int64)
         self._unname(one)
@@ -340,9 +362,10 @@ class ChunkIndex:
         if self._evicted is not None:
             keys = HashKeys(self._table.k1_at(self._cell[victims]), self._key2[victims].copy())
             self._evicted.append((victims.copy(), self._save_id[victims].copy(), keys))
-        self._unname(victims)
-        self._state_np[victims] = FREE
-        self._save_id[victims] = -1
+        table = self._table
+        markers = self._k.evict(table.buckets, self._cell, self._state_np, self._save_id, victims)
+        if table.removed(len(victims), markers):
+            self._rebuild()
         self._counts[READY] -= len(victims)
         self._counts[FREE] += len(victims)
         self.counters[C.EVICTED] += len(victims)
@@ -351,8 +374,12 @@ class ChunkIndex:
     def _unname(self, slots: np.ndarray) -> None:
         """Remove the keys that name ``slots`` from the hash table (by cell: no lookup)."""
         if self._table.delete_cells(self._cell[slots]):
-            vals, cells = self._table.rebuild()
-            self._cell[vals] = cells
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The table's deleted markers piled up: rebuild it (cells move)."""
+        vals, cells = self._table.rebuild()
+        self._cell[vals] = cells
 
     def _set_state(self, slots: np.ndarray, old: int, new: int) -> None:
         self._state_np[slots] = new

@@ -24,7 +24,7 @@ import bisect
 import logging
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,23 +38,38 @@ Range = tuple[int, int]  # save ids [start, stop)
 
 @dataclass(eq=False)
 class _Batch:
-    """One save batch: save ids ``base .. base + len(slots) - 1``."""
+    """One save batch: save ids ``base .. base + len(slots) - 1``.
+
+    The usual report confirms a whole batch at once (a host saved every chunk of it), so a batch
+    starts with no per-save state: ``whole`` lists the hosts that confirmed all of it. Any other
+    report (part of the batch, a failure) first builds the per-save arrays (``detail``)."""
 
     base: int
     slots: np.ndarray  # slot of each save id: handed back with its resolution
     deadline: float
     step: int
-    count: np.ndarray  # hosts that confirmed each save
-    seen: np.ndarray  # [host, i]: host confirmed save base + i
-    open: np.ndarray  # save base + i is not resolved yet
     n_open: int
+    whole: set[int] = field(default_factory=set)  # hosts that confirmed every save (no detail yet)
+    detail: "_Detail | None" = None
 
     @property
     def stop(self) -> int:
         return self.base + len(self.slots)
 
+    def any_confirmed(self) -> bool:
+        return bool(self.whole) if self.detail is None else bool(self.detail.count.any())
 
-@dataclass(frozen=True)
+
+@dataclass(eq=False)
+class _Detail:
+    """Per-save state of a batch, built at its first report that is not a whole-batch confirmation."""
+
+    count: np.ndarray  # hosts that confirmed each save
+    seen: np.ndarray  # [host, i]: host confirmed save base + i
+    open: np.ndarray  # save base + i is not resolved yet
+
+
+@dataclass(frozen=True, slots=True)
 class Resolved:
     """Saves resolved since the last ``take_resolved``: READY ones and dropped (failed or expired)."""
 
@@ -87,7 +102,8 @@ class CompletionLedger:
         self._n_early = 0
         self._max_early = max_early
         self._mismatch_steps = mismatch_steps
-        self._hosts_seen = np.zeros(num_hosts, dtype=bool)
+        self._hosts_seen = [False] * num_hosts  # (a list: read every report, at list speed)
+        self._n_hosts_seen = 0
         self._unexpected_hosts: set[int] = set()
         self._missing_reported = False
         self._res: list[tuple[bool, np.ndarray, np.ndarray]] = []  # (ready?, ids, slots)
@@ -115,9 +131,7 @@ class CompletionLedger:
         if not n:
             return base
         self._next_id = base + n
-        batch = _Batch(base, np.asarray(slots, dtype=np.int64), deadline, step,
-                       np.zeros(n, dtype=np.int32), np.zeros((self.num_hosts, n), dtype=bool),
-                       np.ones(n, dtype=bool), n)
+        batch = _Batch(base, slots if type(slots) is np.ndarray else np.asarray(slots, dtype=np.int64), deadline, step, n)
         self._batches[base] = batch
         self._bases.append(base)
         self._n_open += n
@@ -138,6 +152,7 @@ class CompletionLedger:
             return
         if not self._hosts_seen[host]:
             self._hosts_seen[host] = True
+            self._n_hosts_seen += 1
             if self._missing_reported:
                 logger.warning("tpuoffload: host %d reports at last (it was reported missing)", host)
         for a, b in ok:
@@ -153,11 +168,15 @@ class CompletionLedger:
             batch = next(iter(self._batches.values()))
             if batch.deadline > now:
                 break
-            idx = np.flatnonzero(batch.open)
-            n += len(idx)
-            self._resolve(batch, idx, False)  # removes the batch: every id is resolved now
-        self.counters[C.LEDGER_EXPIRED] += n
+            n += batch.n_open
+            self._resolve_rest(batch, False)  # removes the batch: every id is resolved now
+        if n:  # (a zero would still add a key, and make every step's stats non-empty)
+            self.counters[C.LEDGER_EXPIRED] += n
         return n
+
+    def has_resolved(self) -> bool:
+        """Whether ``take_resolved`` has anything to give."""
+        return bool(self._res)
 
     def take_resolved(self) -> Resolved:
         """READY and dropped saves since the last call, READY ones newest first (so a prefix's
@@ -165,6 +184,8 @@ class CompletionLedger:
         res, self._res = self._res, []
         if not res:
             return _NOTHING
+        if len(res) == 1 and res[0][0]:  # the usual case: one batch confirmed, one ascending run
+            return Resolved(res[0][1][::-1], res[0][2][::-1], _EMPTY, _EMPTY)
         ready = [(i, s) for r, i, s in res if r]
         dropped = [(i, s) for r, i, s in res if not r]
         if len(ready) == 1:  # one ascending run: reverse it
@@ -185,10 +206,11 @@ class CompletionLedger:
         if self._missing_reported or not self._batches:
             return None
         oldest = next(iter(self._batches.values()))
-        if step - oldest.step < self._mismatch_steps or self._hosts_seen.all() or not oldest.count.any():
+        if (step - oldest.step < self._mismatch_steps or self._n_hosts_seen == self.num_hosts
+                or not oldest.any_confirmed()):
             return None
-        missing = np.flatnonzero(~self._hosts_seen).tolist()
-        seen = np.flatnonzero(self._hosts_seen).tolist()
+        missing = [h for h, ok in enumerate(self._hosts_seen) if not ok]
+        seen = [h for h, ok in enumerate(self._hosts_seen) if ok]
         msg = (f"tpuoffload: the scheduler expects {self.num_hosts} reporting workers ({self.source or 'configured'}) "
                f"but after {step - oldest.step} steps only host(s) {seen} ever confirmed a save; host(s) {missing} "
                f"never reported. No save can become loadable: every save will expire and the hit rate stays 0. "
@@ -236,7 +258,13 @@ class CompletionLedger:
             self.counters[C.LEDGER_LATE] += b - a - covered
 
     def _apply_batch(self, batch: _Batch, host: int, i0: int, i1: int, ok: bool) -> None:
-        open_ = batch.open[i0:i1]
+        if batch.detail is None:
+            if ok and i0 == 0 and i1 == len(batch.slots):  # the usual report: a few Python operations
+                self._confirm_whole(batch, host)
+                return
+            self._build_detail(batch)
+        detail = batch.detail
+        open_ = detail.open[i0:i1]
         n_open = int(np.count_nonzero(open_))
         if n_open < i1 - i0:
             self.counters[C.LEDGER_LATE] += (i1 - i0) - n_open
@@ -251,7 +279,7 @@ class CompletionLedger:
             self.counters[C.LEDGER_CONFIRMED] += n_open
             self._resolve(batch, idx, True)
             return
-        seen = batch.seen[host, i0:i1]  # a view: updated in place
+        seen = detail.seen[host, i0:i1]  # a view: updated in place
         new = open_ & ~seen
         n_new = int(np.count_nonzero(new))
         if n_new < n_open:
@@ -259,7 +287,7 @@ class CompletionLedger:
         if not n_new:
             return
         seen |= new
-        count = batch.count[i0:i1]
+        count = detail.count[i0:i1]
         count += new
         done = new & (count >= self.num_hosts)
         if done.any():
@@ -267,12 +295,40 @@ class CompletionLedger:
             self.counters[C.LEDGER_CONFIRMED] += len(idx)
             self._resolve(batch, idx, True)
 
+    def _confirm_whole(self, batch: _Batch, host: int) -> None:
+        """``host`` confirmed every save of a batch that has no per-save state yet."""
+        n = len(batch.slots)
+        if host in batch.whole:
+            self.counters[C.LEDGER_DUPLICATE] += n
+            return
+        batch.whole.add(host)
+        if len(batch.whole) == self.num_hosts:
+            self.counters[C.LEDGER_CONFIRMED] += n
+            self._resolve_rest(batch, True)
+
+    def _build_detail(self, batch: _Batch) -> None:
+        n = len(batch.slots)
+        seen = np.zeros((self.num_hosts, n), dtype=bool)
+        for host in batch.whole:
+            seen[host] = True
+        batch.detail = _Detail(np.full(n, len(batch.whole), dtype=np.int32), seen, np.ones(n, dtype=bool))
+
+    def _resolve_rest(self, batch: _Batch, ready: bool) -> None:
+        """Resolve every save of the batch still open, and remove it."""
+        if batch.detail is not None:
+            self._resolve(batch, np.flatnonzero(batch.detail.open), ready)
+            return
+        self._n_open -= batch.n_open
+        batch.n_open = 0
+        self._res.append((ready, np.arange(batch.base, batch.stop), batch.slots))
+        self._remove(batch)
+
     def _resolve(self, batch: _Batch, idx: np.ndarray, ready: bool) -> None:
         if not len(idx):
             if not batch.n_open:
                 self._remove(batch)
             return
-        batch.open[idx] = False
+        batch.detail.open[idx] = False
         batch.n_open -= len(idx)
         self._n_open -= len(idx)
         self._res.append((ready, batch.base + idx, batch.slots[idx]))

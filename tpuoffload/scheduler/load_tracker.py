@@ -26,6 +26,7 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
 from tpuoffload.scheduler.index import ChunkIndex
+from tpuoffload.scheduler.save_planner import compact_ints
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -36,7 +37,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 @dataclass(slots=True)
 class _Lookup:
     local: int  # blocks vLLM's own prefix cache covers
-    slots: list[int]  # host slots of the READY blocks right after them
+    slots: np.ndarray  # host slots of the READY blocks right after them
     version: int  # index version when looked up: the slots are exact while it is unchanged
 
 
@@ -73,14 +74,16 @@ class LoadTracker:
         step, until it admits the request) as long as no chunk has left the index since (the
         memoised slots are then still READY; chunks that became READY since are not counted:
         at worst a few blocks are recomputed)."""
-        local = num_computed_tokens // self.block_size
-        memo = self._lookups.get(request.request_id)
-        if memo is not None and memo.local == local and memo.version == self.index.version:
+        bs = self.block_size
+        local = num_computed_tokens // bs
+        req_id = request.request_id
+        version = self.index.version
+        memo = self._lookups.get(req_id)
+        if memo is not None and memo.local == local and memo.version == version:
             return len(memo.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        limit = (request.num_tokens - 1) // self.block_size
-        slots = self.index.ready_prefix(request.block_hashes[local:limit]) if limit > local else []
-        self._lookups[request.request_id] = _Lookup(local, slots, self.index.version)
+        slots = self.index.ready_prefix_slots(request.block_hashes, local, (request.num_tokens - 1) // bs)
+        self._lookups[req_id] = _Lookup(local, slots, version)
         return len(slots)
 
     def take_lookup(self, req_id: str) -> _Lookup | None:
@@ -105,16 +108,16 @@ class LoadTracker:
             local, slots = lookup.local, lookup.slots[:num_blocks]
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
-            slots = self.index.ready_prefix(request.block_hashes[local:local + num_blocks])
-        targets = block_ids[local:local + num_blocks]
+            slots = self.index.ready_prefix_slots(request.block_hashes, local, local + num_blocks)
         ready = len(slots)
-        slot_arr = np.array(slots, dtype=np.int64)
+        slot_arr = slots
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
-            block_ids=tuple(targets[:ready]),
-            slots=tuple(slots),
-            save_ids=tuple(self.index.save_ids(slot_arr).tolist()),
-            unavailable_block_ids=tuple(targets[ready:]),
+            block_ids=tuple(block_ids[local:local + ready]),
+            # Usually runs (a prefix saved in one batch): ranges, a few bytes on the wire.
+            slots=compact_ints(slot_arr),
+            save_ids=compact_ints(self.index.save_ids(slot_arr)),
+            unavailable_block_ids=tuple(block_ids[local + ready:local + num_blocks]),
         ), slot_arr)
 
     def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:

@@ -14,7 +14,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tpuoffload.scheduler.kernels import kernels
+
 _EMPTY = np.zeros(0, dtype=np.int64)
+_I64 = np.dtype(np.int64)
+
+
+def _i64(a) -> np.ndarray:
+    return a if type(a) is np.ndarray and a.dtype is _I64 else np.asarray(a, dtype=np.int64)
 
 
 class RecencyLog:
@@ -47,10 +54,9 @@ class RecencyLog:
         n = len(slots)
         if not n:
             return
-        stamps = np.arange(self._clock, self._clock + n, dtype=np.int64)
+        # One compiled pass: stamps, and private copies for the log (it outlives the caller's array).
+        slots, stamps = kernels().stamp(self._stamp, _i64(slots), self._clock)
         self._clock += n
-        slots = np.array(slots, dtype=np.int64)  # a private copy: the log outlives the caller's array
-        self._stamp[slots] = stamps  # repeated slots: numpy keeps the last assignment
         self._segments.append((slots, stamps))
         self._logged += n
         if self._logged > self._compact_at:

@@ -9,21 +9,21 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is C-level (one dict construction for the batch); the rest
-is a fixed number of numpy calls per batch (``ChunkIndex`` and its ``HashTable``).
+never waited for). The per-chunk work is compiled (``ChunkIndex.select_new`` and ``add_saving``,
+kernels.py); the rest is a fixed number of calls per batch.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from itertools import compress
 
 import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch, pack_keys
 from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
+from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.staging import StagingBudget
 
@@ -43,9 +43,10 @@ class SavePlanner:
         self.clock = clock
         self.counters = counters
 
-    def plan(self, block_ids: Sequence[int], hashes: Sequence[ChunkHash], step: int) -> SaveBatch:
+    def plan(self, block_ids: Sequence[int], hashes: Sequence[ChunkHash] | HashKeys, step: int) -> SaveBatch:
         """Chunks to save among the candidates ``zip(block_ids, hashes)``, earliest first. The
         blocks must hold their content until the workers gather them in this step's plan.
+        ``hashes`` may also be given as their ``HashKeys`` already.
 
         Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
         against saves in flight) and invariant 10 (``StagingBudget.reserve_up_to`` grants what
@@ -53,26 +54,24 @@ class SavePlanner:
         n = len(hashes)
         if not n:
             return EMPTY
-        # Within the batch: one block per hash (any of them: equal hashes mean equal content, and
-        # every candidate block is computed by the time the workers gather it). A dict keeps the
-        # first occurrence's position, so the order stays the candidates' order; it is built only
-        # when there are duplicates (siblings of one prompt in one step), a set tells.
+        # One pass over the batch (compiled): a key equal to an earlier candidate's is a batch
+        # duplicate (equal hashes mean equal content; the first block is as good as any, and every
+        # candidate block is computed by the time the workers gather it), a key held or being
+        # saved is an index duplicate (in flight included).
         counters = self.counters
-        if len(set(hashes)) == n:
-            keys, blocks = HashKeys.of(hashes), list(block_ids)
-        else:
-            by_hash = dict(zip(hashes, block_ids))
-            counters[C.DEDUP_BATCH] += n - len(by_hash)
-            keys, blocks = HashKeys.of(list(by_hash)), list(by_hash.values())
-        # Against the index: held, or being saved (in flight).
-        held = self.index.find(keys) >= 0
-        n_held = int(np.count_nonzero(held))
+        keys = hashes if isinstance(hashes, HashKeys) else HashKeys.of(hashes)
+        keep, n_dup, n_held = self.index.select_new(keys)
+        if n_dup:
+            counters[C.DEDUP_BATCH] += n_dup
         if n_held:
             counters[C.DEDUP_INDEX] += n_held
-            keep = ~held
-            keys, blocks = keys.take(keep), list(compress(blocks, keep.tolist()))
-        if not blocks:
-            return EMPTY
+        if len(keep) < n:
+            if not len(keep):
+                return EMPTY
+            keys = keys.take(keep)
+            blocks = tuple(map(block_ids.__getitem__, keep.tolist()))
+        else:
+            blocks = tuple(block_ids)
         granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
         if granted < len(blocks):
             counters[C.SKIPPED_STAGING] += len(blocks) - granted
@@ -90,5 +89,19 @@ class SavePlanner:
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
         self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=tuple(blocks), slots=tuple(slots.tolist()), save_ids=range(base, base + got),
+        return SaveBatch(block_ids=blocks, slots=compact_ints(slots), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
+
+
+def compact_ints(values: np.ndarray) -> Sequence[int]:
+    """``values`` as a ``range`` when they are consecutive, ascending or descending (the usual
+    case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
+    batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
+    range costs neither a per-element conversion here nor bytes per element on the wire."""
+    if len(values) < 2:
+        return tuple(values.tolist())
+    step = kernels().run_step(values)
+    if step:
+        first = int(values[0])
+        return range(first, first + step * len(values), step)
+    return tuple(values.tolist())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpuoffload.scheduler.kernels import kernels
+
 
 class SlotPool:
     """Free list of slot numbers ``0 .. num_slots - 1``, handed out and taken back in batches.
@@ -29,9 +31,8 @@ class SlotPool:
 
     def take(self, n: int) -> np.ndarray:
         k = min(max(n, 0), self._top)
-        out = self._stack[self._top - k:self._top][::-1].copy()
+        out = kernels().pool_take(self._stack, self._allocated, self._top, k)  # one compiled pass
         self._top -= k
-        self._allocated[out] = True
         return out
 
     def give(self, slots: np.ndarray) -> None:
