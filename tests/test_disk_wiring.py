@@ -8,6 +8,7 @@ host alike (vLLM recomputes; no retry loop), and the disk budget is never exceed
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -129,8 +130,10 @@ def test_podslice_disk_tier_under_chaos(tmp_path):
     spec = SliceSpec(num_hosts=2, devices_per_host=2, num_kv_heads=8, num_blocks=48, max_num_seqs=16,
                      max_num_batched_tokens=256, extra_config=config, step_timeout_s=90.0)
     workload = PrefixRepetition(num_prefixes=4, prefix_blocks=8, suffix_len=(8, 16), output_len=(4, 8),
-                                num_requests=24, waves=2, arrivals_per_step=4, seed=2)
-    with PodSlice(spec, Chaos.storm(2, seed=4), log_dir=str(tmp_path / "logs")) as pod:
+                                num_requests=24, waves=3, arrivals_per_step=4, seed=2)
+    # The storm, with one disk failure in ten on host 1 (a chunk spills only if every host wrote it).
+    chaos = dataclasses.replace(Chaos.storm(2, seed=4), fail_disk_rate=0.1)
+    with PodSlice(spec, chaos, log_dir=str(tmp_path / "logs")) as pod:
         capacity = DiskIndex.capacity(DISK_BYTES, pod.offload.chunk_bytes)
 
         def check_budget(p):
