@@ -188,22 +188,14 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
         if key in extra:
             # stats_interval_s=0: a snapshot at every step
             out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "stats_interval_s")
-    if extra.get("stats_dir") is not None:
-        if not isinstance(extra["stats_dir"], str) or not extra["stats_dir"]:
-            raise ValueError(f"kv_connector_extra_config['stats_dir'] must be a directory path, got {extra['stats_dir']!r}")
-        out["stats_dir"] = extra["stats_dir"]
-    if extra.get("persist_path") is not None:
-        if not isinstance(extra["persist_path"], str) or not extra["persist_path"]:
-            raise ValueError(f"kv_connector_extra_config['persist_path'] must be a directory path, "
-                             f"got {extra['persist_path']!r}")
-        out["persist_path"] = extra["persist_path"]
+    for key in ("stats_dir", "persist_path", "disk_path"):
+        if extra.get(key) is not None:
+            if not isinstance(extra[key], str) or not extra[key]:
+                raise ValueError(f"kv_connector_extra_config[{key!r}] must be a directory path, got {extra[key]!r}")
+            out[key] = extra[key]
     for key, high in (("persist_interval_s", 7 * 86400.0), ("persist_timeout_s", 86400.0)):
         if key in extra:
             out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "persist_interval_s")
-    if extra.get("disk_path") is not None:
-        if not isinstance(extra["disk_path"], str) or not extra["disk_path"]:
-            raise ValueError(f"kv_connector_extra_config['disk_path'] must be a directory path, got {extra['disk_path']!r}")
-        out["disk_path"] = extra["disk_path"]
     if extra.get("disk_bytes_to_use") is not None:
         out["disk_bytes_to_use"] = _as_int("disk_bytes_to_use", extra["disk_bytes_to_use"], 1, 1 << 60)
     if ("disk_path" in out) != ("disk_bytes_to_use" in out):
