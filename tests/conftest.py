@@ -3,3 +3,36 @@ import os
 # Must run before jax is imported anywhere: several CPU devices for the sharded-cache tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+
+# ---- pod slices (tpuoffload.sim.podslice): shared by test_podslice.py and test_warm_restart.py ----
+import pytest  # noqa: E402
+
+
+def assert_gone(procs) -> None:
+    """Every worker process, and its whole process group, is gone."""
+    assert procs, "no worker processes were recorded"
+    for proc in procs:
+        assert proc.poll() is not None, f"worker {proc.pid} still running"
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+
+
+@pytest.fixture
+def make_slice(tmp_path):
+    """Build PodSlices whose logs go to tmp_path; after the test every worker must be gone."""
+    from tpuoffload.sim.podslice import PodSlice
+
+    pods = []
+
+    def make(spec, chaos=None, **kw):
+        pod = PodSlice(spec, chaos, log_dir=str(tmp_path / f"slice{len(pods)}"), **kw)
+        pods.append(pod)
+        return pod
+
+    yield make
+    for pod in pods:
+        pod.close()
+    for pod in pods:
+        assert_gone(pod.procs)

@@ -97,7 +97,6 @@ def test_corrupt_chunk_files_fail_the_fetch_everywhere_and_are_recomputed(tmp_pa
     assert totals[C.DISK_READ_FAILED] > 0
     assert totals[C.LOAD_ERRORS] == 0  # a failed fetch never became loadable, so nothing loads garbage
     _assert_clean(engine)
-    # The broken files are gone; every fetch failed, so the scheduler holds none of them either.
     engine.close()
 
 
@@ -117,12 +116,12 @@ def test_disk_tier_and_warm_restart_together(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_podslice_disk_tier_under_chaos(tmp_path):
+def test_podslice_disk_tier_under_chaos(make_slice, tmp_path):
     """Two JAX processes, host RAM of 12 chunks, the disk tier below it, and a storm: a slow disk on
     host 0, failed disk writes and reads on host 1, slow and failing saves, lost and doubled
     reports, aborts. Byte-exact on every host, identical dispatch digests at every step, the disk
     budget never exceeded."""
-    from tpuoffload.sim.podslice import Chaos, PodSlice, SliceSpec
+    from tpuoffload.sim.podslice import Chaos, SliceSpec
     from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 
     config = {"num_cpu_chunks": RAM_CHUNKS, "disk_path": str(tmp_path / "disk-{host}"), "disk_bytes_to_use": DISK_BYTES,
@@ -133,21 +132,19 @@ def test_podslice_disk_tier_under_chaos(tmp_path):
                                 num_requests=24, waves=3, arrivals_per_step=4, seed=2)
     # The storm, with one disk failure in ten on host 1 (a chunk spills only if every host wrote it).
     chaos = dataclasses.replace(Chaos.storm(2, seed=4), fail_disk_rate=0.1)
-    with PodSlice(spec, chaos, log_dir=str(tmp_path / "logs")) as pod:
-        capacity = DiskIndex.capacity(DISK_BYTES, pod.offload.chunk_bytes)
+    pod = make_slice(spec, chaos)
+    capacity = DiskIndex.capacity(DISK_BYTES, pod.offload.chunk_bytes)
 
-        def check_budget(p):
-            for d, n in _files(tmp_path).items():
-                assert n <= capacity, (d, n, capacity)
+    def check_budget(p):
+        for d, n in _files(tmp_path).items():
+            assert n <= capacity, (d, n, capacity)
 
-        res = run_prefix_repetition(pod, workload, on_step=check_budget)
-        assert res.wrong_outputs == [] and res.finished + res.aborted == res.requests, res
-        states = pod.worker_state()
-        assert all(s["mismatches"] == 0 and s["positions_verified"] > 0 for s in states), states
-        assert all(len(set(step)) == 1 for step in pod.digests)
-        totals = pod.stats.totals()
-        assert totals[C.SPILLS_CONFIRMED] > 0 and totals[C.SPILLS_DROPPED] > 0, totals  # host 1's failed writes
-        assert totals[C.FETCHES_ISSUED] > 0, totals
-        assert totals[C.DISK_WRITE_FAILED] + totals[C.DISK_READ_FAILED] > 0, totals
-    for proc in pod.procs:
-        assert proc.poll() is not None
+    res = run_prefix_repetition(pod, workload, on_step=check_budget)
+    assert res.wrong_outputs == [] and res.finished + res.aborted == res.requests, res
+    states = pod.worker_state()
+    assert all(s["mismatches"] == 0 and s["positions_verified"] > 0 for s in states), states
+    assert all(len(set(step)) == 1 for step in pod.digests)
+    totals = pod.stats.totals()
+    assert totals[C.SPILLS_CONFIRMED] > 0 and totals[C.SPILLS_DROPPED] > 0, totals  # host 1's failed writes
+    assert totals[C.FETCHES_ISSUED] > 0, totals
+    assert totals[C.DISK_WRITE_FAILED] + totals[C.DISK_READ_FAILED] > 0, totals

@@ -19,35 +19,12 @@ from tpuoffload.sim.podslice import (Chaos, DigestMismatch, PodSlice, PointFault
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty
 
+from conftest import assert_gone
+
 # A prefix_repetition workload: 4 prefixes x 12 blocks of 16 tokens, 8-16 token suffixes, 4-8
 # output tokens, 24 requests per wave, 2 waves with reset_prefix_cache() between them.
 WORKLOAD = PrefixRepetition(num_prefixes=4, prefix_blocks=12, suffix_len=(8, 16), output_len=(4, 8),
                             num_requests=24, waves=2, arrivals_per_step=4, seed=0)
-
-
-def _assert_gone(procs) -> None:
-    assert procs, "no worker processes were recorded"
-    for proc in procs:
-        assert proc.poll() is not None, f"worker {proc.pid} still running"
-        with pytest.raises(ProcessLookupError):
-            os.killpg(proc.pid, 0)  # its whole process group is gone too
-
-
-@pytest.fixture
-def make_slice(tmp_path):
-    """Build PodSlices whose logs go to tmp_path; after the test every worker must be gone."""
-    pods: list[PodSlice] = []
-
-    def make(spec: SliceSpec, chaos: Chaos | None = None, **kw) -> PodSlice:
-        pod = PodSlice(spec, chaos, log_dir=str(tmp_path / f"slice{len(pods)}"), **kw)
-        pods.append(pod)
-        return pod
-
-    yield make
-    for pod in pods:
-        pod.close()
-    for pod in pods:
-        _assert_gone(pod.procs)
 
 
 def _spec(num_hosts: int, devices_per_host: int, num_blocks: int, **extra) -> SliceSpec:
@@ -193,7 +170,7 @@ def test_killed_worker_fails_fast(make_slice):
     assert time.monotonic() - killed_at[0] < 10, "a dead host must fail the run within seconds"
     assert "host 1 died" in str(err.value) and "SIGKILL" in str(err.value)
     pod.close()
-    _assert_gone(pod.procs)
+    assert_gone(pod.procs)
 
 
 @pytest.mark.timeout(300)
@@ -213,7 +190,7 @@ def test_hung_worker_times_out(make_slice):
     assert "did not answer" in msg and "[0]" in msg
     assert pod.log_path(0) in msg
     pod.close()  # SIGKILL works on a stopped process group
-    _assert_gone(pod.procs)
+    assert_gone(pod.procs)
 
 
 @pytest.mark.timeout(300)
@@ -233,7 +210,7 @@ def test_worker_start_failure_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(SliceError) as err:
         PodSlice(_spec(2, 1, num_blocks=48), Chaos(broken="no-such-bug"), log_dir=str(tmp_path))
     assert "unknown broken variant" in str(err.value)
-    _assert_gone(started)
+    assert_gone(started)
 
 
 def test_misplaced_dispatch_detector():

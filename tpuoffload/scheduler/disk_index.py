@@ -66,9 +66,7 @@ class DiskIndex:
         """Chunks just evicted from host RAM go to disk (those not there already)."""
         if not len(slots):
             return _EMPTY_BATCH
-        new = self.index.find(keys) < 0
-        _, first = np.unique(keys.k1, return_index=True)
-        new &= np.isin(np.arange(len(keys)), first)
+        new, _, _ = self.index.select_new(keys)
         slots, save_ids, keys = slots[new], save_ids[new], keys.take(new)
         entries = self.index.allocate(len(slots))
         self._forget(entries[self._held[entries]])  # evicted from disk: the hosts delete them

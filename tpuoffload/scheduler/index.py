@@ -350,9 +350,10 @@ class ChunkIndex:
 
     def take_evicted(self) -> tuple[np.ndarray, np.ndarray, HashKeys]:
         """(slots, save ids, keys) of the chunks evicted since the last call, oldest first."""
-        parts, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        parts = self._evicted
         if not parts:
             return _EMPTY, _EMPTY, HashKeys.of([])
+        self._evicted = []
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                 HashKeys(np.concatenate([p[2].k1 for p in parts]), np.concatenate([p[2].k2 for p in parts])))
 

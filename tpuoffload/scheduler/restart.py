@@ -132,11 +132,7 @@ class WarmRestart:
         ok[ok] = self.index.free_slots_mask(slots[ok])
         common = common[ok]
         keys = HashKeys(common["k1"].copy(), common["k2"].copy())
-        new = self.index.find(keys) < 0
-        _, first = np.unique(keys.k1, return_index=True)
-        unique = np.zeros(len(keys), bool)
-        unique[first] = True
-        keep = new & unique
+        keep, _, _ = self.index.select_new(keys)  # one chunk per hash, none already held (invariant 5)
         common, keys = common[keep], keys.take(keep)
         self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"])
         self.counters[C.RESTORED_READY] += len(common)
@@ -182,7 +178,3 @@ class WarmRestart:
             logger.warning("tpuoffload persist: checkpoint %s failed: %s", cp.seq, reason)
         if cp.request is not None:
             self._watcher.complete(cp.request, cp.ok, cp.seq, reason)
-
-    def pending(self) -> int:
-        """1 while a checkpoint or the restore is unresolved (a gauge)."""
-        return int(self._checkpoint is not None or self._restored is not None)

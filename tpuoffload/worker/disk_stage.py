@@ -74,9 +74,11 @@ class DiskStage:
 
     # ---------------------------------------------------------------- per step (main thread)
     def run(self, step: int, drop: DiskBatch, spill: DiskBatch, fetch: DiskBatch) -> None:
-        self._install_due(step)
-        for h in _hashes(drop):
-            self.tier.delete(h)
+        if self._fetches:
+            self._install_due(step)
+        if len(drop):
+            for h in _hashes(drop):
+                self.tier.delete(h)
         if len(spill):
             self._spill(spill)
         if len(fetch):
