@@ -384,6 +384,28 @@ def test_startup_scan(tmp_path):
         assert t.scan_report.adopted == 0 and t.scan_report.removed_invalid == 3
 
 
+def test_chunk_files_of_another_deployment_are_deleted_not_adopted(tmp_path):
+    """A start adopts chunk files only if they were written for the same deployment (the warm-restart
+    fingerprint); a start that names none adopts nothing, and a later start cannot take its files."""
+    path = str(tmp_path / "d")
+    with DiskTier(path, 4 * FILE, SLOT, deployment="model A") as t:
+        for i in range(3):
+            write_ok(t, key(i), row(i))
+    with DiskTier(path, 4 * FILE, SLOT, deployment="model A") as t:  # the same deployment: adopted
+        assert t.scan_report.adopted == 3 and np.array_equal(read(t, key(1)).data, row(1))
+    with DiskTier(path, 4 * FILE, SLOT, deployment="model B") as t:  # another: deleted, never read
+        r = t.scan_report
+        assert (r.adopted, r.removed_foreign) == (0, 3) and len(t) == 0
+        assert read(t, key(1)).error == ReadError.ABSENT
+        write_ok(t, key(7), row(7))
+    with DiskTier(path, 4 * FILE, SLOT, deployment=None) as t:  # unknown: nothing adopted ...
+        assert (t.scan_report.adopted, t.scan_report.removed_foreign) == (0, 1)
+        write_ok(t, key(8), row(8))
+    with DiskTier(path, 4 * FILE, SLOT) as t:  # ... and what it wrote belongs to no deployment
+        assert (t.scan_report.adopted, t.scan_report.removed_foreign) == (0, 1)
+    assert sorted(os.listdir(path)) == [".lock", "DEPLOYMENT"]
+
+
 def test_one_tier_per_directory_and_bad_arguments(tmp_path):
     path = str(tmp_path / "d")
     with DiskTier(path, 2 * FILE, SLOT):

@@ -3,7 +3,8 @@
 Host RAM holds a few chunks; the disk far more. Chunks evicted from host RAM spill to every host's
 disk; a prefix that continues on disk comes back into host RAM (the request waits for it) and is
 loaded like any other, byte-exact. A corrupted or missing file on one host fails the fetch on every
-host alike (vLLM recomputes; no retry loop), and the disk budget is never exceeded.
+host alike (vLLM recomputes; no retry loop), and the disk budget is never exceeded. With warm
+restart the chunk files survive a restart: those every host kept alike are fetched again.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import time
 
 import pytest
 
@@ -101,18 +103,30 @@ def test_corrupt_chunk_files_fail_the_fetch_everywhere_and_are_recomputed(tmp_pa
 
 
 def test_disk_tier_and_warm_restart_together(tmp_path):
-    """A restart keeps host RAM (checkpoint) while the disk tier goes on below it."""
+    """A restart keeps host RAM (checkpoint) and the disk tier's chunk files (written under the same
+    deployment): the same prompts come back from both, byte-exact. A start without warm restart
+    keeps no file: it could not tell which deployment wrote them."""
     persist = str(tmp_path / "ckpt")
     first = _engine(tmp_path, persist_path=persist)
     capacity = DiskIndex.capacity(DISK_BYTES, first.offload.chunk_bytes)
-    _run(first, _wave("a"), tmp_path, capacity)
+    for wave in ("a", "b"):  # the first start skips saves until it has the restore reports
+        _run(first, _wave(wave), tmp_path, capacity)
+        assert first.scheduler.reset_prefix_cache()
+    assert first.stats.totals()[C.SPILLS_CONFIRMED] > 0
     first.close()
+    on_disk = sum(_files(tmp_path).values())
     second = _engine(tmp_path, persist_path=persist)
-    _run(second, _wave("b"), tmp_path, capacity)
+    _run(second, _wave("c"), tmp_path, capacity)  # the same prompts
     totals = second.stats.totals()
-    assert totals[C.RESTORED_READY] > 0 and totals[C.SPILLS_CONFIRMED] > 0
+    assert totals[C.RESTORED_READY] > 0 and totals[C.DISK_RESTORED_READY] == on_disk > 0, totals
+    assert totals[C.FETCHES_ISSUED] > 0 and totals[C.FETCHES_FAILED] == 0, totals
+    assert totals[C.HIT_TOKENS] > 0 and totals[C.LOAD_ERRORS] == 0 and totals[C.SPILLS_CONFIRMED] > 0
     _assert_clean(second)
     second.close()
+    assert sum(_files(tmp_path).values()) > 0
+    third = _engine(tmp_path)
+    assert sum(_files(tmp_path).values()) == 0
+    third.close()
 
 
 @pytest.mark.timeout(420)
@@ -148,3 +162,48 @@ def test_podslice_disk_tier_under_chaos(make_slice, tmp_path):
     assert totals[C.SPILLS_CONFIRMED] > 0 and totals[C.SPILLS_DROPPED] > 0, totals  # host 1's failed writes
     assert totals[C.FETCHES_ISSUED] > 0, totals
     assert totals[C.DISK_WRITE_FAILED] + totals[C.DISK_READ_FAILED] > 0, totals
+
+
+@pytest.mark.timeout(420)
+def test_podslice_restart_indexes_the_files_every_host_kept(make_slice, tmp_path):
+    """Two JAX processes with host RAM, the disk tier and warm restart. Between the two starts one
+    chunk file disappears from host 1's disk: after the restart the chunks on both disks come back
+    (fetched, then loaded) byte-exact on every host, the lost one is not fetched anywhere (no fetch
+    fails) and host 0 deletes its copy; every host dispatched the same at every step."""
+    from tpuoffload.sim.podslice import SliceSpec
+    from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
+
+    config = {"num_cpu_chunks": RAM_CHUNKS, "disk_path": str(tmp_path / "disk-{host}"), "disk_bytes_to_use": DISK_BYTES,
+              "persist_path": str(tmp_path / "ckpt"), "persist_timeout_s": 60.0, "save_timeout_s": 5.0,
+              "load_wait_timeout_s": 2.0}
+    spec = SliceSpec(num_hosts=2, devices_per_host=2, num_kv_heads=8, num_blocks=48, max_num_seqs=16,
+                     max_num_batched_tokens=256, extra_config=config, step_timeout_s=90.0)
+
+    def serve(pod, waves: int):
+        workload = PrefixRepetition(num_prefixes=4, prefix_blocks=8, suffix_len=(8, 16), output_len=(4, 8),
+                                    num_requests=24, waves=waves, arrivals_per_step=4, seed=2)
+        res = run_prefix_repetition(pod, workload)
+        assert res.wrong_outputs == [] and res.finished + res.aborted == res.requests, res
+        states = pod.worker_state()
+        assert all(s["mismatches"] == 0 and s["positions_verified"] > 0 for s in states), states
+        assert all(len(set(step)) == 1 for step in pod.digests)
+        return pod.stats.totals()
+
+    first = make_slice(spec)
+    assert serve(first, waves=3)[C.SPILLS_CONFIRMED] > 0
+    first.shutdown()
+    names = [sorted(glob.glob(str(tmp_path / f"disk-{h}" / "*.kv"))) for h in range(2)]
+    assert [os.path.basename(n) for n in names[0]] == [os.path.basename(n) for n in names[1]] and names[0]
+    lost = names[1][0]
+    os.unlink(lost)
+    host0_copy = names[0][0]
+    restarted = time.time()
+
+    second = make_slice(spec)
+    totals = serve(second, waves=1)
+    assert totals[C.DISK_RESTORED_READY] == len(names[0]) - 1 and totals[C.DISK_RESTORED_DROPPED] == 1, totals
+    assert totals[C.FETCHES_ISSUED] > 0 and totals[C.FETCHES_FAILED] == 0 and totals[C.LOAD_ERRORS] == 0, totals
+    assert totals[C.CHUNKS_LOADED] > 0
+    # host 0 deleted its copy (the same chunk may have been spilled again since, as a new file)
+    assert not os.path.exists(host0_copy) or os.path.getmtime(host0_copy) > restarted
+    second.close()

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from tpuoffload import counters as C
-from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport
+from tpuoffload.messages import DISK_ROW, RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, unpack_keys
 from tpuoffload.persist.request import read_done, request_checkpoint
+from tpuoffload.scheduler.disk_index import DiskIndex
 from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import READY, ChunkIndex
 from tpuoffload.scheduler.restart import WarmRestart
@@ -129,6 +130,35 @@ def test_reset_revokes_on_every_host_and_drops_a_pending_restore(tmp_path):
     assert part.take_revoke() == 77 and part.take_revoke() is None
     part.on_report(OffloadWorkerReport(restored={1: rows((1, 10, 100))}))
     assert len(index) == 0 and not part.saves_blocked
+
+
+def disk_rows(*entries: tuple[int, int]) -> bytes:
+    """DISK_ROW rows of (disk id, k1); k2 = k1 + 1."""
+    out = np.zeros(len(entries), DISK_ROW)
+    for i, (disk_id, k1) in enumerate(entries):
+        out[i] = (disk_id, k1, k1 + 1)
+    return out.tobytes()
+
+
+def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted(tmp_path):
+    counters: Counter[str] = Counter()
+    disk = DiskIndex(4, 2, counters, Clock(), 30.0)
+    part = WarmRestart(str(tmp_path), 0.0, 30.0, ChunkIndex(16, counters=counters), 2, counters, Clock(), disk)
+    # least recently used first; host 1 lost 200's file and holds 300 under another disk id
+    part.on_report(OffloadWorkerReport(restored={0: b""},
+                                       disk_restored={0: disk_rows((7, 100), (3, 200), (9, 300), (4, 500))}))
+    assert len(disk.index) == 0  # host 1 has not reported
+    part.on_report(OffloadWorkerReport(restored={1: b""},
+                                       disk_restored={1: disk_rows((4, 500), (7, 100), (5, 300), (6, 400))}))
+    assert not part.saves_blocked
+    assert [disk.index.slot_of(key(k)) is not None for k in (100, 200, 300, 400, 500)] == [True, False, False,
+                                                                                          False, True]
+    # fetchable, under the disk id each file was written with, in host 0's recency order
+    entries = [disk.index.slot_of(key(k)) for k in (100, 500)]
+    assert disk.ready_prefix([key(100), key(500), key(300)]) == entries
+    assert list(disk.index.save_ids(np.array(entries))) == [7, 4] and disk.index.lru_order() == entries
+    assert sorted(unpack_keys(disk.take_drops().keys)[:, 0]) == [200, 300, 400]  # deleted on every host
+    assert counters[C.DISK_RESTORED_READY] == 2 and counters[C.DISK_RESTORED_DROPPED] == 3
 
 
 def test_a_report_of_restored_rows_only_survives_vllms_aggregator():

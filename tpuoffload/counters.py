@@ -84,6 +84,8 @@ FETCHES_FAILED = "fetches_failed"
 # ---- scheduler half: warm restart ----
 RESTORED_READY = "restored_ready"
 RESTORED_DROPPED = "restored_dropped"
+DISK_RESTORED_READY = "disk_restored_ready"
+DISK_RESTORED_DROPPED = "disk_restored_dropped"
 CHECKPOINTS_PLANNED = "checkpoints_planned"
 CHECKPOINTS_COMMITTED = "checkpoints_committed"
 CHECKPOINTS_FAILED = "checkpoints_failed"
@@ -147,6 +149,8 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(SKIPPED_CHECKPOINT, _S, "Chunk saves skipped: a checkpoint was being written or restored"),
     CounterInfo(RESTORED_READY, _S, "Restored chunks every host held identically (loadable after a restart)"),
     CounterInfo(RESTORED_DROPPED, _S, "Restored chunks dropped: not held alike by every host, or reused meanwhile"),
+    CounterInfo(DISK_RESTORED_READY, _S, "Chunk files every host's disk tier kept identically (fetchable after a restart)"),
+    CounterInfo(DISK_RESTORED_DROPPED, _S, "Chunk files kept by some host's disk tier but not by every host alike (deleted)"),
     CounterInfo(CHECKPOINTS_PLANNED, _S, "Checkpoints planned (operator request or interval)"),
     CounterInfo(CHECKPOINTS_COMMITTED, _S, "Planned checkpoints every host committed"),
     CounterInfo(CHECKPOINTS_FAILED, _S, "Planned checkpoints that failed on some host"),

@@ -152,6 +152,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # Warm restart, once per host at start-up: the chunks it restored, packed RESTORED_ROW rows
     # (b"" when it started cold).
     restored: dict[int, bytes] = field(default_factory=dict)
+    # ... and, with the disk tier, the chunk files it kept (packed DISK_ROW rows, least recent first).
+    disk_restored: dict[int, bytes] = field(default_factory=dict)
     # Checkpoints this host resolved: host -> ((step it was planned in, checkpoint number, ok), ...).
     checkpoints: dict[int, tuple[tuple[int, int, bool], ...]] = field(default_factory=dict)
 
@@ -172,7 +174,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     def hosts(self) -> set[int]:
         return (set(self.saved) | set(self.failed) | set(self.disk_saved) | set(self.disk_failed)
-                | set(self.restored) | set(self.checkpoints))
+                | set(self.restored) | set(self.disk_restored) | set(self.checkpoints))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
         """Invariant 7: a union per host, idempotent and order-free (vLLM's KVOutputAggregator
@@ -184,7 +186,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed),
                                    _merge_maps(self.disk_saved, other.disk_saved),
                                    _merge_maps(self.disk_failed, other.disk_failed),
-                                   {**self.restored, **other.restored}, checkpoints)
+                                   {**self.restored, **other.restored},
+                                   {**self.disk_restored, **other.disk_restored}, checkpoints)
 
 
 # ---------------------------------------------------------------------------- warm restart rows
@@ -193,6 +196,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 RESTORED_BASE = 1 << 62
 #: One restored chunk as a host reports it: slot, the save id it was checkpointed under, k1, k2.
 RESTORED_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
+#: One chunk file a host's disk tier kept at start-up: the disk id it was written under, k1, k2.
+DISK_ROW = np.dtype([("disk_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
 
 
 def pack_keys(k1: np.ndarray, k2: np.ndarray) -> bytes:

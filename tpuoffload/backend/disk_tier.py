@@ -55,6 +55,11 @@ Contracts
   of this ``slot_bytes`` are adopted, newest first, up to the budget (their payload checksum is
   checked when they are read); files with a bad header, another size or beyond the budget are
   deleted. Other files are left alone and not counted: give the tier a directory of its own.
+* Deployment: ``deployment`` names what the chunks are valid for (the warm-restart fingerprint:
+  model, cache layout, hosts). It is kept in the file ``DEPLOYMENT``; a start whose ``deployment``
+  differs from it (a missing file reads ``""``) deletes every chunk file instead of adopting it,
+  then records its own. ``None`` adopts nothing and records a name no later start can give, so
+  the files this start writes are never adopted either.
 * Threads: one lock guards the index, the LRU order and the unit count; file I/O runs on the
   tier's own pool, never under the lock. ``faults`` (``DiskFaults``) is called on the pool threads
   and may sleep (slow disk) or raise (failed write/read).
@@ -85,6 +90,7 @@ HEADER_BYTES = 4096
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
+DEPLOYMENT_NAME = "DEPLOYMENT"
 _FIXED = struct.Struct("<8sIIqQIH")  # magic, version, header bytes, save id, payload bytes, payload crc, hash len
 _CRC = struct.Struct("<I")
 MAX_HASH_BYTES = HEADER_BYTES - _FIXED.size - _CRC.size
@@ -97,6 +103,7 @@ DISK_LEAKED_UNITS = "disk_leaked_units"  # a victim's unlink failed: its unit st
 DISK_REMOVED_TMP = "disk_removed_tmp"
 DISK_REMOVED_INVALID = "disk_removed_invalid"
 DISK_REMOVED_OVER_BUDGET = "disk_removed_over_budget"
+DISK_REMOVED_FOREIGN = "disk_removed_foreign"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,7 @@ class ScanReport:
     removed_tmp: int = 0
     removed_invalid: int = 0
     removed_over_budget: int = 0
+    removed_foreign: int = 0  # chunk files of another deployment
 
 
 class DiskFaults:
@@ -213,7 +221,7 @@ def decode_header(buf: bytes | memoryview) -> tuple[ChunkKey, int, int]:
 
 class DiskTier:
     def __init__(self, path: str, capacity_bytes: int, slot_bytes: int, *, threads: int = 2,
-                 fsync: bool = False, faults: DiskFaults | None = None) -> None:
+                 fsync: bool = False, faults: DiskFaults | None = None, deployment: str | None = "") -> None:
         if not isinstance(slot_bytes, int) or slot_bytes <= 0:
             raise DiskTierError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
@@ -227,6 +235,7 @@ class DiskTier:
             raise DiskTierError(f"disk_bytes_to_use={capacity_bytes} is smaller than one chunk file "
                                 f"({self.file_bytes} bytes)")
         self.fsync = fsync
+        self.deployment = deployment
         self._faults = faults or DiskFaults()
         os.makedirs(self.path, exist_ok=True)
         self._lock_fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -507,7 +516,8 @@ class DiskTier:
     def _scan(self) -> ScanReport:
         """Adopt valid chunk files (newest first, within the budget); delete temp files, invalid
         files and files over the budget. Runs in the constructor, before any thread exists."""
-        removed_tmp = removed_invalid = removed_over = 0
+        removed_tmp = removed_invalid = removed_over = removed_foreign = 0
+        foreign = self.deployment is None or _read_text(os.path.join(self.path, DEPLOYMENT_NAME)) != self.deployment
         found: list[tuple[float, str, ChunkKey]] = []
         with os.scandir(self.path) as it:
             names = [(e.name, e) for e in it if e.is_file(follow_symlinks=False)]
@@ -519,6 +529,10 @@ class DiskTier:
                 continue
             if not name.endswith(SUFFIX):
                 continue  # not ours: left alone, not counted
+            if foreign:
+                _unlink(full)
+                removed_foreign += 1
+                continue
             key = self._valid_file(full, name, dirent)
             if key is None:
                 _unlink(full)
@@ -534,12 +548,27 @@ class DiskTier:
             self._entries[key.hash] = _Entry(key)
             self._lru[key.hash] = None
         self._units = len(keep)
-        report = ScanReport(len(keep), removed_tmp, removed_invalid, removed_over)
+        if foreign:  # after the deletions: a crash before this line leaves the old record
+            self._record_deployment()
+        report = ScanReport(len(keep), removed_tmp, removed_invalid, removed_over, removed_foreign)
         self.counters[DISK_ADOPTED] += report.adopted
         self.counters[DISK_REMOVED_TMP] += removed_tmp
         self.counters[DISK_REMOVED_INVALID] += removed_invalid
         self.counters[DISK_REMOVED_OVER_BUDGET] += removed_over
+        self.counters[DISK_REMOVED_FOREIGN] += removed_foreign
         return report
+
+    def _record_deployment(self) -> None:
+        # None: a record no later start can name, so nothing this start writes is ever adopted.
+        deployment = f"unknown {uuid.uuid4().hex}" if self.deployment is None else self.deployment
+        record = os.path.join(self.path, DEPLOYMENT_NAME)
+        tmp = record + TMP_SUFFIX
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(deployment)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, record)
+        _fsync_dir(self.path)
 
     def _valid_file(self, full: str, name: str, dirent: os.DirEntry) -> ChunkKey | None:
         try:
@@ -586,6 +615,15 @@ def _read_all(fd: int, view: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+def _read_text(path: str) -> str:
+    """A small text file's contents; "" if it does not exist."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _unlink(path: str) -> None:

@@ -55,7 +55,7 @@ class DiskIndex:
         self.timeout_s = timeout_s
         self._keys = np.zeros((num_chunks, 2), np.uint64)  # what each disk chunk number holds ...
         self._held = np.zeros(num_chunks, bool)  # ... while this is set (the hosts may have its file)
-        self._drops: list[np.ndarray] = []  # chunk numbers whose files the hosts must delete
+        self._drops: list[np.ndarray] = []  # (n, 2) hash keys of chunk files the hosts must delete
 
     @staticmethod
     def capacity(disk_bytes: int, chunk_bytes: int) -> int:
@@ -100,14 +100,38 @@ class DiskIndex:
     def take_drops(self) -> DiskBatch:
         if not self._drops:
             return _EMPTY_BATCH
-        entries = np.concatenate(self._drops)
+        keys = np.concatenate(self._drops)
         self._drops = []
-        return DiskBatch(keys=pack_keys(self._keys[entries, 0], self._keys[entries, 1]))
+        return DiskBatch(keys=pack_keys(keys[:, 0], keys[:, 1]))
 
     def _forget(self, entries: np.ndarray) -> None:
         if len(entries):
             self._held[entries] = False
-            self._drops.append(entries.copy())
+            self._drops.append(self._keys[entries])
+
+    # ---------------------------------------------------------------- warm restart
+    def adopt(self, kept: list[np.ndarray]) -> tuple[int, int]:
+        """Warm restart: the chunk files every host kept alike (``DISK_ROW`` rows of each host, least
+        recently used first) become READY under the disk ids they were written with, in host 0's
+        recency order; every other file a host kept is deleted on every host. Call before the
+        first spill (no save is planned until the restore is settled). Returns (adopted, dropped)."""
+        common = kept[0]
+        for rows in kept[1:]:
+            common = common[np.isin(_void(common), _void(rows))]
+        keys = HashKeys(common["k1"].copy(), common["k2"].copy())
+        keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
+        common, keys = common[keep], keys.take(keep)
+        free = np.flatnonzero(self.index.free_slots_mask(np.arange(self.index.num_slots)))
+        skip = max(0, len(common) - len(free))  # the most recently used fit
+        common, keys, entries = common[skip:], keys.take(slice(skip, None)), free[:len(common) - skip]
+        self.index.adopt(keys, entries, common["disk_id"])
+        self._keys[entries, 0], self._keys[entries, 1] = keys.k1, keys.k2
+        self._held[entries] = True
+        offered = np.unique(_void(_hash_keys(np.concatenate(kept))))
+        others = offered[~np.isin(offered, _void(_hash_keys(common)))]
+        if len(others):
+            self._drops.append(np.frombuffer(others.tobytes(), "<u8").reshape(-1, 2))
+        return len(entries), len(others)
 
     # ---------------------------------------------------------------- fetches
     def ready_prefix(self, hashes) -> list[int]:
@@ -130,6 +154,18 @@ class DiskIndex:
 
     def leak_report(self) -> dict[str, int]:
         return {"disk_ledger_pending": len(self.ledger), "disk_pinned": self.index.num_pinned()}
+
+
+def _void(rows: np.ndarray) -> np.ndarray:
+    """Rows (structured, or of a 2-D array) as opaque byte strings, for whole-row set operations."""
+    rows = np.ascontiguousarray(rows)
+    size = rows.dtype.itemsize * (rows.shape[1] if rows.ndim == 2 else 1)
+    return rows.view(np.dtype((np.void, size))).reshape(-1)
+
+
+def _hash_keys(rows: np.ndarray) -> np.ndarray:
+    """(n, 2) uint64 hash keys of DISK_ROW rows."""
+    return np.stack([rows["k1"], rows["k2"]], axis=1)
 
 
 class FetchPlanner:

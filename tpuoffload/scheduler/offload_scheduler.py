@@ -98,7 +98,7 @@ class OffloadScheduler:
                                         self.loads.take_lookup)
             self.index.record_evictions()
         self.restart = WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
-                                   self.index, num_hosts, self.counters, lambda: self.clock())
+                                   self.index, num_hosts, self.counters, lambda: self.clock(), self.disk)
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
         self._stats_seq = 0

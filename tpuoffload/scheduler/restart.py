@@ -9,7 +9,10 @@ first steps' saves may already have reused it: their bytes replaced the restored
 hash is not held already. Restored chunks enter the LRU order oldest save first. Until every host
 reported (the first step's outputs) no save is planned, so no save takes a restored slot, and
 restored chunks are not loadable; if a report never comes (``timeout_s``), or a connector reset
-comes first, nothing is adopted (counted in ``restored_dropped``).
+comes first, nothing is adopted (counted in ``restored_dropped``). With the disk tier, the same
+reports carry the chunk files each host's tier kept (written under the same fingerprint); those
+every host kept alike are indexed again (``DiskIndex.adopt``), the others deleted everywhere.
+Files kept by a restore that was given up are never fetched, and the tiers evict them first.
 
 Checkpoints. An operator request (``CHECKPOINT_REQUEST`` in ``persist_path``, polled once a
 second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the step's metadata:
@@ -33,8 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport
+from tpuoffload.messages import DISK_ROW, RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport
 from tpuoffload.persist import CheckpointRequest, RequestWatcher
+from tpuoffload.scheduler.disk_index import DiskIndex
 from tpuoffload.scheduler.hash_table import HashKeys
 from tpuoffload.scheduler.index import ChunkIndex
 
@@ -56,9 +60,11 @@ class _Checkpoint:
 
 class WarmRestart:
     def __init__(self, persist_path: str | None, interval_s: float, timeout_s: float, index: ChunkIndex,
-                 num_hosts: int, counters: Counter[str], clock: Callable[[], float]) -> None:
+                 num_hosts: int, counters: Counter[str], clock: Callable[[], float],
+                 disk: DiskIndex | None = None) -> None:
         self.enabled = persist_path is not None
         self.index = index
+        self.disk = disk
         self.num_hosts = num_hosts
         self.counters = counters
         self.clock = clock
@@ -69,6 +75,7 @@ class WarmRestart:
         self._next_due = now + interval_s if interval_s else math.inf
         self._restore_deadline = now + timeout_s
         self._restored: dict[int, np.ndarray] | None = {} if self.enabled else None  # None: settled
+        self._disk_kept: dict[int, np.ndarray] = {}  # host -> DISK_ROW rows, until settled
         self._checkpoint: _Checkpoint | None = None
         self._revoke_below: int | None = None
 
@@ -114,9 +121,12 @@ class WarmRestart:
             for host, rows in report.restored.items():
                 if 0 <= host < self.num_hosts:
                     self._restored[host] = np.frombuffer(rows, RESTORED_ROW)
+                    self._disk_kept[host] = np.frombuffer(report.disk_restored.get(host, b""), DISK_ROW)
             if len(self._restored) == self.num_hosts:
                 self._adopt(self._restored)
-                self._restored = None
+                if self.disk is not None:
+                    self._adopt_disk([self._disk_kept[h] for h in range(self.num_hosts)])
+                self._restored, self._disk_kept = None, {}
         for host, done in report.checkpoints.items():
             for step, seq, ok in done:
                 self._checkpoint_reported(host, step, seq, ok)
@@ -140,6 +150,13 @@ class WarmRestart:
         logger.info("tpuoffload persist: %d restored chunks loadable (%d dropped: not on every host alike, "
                     "or their slot was reused first)", len(common), offered - len(common))
 
+    def _adopt_disk(self, kept: list[np.ndarray]) -> None:
+        adopted, dropped = self.disk.adopt(kept)
+        self.counters[C.DISK_RESTORED_READY] += adopted
+        self.counters[C.DISK_RESTORED_DROPPED] += dropped
+        logger.info("tpuoffload persist: %d chunk files on disk fetchable (%d deleted: not kept alike by every "
+                    "host)", adopted, dropped)
+
     def _give_up_restore(self, why: str) -> None:
         if self._restored is None:
             return
@@ -147,7 +164,7 @@ class WarmRestart:
         self.counters[C.RESTORED_DROPPED] += offered
         logger.warning("tpuoffload persist: restored chunks not used: %s (hosts reported: %s)", why,
                        sorted(self._restored))
-        self._restored = None
+        self._restored, self._disk_kept = None, {}
 
     def _checkpoint_reported(self, host: int, step: int, seq: int, ok: bool) -> None:
         cp = self._checkpoint

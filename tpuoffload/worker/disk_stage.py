@@ -35,7 +35,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.backend.disk_tier import ChunkKey, DiskFaults, DiskTier
-from tpuoffload.messages import DiskBatch, unpack_keys
+from tpuoffload.messages import DISK_ROW, DiskBatch, unpack_keys
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,14 @@ class _Fetch:
 
 class DiskStage:
     def __init__(self, engine: TransferEngine, path: str, capacity_bytes: int, read_timeout_s: float,
-                 faults: DiskFaults | None = None) -> None:
+                 faults: DiskFaults | None = None, deployment: str | None = None) -> None:
+        """``deployment``: with warm restart, the fingerprint that chunk files kept from an earlier
+        start must have been written under (None: none is kept, see DiskTier)."""
         if any(g.num_shards > 1 for g in engine.layout.groups):
             raise ValueError("the disk tier does not support layouts whose blocks are split across hosts by data "
                              "parallelism yet; unset disk_path")
         self.engine = engine
-        self.tier = DiskTier(path, capacity_bytes, engine.disk_chunk_bytes, faults=faults)
+        self.tier = DiskTier(path, capacity_bytes, engine.disk_chunk_bytes, faults=faults, deployment=deployment)
         self.read_timeout_s = read_timeout_s
         self._fetches: list[_Fetch] = []  # main thread only
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="disk-spill")
@@ -71,6 +73,17 @@ class DiskStage:
         self._counted: Counter[str] = Counter()
         logger.info("tpuoffload disk tier at %s: %d chunk files of %d bytes (%d adopted at start-up)",
                     self.tier.path, self.tier.capacity_chunks, self.tier.file_bytes, self.tier.scan_report.adopted)
+
+    def kept_rows(self) -> bytes:
+        """The chunk files kept from an earlier start, as a warm restart reports them (``DISK_ROW``,
+        least recently used first); files whose name is not one of our 16-byte keys are left out."""
+        keys = [k for k in self.tier.keys() if len(k.hash) == 16]
+        rows = np.zeros(len(keys), DISK_ROW)
+        if keys:
+            rows["disk_id"] = [k.save_id for k in keys]
+            hashes = np.frombuffer(b"".join(k.hash for k in keys), "<u8").reshape(-1, 2)
+            rows["k1"], rows["k2"] = hashes[:, 0], hashes[:, 1]
+        return rows.tobytes()
 
     # ---------------------------------------------------------------- per step (main thread)
     def run(self, step: int, drop: DiskBatch, spill: DiskBatch, fetch: DiskBatch) -> None:

@@ -23,6 +23,7 @@ gather; every host sees the same, so every host skips it and reports those chunk
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -40,7 +41,7 @@ from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
 from tpuoffload.backend.disk_tier import DiskFaults
-from tpuoffload.persist import PersistFaults
+from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.transfer_engine import TransferEngine
@@ -100,11 +101,11 @@ class OffloadWorker:
             layout=layout,
             transfer_buffer_bytes=self.config.transfer_buffer_bytes,
         )
+        deployment = fingerprint(layout, self.deployment, jax.process_count())
         if self.config.persist_path:
-            self._start_persistence(layout)
+            self._start_persistence(deployment)
         if self.config.disk_path:
-            self.disk = DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
-                                  self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults)
+            self._start_disk(deployment)
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.
@@ -116,15 +117,24 @@ class OffloadWorker:
                     self.engine.backend.nbytes, self.engine.max_chunks_per_transfer * layout.device_bytes_per_chunk,
                     self.engine.max_chunks_per_transfer, self.config.transfer_buffer_bytes, layout.describe())
 
-    def _start_persistence(self, layout: CacheLayout) -> None:
+    def _start_persistence(self, deployment: Fingerprint) -> None:
         """Warm restart: restore the newest matching checkpoint now, before the first step."""
         if self.host_id != jax.process_index():
             raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
                              f"process {jax.process_index()})")
-        self.persistence = HostPersistence(self.config.persist_path, self.engine,
-                                           fingerprint(layout, self.deployment, jax.process_count()),
+        self.persistence = HostPersistence(self.config.persist_path, self.engine, deployment,
                                            self.host_id, self.config.persist_timeout_s, self._persist_faults)
         self.persistence.restore()
+
+    def _start_disk(self, deployment: Fingerprint) -> None:
+        """The disk tier; with warm restart it keeps the chunk files of the same deployment, and the
+        scheduler indexes those that every host kept alike (scheduler/restart.py)."""
+        keep = json.dumps(deployment.to_json(), sort_keys=True) if self.persistence is not None else None
+        self.disk = DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
+                              self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults,
+                              deployment=keep)
+        if self.persistence is not None:
+            self.persistence.disk_rows = self.disk.kept_rows()
 
     # ------------------------------------------------------------------ per step
     def bind(self, meta: OffloadMetadata) -> None:

@@ -7,7 +7,8 @@ stepping, and tears the workers down before the scheduler -- is as complete as o
 
 Restore (``restore``, in ``register_runner``, before the first step, on every host alike): the
 newest complete checkpoint that every host accepts (``Persister.restore``: fingerprint, slot
-layout, checksums) replaces the zeroed stores and the slot table. Each restored chunk's save id
+layout, checksums) replaces the zeroed stores and the slot table. With the disk tier, its chunk
+files written under the same fingerprint are kept too, and reported beside the restored rows. Each restored chunk's save id
 becomes ``RESTORED_BASE + slot``: unique, never issued by the new scheduler (whose ids start at
 0), and the same on every host that restored that slot. The host reports its restored rows
 (``RESTORED_ROW``: slot, old save id, hash keys) once, in its first report; the scheduler makes
@@ -94,6 +95,7 @@ class HostPersistence:
         self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
         self._done: list[tuple[int, int, bool]] = []  # (step planned, number, ok), not yet reported
         self._restored_rows: bytes | None = None  # reported until the scheduler stops waiting
+        self.disk_rows: bytes | None = None  # with the disk tier: its kept files (DiskStage.kept_rows), likewise
         self._rows_sent = False
         self._last_done: tuple[int, int, bool] | None = None  # the last checkpoint resolved (repeated on demand)
         self._counted: Counter[str] = Counter()  # the Persister's counts already taken
@@ -136,9 +138,11 @@ class HostPersistence:
         the last resolved checkpoint again, in case a report was lost on the way."""
         if self._restored_rows is not None and (repeat or not self._rows_sent):
             report.restored[self.host] = self._restored_rows
+            if self.disk_rows is not None:
+                report.disk_restored[self.host] = self.disk_rows
             self._rows_sent = True
         elif self._rows_sent and not repeat:
-            self._restored_rows = None  # the scheduler has them
+            self._restored_rows = self.disk_rows = None  # the scheduler has them
         with self._lock:
             done, self._done = self._done, []
         if done:
