@@ -129,6 +129,34 @@ def test_disk_tier_and_warm_restart_together(tmp_path):
     third.close()
 
 
+def test_reset_deletes_files_kept_from_a_restore_that_was_given_up(tmp_path):
+    """Files kept at start-up whose restore the scheduler gave up on (a host's report never came)
+    are not indexed; a later connector reset (a weight update) must delete them too, or a later
+    spill of the same hash under a coincident disk id would be taken as already written."""
+    persist = str(tmp_path / "ckpt")
+    first = _engine(tmp_path, persist_path=persist)
+    capacity = DiskIndex.capacity(DISK_BYTES, first.offload.chunk_bytes)
+    for wave in ("a", "b"):
+        _run(first, _wave(wave), tmp_path, capacity)
+        assert first.scheduler.reset_prefix_cache()
+    first.close()
+    assert sum(_files(tmp_path).values()) > 0
+    second = _engine(tmp_path, persist_path=persist, persist_timeout_s=0.5)
+    second.drop_report = lambda step, host: True  # the restore report never arrives ...
+    time.sleep(0.6)
+    second.settle()  # ... and is given up
+    second.drop_report = None
+    assert not second.offload.restart.saves_blocked and second.stats.totals()[C.DISK_RESTORED_READY] == 0
+    assert sum(_files(tmp_path).values()) > 0  # kept by the tier, unknown to the scheduler
+    assert second.scheduler.reset_prefix_cache(reset_connector=True)
+    second.settle()
+    deadline = time.monotonic() + 10  # files are unlinked on the tier's threads
+    while sum(_files(tmp_path).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(_files(tmp_path).values()) == 0
+    second.close()
+
+
 @pytest.mark.timeout(420)
 def test_podslice_disk_tier_under_chaos(make_slice, tmp_path):
     """Two JAX processes, host RAM of 12 chunks, the disk tier below it, and a storm: a slow disk on

@@ -12,7 +12,8 @@ restored chunks are not loadable; if a report never comes (``timeout_s``), or a 
 comes first, nothing is adopted (counted in ``restored_dropped``). With the disk tier, the same
 reports carry the chunk files each host's tier kept (written under the same fingerprint); those
 every host kept alike are indexed again (``DiskIndex.adopt``), the others deleted everywhere.
-Files kept by a restore that was given up are never fetched, and the tiers evict them first.
+Files kept by a restore that was given up are never fetched; the tiers evict them first, and a
+reset (``revoke_below``) deletes them with everything else.
 
 Checkpoints. An operator request (``CHECKPOINT_REQUEST`` in ``persist_path``, polled once a
 second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the step's metadata:

@@ -98,6 +98,13 @@ class DiskStage:
             self._fetches.append(_Fetch(step, fetch, [self.tier.read(ChunkKey(int(d), h))
                                                       for d, h in zip(fetch.disk_ids, _hashes(fetch))]))
 
+    def delete_all(self) -> None:
+        """A connector reset with warm restart on (``revoke_below``): every chunk file goes, also
+        those kept from an earlier start that the scheduler never indexed (its restore was given
+        up), so no file from before a weight update can be taken for a later spill of its hash."""
+        for key in self.tier.keys():
+            self.tier.delete(key.hash)
+
     def _install_due(self, step: int) -> None:
         due = [f for f in self._fetches if f.step < step]
         self._fetches = [f for f in self._fetches if f.step >= step]

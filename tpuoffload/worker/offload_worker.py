@@ -157,6 +157,8 @@ class OffloadWorker:
         self.engine.log.record("step", n=meta.step)
         if meta.revoke_below is not None:
             self.engine.backend.revoke_below(meta.revoke_below)
+            if self.disk is not None:
+                self.disk.delete_all()
         if meta.checkpoint:
             self._checkpoint(meta.step)
         if self.disk is not None:
