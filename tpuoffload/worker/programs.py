@@ -18,6 +18,7 @@ dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives 
 
 The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
+They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
 ``P`` is padded to a power of two so the programs compile a few times; padding rows repeat the
 last real save (an idempotent rewrite) or target no block (loads).
 """
@@ -105,6 +106,13 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
         for i, c in enumerate(caches))
 
 
+def _token(ids):
+    """A small output that is ready when the program is (PJRT marks an execution's outputs ready
+    together): what a background thread waits on, since the store itself is donated onward, and
+    what tells the engine that the program's ids buffer may be written again (worker/ids_ring.py)."""
+    return ids[0, 0] + 0
+
+
 def num_parts(n: int, row_bytes: int, part_bytes: int) -> int:
     """Number of equal parts a batch of ``n`` rows (a power of two) of ``row_bytes`` bytes per device
     moves in: a power of two up to MAX_PARTS, each part at least ``part_bytes`` unless there is one."""
@@ -140,10 +148,10 @@ class GroupPrograms:
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
         self.save = jax.jit(self._save, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
-        self.load = jax.jit(self._load, donate_argnums=0, out_shardings=(group.sharding,) * n)
+        self.load = jax.jit(self._load, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
-        self.read = jax.jit(self._read, out_shardings=self.device_sharding)
+        self.read = jax.jit(self._read, out_shardings=(self.device_sharding, token_sharding))
         self.install = jax.jit(self._install, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
         # Bytes of one slot's row on each device (what each device's copies move per row).
@@ -155,22 +163,23 @@ class GroupPrograms:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
     def _save(self, caches, store, ids):
+        ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
         step = n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
         for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
             rows = self._gather(ids[0, lo:lo + step], caches)
             store = self._write_rows(store, rows, ids, lo)
-        # A small output that is ready when the program is (PJRT marks an execution's outputs ready
-        # together): what a background thread waits on, since the store itself is donated onward.
-        return store, ids[0, 0] + 0
+        return store, _token(ids)
 
     def _install(self, rows, store, ids):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
-        return self._write_rows(store, rows, ids, 0), ids[0, 0] + 0
+        ids = jax.device_put(ids, DEVICE)
+        return self._write_rows(store, rows, ids, 0), _token(ids)
 
     def _read(self, store, ids):
         """Slots ``ids[1]`` copied into device memory (the disk tier's spills; the store is not donated)."""
-        return self._read_rows(store, ids, 0, ids.shape[1])
+        ids = jax.device_put(ids, DEVICE)
+        return self._read_rows(store, ids, 0, ids.shape[1]), _token(ids)
 
     def _write_rows(self, store, rows, ids, lo: int):
         """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``."""
@@ -188,12 +197,13 @@ class GroupPrograms:
         return jax.lax.fori_loop(0, k, write, store, unroll=SAVE_UNROLL)
 
     def _load(self, caches, store, ids):
+        ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
         step = n // num_parts(n, self.row_bytes, LOAD_PART_BYTES)
         for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
             rows = self._read_rows(store, ids, lo, lo + step)
             caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
-        return caches
+        return caches, _token(ids)
 
     def _read_rows(self, store, ids, lo: int, hi: int):
         """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``."""

@@ -43,6 +43,7 @@ from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
+from tpuoffload.worker.ids_ring import IdsRing
 from tpuoffload.worker.programs import load_plan_ids, programs_for, save_plan_ids
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class TransferEngine:
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
         self._programs = [programs_for(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
-        self._ids_sharding = NamedSharding(self.layout.mesh, PartitionSpec())
+        # Each call's ids, written into preallocated host buffers (worker/ids_ring.py); main thread only.
+        self._ids = IdsRing(NamedSharding(self.layout.mesh, PartitionSpec(), memory_kind=host_memory_kind))
         # Weak references to the arrays last checked or produced (never keeping a cache alive); main thread only.
         self._known_caches: tuple[weakref.ref, ...] = ()
         self.log = DispatchLog()
@@ -135,13 +137,6 @@ class TransferEngine:
         self.layout.check_same(kv_caches)
         self._known_caches = tuple(map(weakref.ref, kv_caches))
 
-    def _put_ids(self, ids: np.ndarray) -> jax.Array:
-        """One small transfer of a call's ids, shared by every group's program (a numpy argument
-        would be transferred again for each). Built from this host's own values: a load's valid
-        flags are local, and ``jax.device_put`` of a numpy array onto a mesh spanning processes
-        would compare it across processes (a hidden collective that also fails on local flags)."""
-        return jax.make_array_from_callback(ids.shape, self._ids_sharding, lambda index: ids[index])
-
     @staticmethod
     def _group_caches(kv_caches, group: GroupLayout) -> tuple:
         return tuple(kv_caches[i] for i in group.layers)
@@ -171,13 +166,14 @@ class TransferEngine:
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
-        ids = self._put_ids(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
+        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         tokens = []
         for i, prog in enumerate(self._programs):
             self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
             self.log.record("save", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
+        self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
         fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous)
         with self._lock:
@@ -272,14 +268,16 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        ids = self._put_ids(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
+        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
-        new = list(kv_caches)
+        new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
-            out = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+            out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
             self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+            tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
+        self._ids.read_by(entry, tokens)
         self._known_caches = tuple(map(weakref.ref, new))
         with self._lock:
             self.counters[C.CHUNKS_LOADED] += n - len(failed)
@@ -340,12 +338,15 @@ class TransferEngine:
         late = self._wait_for_writes(slots)
         ok, _ = self.backend.lookup(slots, save_ids)
         valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
-        ids = self._put_ids(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks,
-                                          _pow2_ceil(len(slots))))
-        rows = []
+        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks,
+                                                 _pow2_ceil(len(slots))))
+        rows, tokens = [], []
         for i, prog in enumerate(self._programs):
-            rows.append(prog.read(self._stores[i], ids))
+            group_rows, token = prog.read(self._stores[i], ids)
             self.log.record("read", shape=ids.shape, group=i, slots=str(slots))
+            rows.append(group_rows)
+            tokens.append(token)
+        self._ids.read_by(entry, tokens)
         return rows, [bool(v) for v in valid]
 
     def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
@@ -375,7 +376,7 @@ class TransferEngine:
             if i not in missing:
                 host[i] = p
         host[n:] = host[n - 1]  # padding rows rewrite the last slot with its own bytes
-        ids = self._put_ids(save_plan_ids([0] * n, slots, cap))
+        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap))
         offset, tokens = 0, []
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
             arrays = []
@@ -390,6 +391,7 @@ class TransferEngine:
             self._stores[i], token = prog.install(rows, self._stores[i], ids)
             self.log.record("install", shape=ids.shape, group=i, slots=str(slots))
             tokens.append(token)
+        self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
         fut = self._pool.submit(self._complete_save, tokens, [0] * n, slots, save_ids, previous, missing)
         with self._lock:
