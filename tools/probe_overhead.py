@@ -66,12 +66,13 @@ def save_stamped(eng, pm, kv, block_ids, slots, save_ids, marks):
     t.append(time.perf_counter())
     ids_np = pm.save_plan_ids(block_ids, slots, eng.max_chunks_per_transfer)
     t.append(time.perf_counter())
-    ids = eng._put_ids(ids_np)
+    ids, entry = eng._ids.put(ids_np)
     t.append(time.perf_counter())
     bt, st = str(block_ids), str(slots)
     t.append(time.perf_counter())
     prog = eng._programs[0]
     eng._stores[0], token = prog.save(eng._group_caches(kv, prog.group), eng._stores[0], ids)
+    eng._ids.read_by(entry, [token])
     t.append(time.perf_counter())
     eng.log.record("save", shape=ids.shape, group=0, blocks=bt, slots=st)
     t.append(time.perf_counter())
@@ -104,11 +105,12 @@ def load_stamped(eng, pm, kv, block_ids, slots, save_ids, marks):
     valid = [0 if i in failed else 1 for i in range(n)]
     ids_np = pm.load_plan_ids(block_ids, slots, valid, eng.num_blocks, eng.max_chunks_per_transfer)
     t.append(time.perf_counter())
-    ids = eng._put_ids(ids_np)
+    ids, entry = eng._ids.put(ids_np)
     t.append(time.perf_counter())
     bt, st = str(block_ids), str(slots)
     prog = eng._programs[0]
-    out = prog.load(eng._group_caches(kv, prog.group), eng._stores[0], ids)
+    out, token = prog.load(eng._group_caches(kv, prog.group), eng._stores[0], ids)
+    eng._ids.read_by(entry, [token])
     t.append(time.perf_counter())
     eng.log.record("load", shape=ids.shape, group=0, blocks=bt, slots=st)
     new = list(out)
@@ -127,7 +129,6 @@ def main() -> int:
     ap.add_argument("--expect-platform", required=True)
     ap.add_argument("--save-blocks", type=int, nargs="+", default=[64])
     ap.add_argument("--load-blocks", type=int, nargs="+", default=[8])
-    ap.add_argument("--why-blocks", type=int, nargs="+", default=[64, 8])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--only", nargs="*", default=["dispatch", "load"])
@@ -151,20 +152,15 @@ def main() -> int:
         ids_iter = iter(range(1, 1 << 40))
         print(f"--- save of {n} chunks ({n * chunk >> 20} MiB), ms: main / total")
         ids_np = pm.save_plan_ids(src, src, n)
-        for kind in (None, host):
-            eng._ids_sharding = NamedSharding(mesh, P(), memory_kind=kind)
-            m, t = timed(lambda: eng.save(caches, src, src, [next(ids_iter) for _ in src]), a.iters,
-                         ready=lambda _: eng.wait_idle())
-            print(f"  engine.save, ids {str(kind):12s} {ms(m)} {ms(t)}")
-            marks = {}
-            for _ in range(a.iters):
-                save_stamped(eng, pm, caches, src, src, [next(ids_iter) for _ in src], marks)
-                eng.wait_idle()
-            print("    stamps: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in marks.items()))
-            for name, fn in (("callback", lambda: eng._put_ids(ids_np)),
-                             ("device_put", lambda: jax.device_put(ids_np, eng._ids_sharding))):
-                m, t = timed(fn, a.iters)
-                print(f"    put ids by {name:16s} {ms(m)} {ms(t)}")
+        m, t = timed(lambda: eng.save(caches, src, src, [next(ids_iter) for _ in src]), a.iters,
+                     ready=lambda _: eng.wait_idle())
+        print(f"  engine.save                 {ms(m)} {ms(t)}")
+        marks = {}
+        for _ in range(a.iters):
+            save_stamped(eng, pm, caches, src, src, [next(ids_iter) for _ in src], marks)
+            eng.wait_idle()
+        print("    stamps: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in marks.items()))
+        print(f"    ids ring fallbacks: {eng._ids.fallbacks}")
         eng.close()
         del caches, eng
 
@@ -193,24 +189,24 @@ def main() -> int:
 
         progs = {}
         saved = (pm.LOAD_STATIC_MAX, pm.LOAD_UNROLL)
-        for static, unroll in ((256, 16), (0, 2), (0, 4), (0, 8)):
+        for static, unroll in ((256, 16), (0, 4)):
             pm.LOAD_STATIC_MAX, pm.LOAD_UNROLL = static, unroll
             progs[static, unroll] = pm.GroupPrograms(eng._programs[0].group, host, eng.backend.num_slots)
         pm.LOAD_STATIC_MAX, pm.LOAD_UNROLL = saved
 
-        def engine(kind, key):
+        def engine(key, split=False):
             def go():
-                eng._ids_sharding = NamedSharding(mesh, P(), memory_kind=kind)
                 eng._programs[0] = progs[key]
+                eng._reads_first = lambda n: split
                 state["caches"], failed = eng.load(state["caches"], dst, slots, list(range(1, n + 1)))
                 assert not failed
                 return state["caches"]
             return go
 
         variants = {"raw": raw}
-        for kind in (None, host):
-            for key in progs:
-                variants[f"ids {str(kind):11s} {'static' if key[0] else 'loops'} unroll {key[1]:2d}"] = engine(kind, key)
+        for key in progs:
+            variants[f"engine {'static' if key[0] else 'loops'} unroll {key[1]:2d}"] = engine(key)
+            variants[f"split {'static' if key[0] else 'loops'} unroll {key[1]:2d}"] = engine(key, True)
         res = {k: ([], []) for k in variants}
         for it in range(a.iters + 2):
             for name, fn in variants.items():
@@ -225,86 +221,6 @@ def main() -> int:
                   f"{raw_t / statistics.median(t):6.1%}")
         eng.close()
         del caches, eng, state
-    for n in (a.why_blocks if "why" in a.only else ()):
-        caches = make_caches(2 * n, a.layers, sh)
-        eng = TransferEngine(caches, n * chunk, transfer_buffer_bytes=1 << 40)
-        prog = eng._programs[0]
-        src = list(range(n))
-        ids_np = pm.save_plan_ids(src, src, n)
-        cs = tuple(caches)
-        state = {"store": eng._stores[0]}
-        keep = []
-
-        def disp(make, pre=None):
-            def go():
-                ids = make()
-                if pre:
-                    pre(ids)
-                t0 = time.perf_counter()
-                state["store"], tok = prog.save(cs, state["store"], ids)
-                keep.append(ids)
-                return time.perf_counter() - t0, tok
-            return go
-        print(f"--- why: save program dispatch, {n} chunks, ms (main of the program call alone)")
-        fixed = eng._put_ids(ids_np)
-        for name, make, pre in (("prebuilt ids", lambda: fixed, None),
-                                ("fresh ids, waited ready", lambda: eng._put_ids(ids_np), jax.block_until_ready),
-                                ("fresh ids", lambda: eng._put_ids(ids_np), None)):
-            d = []
-            for _ in range(a.iters + 1):
-                dt, tok = disp(make, pre)()
-                tok.block_until_ready()
-                d.append(dt)
-            print(f"  {name:30s} {ms(d[1:])}")
-        tok_sh = NamedSharding(mesh, P())
-        set_ids = jax.jit(lambda buf, new: new + 0 * buf, donate_argnums=0, out_shardings=tok_sh)
-        buf = {"ids": eng._put_ids(ids_np)}
-        d, e = [], []
-        for _ in range(a.iters + 1):
-            fresh = eng._put_ids(ids_np)
-            t0 = time.perf_counter()
-            buf["ids"] = set_ids(buf["ids"], fresh)
-            t1 = time.perf_counter()
-            state["store"], tok = prog.save(cs, state["store"], buf["ids"])
-            t2 = time.perf_counter()
-            tok.block_until_ready()
-            d.append(t1 - t0)
-            e.append(t2 - t1)
-        print(f"  stable ids buffer: set {ms(d[1:])}, program {ms(e[1:])}")
-        eng._stores[0] = state["store"]
-        # GPU time of a load: queue known busy work first, so the dispatch ends before the load's GPU work starts.
-        x = jnp.ones((8192, 8192) if a.expect_platform == "gpu" else (64, 64), jnp.bfloat16)
-        busy = jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, y: (y @ x) * 0.001, x))
-        busy(x).block_until_ready()
-        _, b = timed(lambda: busy(x), a.iters)
-        eng.save(caches, src, src, list(range(1, n + 1)))
-        eng.wait_idle()
-        dst = list(range(n, 2 * n))
-        dev_sh = NamedSharding(mesh, P())
-        host_sh = NamedSharding(mesh, P(), memory_kind="pinned_host")
-        gather = jax.jit(lambda cs, ids: jnp.stack([c[ids] for c in cs], axis=1), out_shardings=dev_sh)
-        scatter = jax.jit(lambda cs, ids, rows: tuple(c.at[ids].set(rows[:, i], mode="drop") for i, c in enumerate(cs)),
-                          donate_argnums=0, out_shardings=tuple(sh for _ in caches))
-        pinned = jax.device_put(gather(cs, np.array(src, np.int32)), host_sh)
-        dst_np = np.array(dst, np.int32)
-        st = {"caches": caches}
-        del cs
-
-        def raw():
-            st["caches"] = scatter(tuple(st["caches"]), dst_np, jax.device_put(pinned, dev_sh))
-            return st["caches"]
-
-        def engine():
-            st["caches"], failed = eng.load(st["caches"], dst, src, list(range(1, n + 1)))
-            return st["caches"]
-        print(f"--- why: load of {n} chunks, ms: main / total alone; total after {statistics.median(b) * 1e3:.2f} ms "
-              f"of queued GPU work, minus it")
-        for name, fn in (("raw", raw), ("engine", engine)):
-            m, t = timed(fn, a.iters)
-            _, tb = timed(fn, a.iters, before=lambda: busy(x))
-            print(f"  {name:10s} {ms(m)} {ms(t)} {statistics.median(tb) * 1e3 - statistics.median(b) * 1e3:8.3f}")
-        eng.close()
-        del caches, eng, st
     return 0
 
 

@@ -45,12 +45,12 @@ class IdsRing:
     def put(self, ids: np.ndarray) -> tuple[jax.Array, _Entry | None]:
         """An array holding ``ids`` (int32), and the entry to hand to ``read_by`` once dispatched
         (None: a fresh array, nothing to track)."""
-        ring = self._rings.setdefault(ids.shape, [])
-        if len(ring) < self._depth:
-            ring.append(self._allocate(ids.shape))
+        ring = self._rings.get(ids.shape)
+        if ring is None:  # the first call of this width (the one that compiles its programs too)
+            ring = self._rings[ids.shape] = [self._allocate(ids.shape) for _ in range(self._depth)]
         i = self._next.get(ids.shape, 0)
         self._next[ids.shape] = (i + 1) % self._depth
-        entry = ring[i % len(ring)]
+        entry = ring[i]
         if not entry.free():  # a program in flight may still copy these ids: never overwrite them
             self.fallbacks += 1
             return self._transfer(ids), None

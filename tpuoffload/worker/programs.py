@@ -152,6 +152,7 @@ class GroupPrograms:
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
         self.read = jax.jit(self._read, out_shardings=(self.device_sharding, token_sharding))
+        self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
         self.install = jax.jit(self._install, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
         # Bytes of one slot's row on each device (what each device's copies move per row).
@@ -181,6 +182,11 @@ class GroupPrograms:
         ids = jax.device_put(ids, DEVICE)
         return self._read_rows(store, ids, 0, ids.shape[1]), _token(ids)
 
+    def _scatter_rows(self, caches, rows, ids):
+        """Scatter rows read by ``read`` (``(shards, P, ...)`` on the devices) into blocks ``ids[0]``."""
+        ids = jax.device_put(ids, DEVICE)
+        return self._scatter(ids[0], ids[2], rows, caches), _token(ids)
+
     def _write_rows(self, store, rows, ids, lo: int):
         """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``."""
         k = rows.shape[1]
@@ -199,11 +205,15 @@ class GroupPrograms:
     def _load(self, caches, store, ids):
         ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
-        step = n // num_parts(n, self.row_bytes, LOAD_PART_BYTES)
+        step = n // self.load_parts(n)
         for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
             rows = self._read_rows(store, ids, lo, lo + step)
             caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
         return caches, _token(ids)
+
+    def load_parts(self, n: int) -> int:
+        """Parts the load program moves ``n`` (padded) rows in."""
+        return num_parts(n, self.row_bytes, LOAD_PART_BYTES)
 
     def _read_rows(self, store, ids, lo: int, hi: int):
         """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``."""
