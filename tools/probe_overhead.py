@@ -1,16 +1,14 @@
 #!/usr/bin/env python
-"""Probes for issue 9's fixed per-call costs (developer tool): what a save's dispatch and a small
-load pay beyond the raw path, one candidate at a time, in one process on the platform JAX has.
+"""Probes for issue 9's fixed per-call costs (developer tool), in one process on the platform JAX has
+(--expect-platform, never a silent fallback), 32 layers of (64, 8, 2, 128) bf16 blocks (8 MiB chunks).
 
-  dispatch  (--save-blocks chunks of 8 MiB): main-thread ms of engine.save; of building and
-            transferring the ids; of the save program called through jax.jit, through its AOT
-            Compiled object, with the GPU busy; of trivial programs with the same 34 arguments;
-            of the save program built with other unroll / part settings (dispatch and total ms).
-  load      (--load-blocks chunks): raw load (device_put of a pinned array + donating scatter)
-            against engine.load and the load program alone (prebuilt ids), main-thread and total
-            ms, interleaved; load program variants (reads in loops, other unrolls).
+  dispatch  (--save-blocks): main-thread and total ms of engine.save, and a clock reading after each
+            step of it (checks, ids, the program's dispatch, log, background submit).
+  load      (--load-blocks): the raw load (device_put of a pinned array + donating scatter) against
+            engine.load with other read programs (written out / fori_loops) and with the load as
+            one program or as reads-then-scatter, interleaved; main-thread and total ms, % of raw.
 
-    python tools/probe_overhead.py --expect-platform gpu
+    python tools/probe_overhead.py --expect-platform gpu --save-blocks 64 8 --load-blocks 8 64 256
 """
 
 from __future__ import annotations
