@@ -5,7 +5,8 @@ Threading contract (invariants 1-4):
 * Every JAX dispatch happens in ``save``/``load`` on the thread that created the engine, in an
   order that depends only on the arguments: per layer group and piece, ONE save program (gather,
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
-  scatter); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
+  scatter; a load moved in one part runs as a read program per group, dispatched before the
+  checks, then a scatter program per group); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
   JAX.
 * The bytes never pass through a host thread: the programs read and write the store, and the
   runtime orders each program after the one that produced the store version it takes, so writes
