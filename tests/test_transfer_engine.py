@@ -107,6 +107,11 @@ def op_names(ops) -> list[str]:
     return [op.split()[0] for op in ops]
 
 
+def small_load_ops(groups: int) -> list[str]:
+    """What a load moved in one part logs: its reads per group, then its scatters per group."""
+    return ["load.read"] * groups + ["load"] * groups
+
+
 def op_shape(op: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.search(r"shape=\(([^)]*)\)", op).group(1).split(",") if x.strip())
 
@@ -133,7 +138,8 @@ class Counting:
                             self._wrap("from_callback", jax.make_array_from_callback))
         for prog in eng._programs:
             monkeypatch.setattr(prog, "save", self._wrap("save", prog.save))
-            monkeypatch.setattr(prog, "load", self._wrap("load", prog.load))
+            for name in ("load", "read", "scatter"):
+                monkeypatch.setattr(prog, name, self._wrap(name, getattr(prog, name)))
 
     def _wrap(self, name, fn):
         def counted(*a, **k):
@@ -142,7 +148,7 @@ class Counting:
         return counted
 
     def programs(self) -> Counter[str]:
-        return Counter({k: v for k, v in self.calls.items() if k in ("save", "load")})
+        return Counter({k: v for k, v in self.calls.items() if k in ("save", "load", "read", "scatter")})
 
 
 class Injected(FaultInjector):
@@ -325,6 +331,8 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     targets = [4, 5, per + 6, 7, per + 4, 9, per + 5, per + 7]  # positions 2 and 5 cross shards: zeros
     caches, failed = eng.load(caches, targets, slots, ids)
     assert failed == [per + 6, 9]
+    # One part: reads, then the scatter (two programs); several: one load program overlapping them.
+    assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if parts == 1 else ["load"])
     after = host(caches)
     for b, t in zip(blocks, targets):
         if t in failed:
@@ -370,10 +378,11 @@ def test_transfer_buffer_bounds_each_piece(engines, monkeypatch, buffer_chunks, 
     out, failed = eng.load(fresh, targets, slots, ids)
     assert failed == []
     ops = eng.finish_step().ops
-    assert op_names(ops) == ["load"] * groups * pieces
-    assert count.programs() == Counter(load=groups * pieces)
+    assert op_names(ops) == small_load_ops(groups) * pieces
+    assert count.programs() == Counter(read=groups * pieces, scatter=groups * pieces)
     assert all(op_shape(op)[1] <= per_piece for op in ops)
-    assert [b for op in ops[::groups] for b in logged_blocks(op)] == targets
+    scatters = [op for op in ops if op_names([op]) == ["load"]]
+    assert [b for op in scatters[::groups] for b in logged_blocks(op)] == targets
     after = host(out)
     for b, t in zip(blocks, targets):
         assert np.array_equal(chunk(after, t), chunk(src, b)), (b, t)
@@ -589,7 +598,7 @@ def test_missing_chunks_error_exactly_those_blocks_with_same_digest(engines):
     caches2, failed2 = local.load(caches2, *load_plan)
     assert failed1 == [24]
     assert failed2 == [21, 22, 24]
-    assert op_names(same_step(good, local).ops) == ["load"]
+    assert op_names(same_step(good, local).ops) == small_load_ops(1)
     after1, after2 = host(caches1), host(caches2)
     assert np.array_equal(chunk(after2, 20), chunk(src, 1))
     assert np.array_equal(chunk(after2, 23), chunk(src, 4))
@@ -847,7 +856,8 @@ def test_other_thread_raises_before_dispatch(engines, monkeypatch):
 @pytest.mark.parametrize("n", [1, 30])
 def test_one_program_per_group_per_call(engines, monkeypatch, n):
     """A save is one save program (gather + device-to-host + slot write) per layer group, a load
-    one load program (slot read + host-to-device + scatter) per layer group, whatever the count."""
+    moved in one part one read program (slot read + host-to-device) and one scatter program per
+    layer group, whatever the count."""
     caches = random_caches(MIXED, 91)
     eng = engines(caches)
     groups = len(eng.layout.groups)
@@ -860,8 +870,8 @@ def test_one_program_per_group_per_call(engines, monkeypatch, n):
     count.calls.clear()
     out, failed = eng.load(caches, blocks[::-1], slots, ids)
     assert failed == []
-    assert count.programs() == Counter(load=groups)
-    assert op_names(eng.finish_step().ops) == ["load"] * groups
+    assert count.programs() == Counter(read=groups, scatter=groups)
+    assert op_names(eng.finish_step().ops) == small_load_ops(groups)
 
 
 def test_empty_plan_dispatches_nothing(engines):

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-SAVE_PARTS = ("_check_caches", "_check_plan", "_put_ids")
-LOAD_PARTS = ("_check_caches", "_check_plan", "_wait_for_writes", "_unusable", "_put_ids")
+SAVE_PARTS = ("_check_caches", "_check_plan")
+LOAD_PARTS = ("_check_caches", "_check_plan", "_wait_for_writes", "_unusable")
 
 
 def main() -> int:
@@ -94,7 +94,7 @@ def main() -> int:
         mem = []
         for kind, plan in (("save", save_plan_ids(src, src, blocks)),
                            ("load", load_plan_ids(dst, src, [1] * blocks, 2 * blocks, blocks))):
-            stats = compiled[kind].lower(tuple(caches), eng._stores[0], eng._put_ids(plan)).compile().memory_analysis()
+            stats = compiled[kind].lower(tuple(caches), eng._stores[0], eng._ids.put(plan)[0]).compile().memory_analysis()
             if stats is not None:
                 mem.append(f"{kind}: device temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
                            f"host temp {stats.host_temp_size_in_bytes / 2**20:.1f} MiB")

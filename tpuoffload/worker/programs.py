@@ -18,6 +18,7 @@ dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives 
 
 The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
+They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
 ``P`` is padded to a power of two so the programs compile a few times; padding rows repeat the
 last real save (an idempotent rewrite) or target no block (loads).
 """
@@ -40,6 +41,9 @@ LOAD_UNROLL = 16
 # A load reads its slots with one dynamic slice per slot written out in the program (XLA issues them
 # as asynchronous host-to-device copies, all in flight at once) up to this many slots; larger
 # batches of small slots use fori_loops (one synchronous copy per iteration), to bound compile time.
+# Measured again with host-memory ids (tools/probe_overhead.py, engine loads on the H200): written out
+# vs fori_loops unrolled 4 or 8 are within noise (64 MiB 86.1 / 85.6 / 85.7% of raw, 512 MiB 98.6 /
+# 97.4 / 98.0%, 2 GiB 95.8 / 96.0 / 95.9%), so the values stay.
 LOAD_STATIC_MAX = 256
 # The same for a save's writes into the store; 0: always fori_loops, which measured faster on the
 # H200 (512 MiB: 37.1 GiB/s written out against 40.0 in loops; 2 GiB: 41.4 against 44.4).
@@ -50,6 +54,7 @@ SAVE_STATIC_MAX = 0
 # 8 MiB slots, GiB/s): loads of 512 MiB in 2 parts 39.5, 4 parts 38.0, 8 parts 34.8, unsplit 38.5
 # (reads written out) / 34.8 (loops); of 2 GiB in 4 parts 40.6, 8 parts 40.3, 16 parts 39.7. Saves
 # of 512 MiB unsplit 39.2, 2 parts 40.6, 4 parts 42.5; of 2 GiB 41.5, 43.7, 45.1 (raw: 41.1, 44.4).
+# A load that this makes one part runs as two programs instead (TransferEngine._reads_first).
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4
@@ -105,6 +110,13 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
         for i, c in enumerate(caches))
 
 
+def _token(ids):
+    """A small output that is ready when the program is (PJRT marks an execution's outputs ready
+    together): what a background thread waits on, since the store itself is donated onward, and
+    what tells the engine that the program's ids buffer may be written again (worker/ids_ring.py)."""
+    return ids[0, 0] + 0
+
+
 def num_parts(n: int, row_bytes: int, part_bytes: int) -> int:
     """Number of equal parts a batch of ``n`` rows (a power of two) of ``row_bytes`` bytes per device
     moves in: a power of two up to MAX_PARTS, each part at least ``part_bytes`` unless there is one."""
@@ -140,10 +152,11 @@ class GroupPrograms:
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
         self.save = jax.jit(self._save, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
-        self.load = jax.jit(self._load, donate_argnums=0, out_shardings=(group.sharding,) * n)
+        self.load = jax.jit(self._load, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
-        self.read = jax.jit(self._read, out_shardings=self.device_sharding)
+        self.read = jax.jit(self._read, out_shardings=(self.device_sharding, token_sharding))
+        self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
         self.install = jax.jit(self._install, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
         # Bytes of one slot's row on each device (what each device's copies move per row).
@@ -155,22 +168,28 @@ class GroupPrograms:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
     def _save(self, caches, store, ids):
+        ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
         step = n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
         for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
             rows = self._gather(ids[0, lo:lo + step], caches)
             store = self._write_rows(store, rows, ids, lo)
-        # A small output that is ready when the program is (PJRT marks an execution's outputs ready
-        # together): what a background thread waits on, since the store itself is donated onward.
-        return store, ids[0, 0] + 0
+        return store, _token(ids)
 
     def _install(self, rows, store, ids):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
-        return self._write_rows(store, rows, ids, 0), ids[0, 0] + 0
+        ids = jax.device_put(ids, DEVICE)
+        return self._write_rows(store, rows, ids, 0), _token(ids)
 
     def _read(self, store, ids):
         """Slots ``ids[1]`` copied into device memory (the disk tier's spills; the store is not donated)."""
-        return self._read_rows(store, ids, 0, ids.shape[1])
+        ids = jax.device_put(ids, DEVICE)
+        return self._read_rows(store, ids, 0, ids.shape[1]), _token(ids)
+
+    def _scatter_rows(self, caches, rows, ids):
+        """Scatter rows read by ``read`` (``(shards, P, ...)`` on the devices) into blocks ``ids[0]``."""
+        ids = jax.device_put(ids, DEVICE)
+        return self._scatter(ids[0], ids[2], rows, caches), _token(ids)
 
     def _write_rows(self, store, rows, ids, lo: int):
         """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``."""
@@ -188,12 +207,17 @@ class GroupPrograms:
         return jax.lax.fori_loop(0, k, write, store, unroll=SAVE_UNROLL)
 
     def _load(self, caches, store, ids):
+        ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
-        step = n // num_parts(n, self.row_bytes, LOAD_PART_BYTES)
+        step = n // self.load_parts(n)
         for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
             rows = self._read_rows(store, ids, lo, lo + step)
             caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
-        return caches
+        return caches, _token(ids)
+
+    def load_parts(self, n: int) -> int:
+        """Parts the load program moves ``n`` (padded) rows in."""
+        return num_parts(n, self.row_bytes, LOAD_PART_BYTES)
 
     def _read_rows(self, store, ids, lo: int, hi: int):
         """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``."""

@@ -5,7 +5,8 @@ Threading contract (invariants 1-4):
 * Every JAX dispatch happens in ``save``/``load`` on the thread that created the engine, in an
   order that depends only on the arguments: per layer group and piece, ONE save program (gather,
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
-  scatter); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
+  scatter; a load moved in one part runs as a read program per group, dispatched before the
+  checks, then a scatter program per group); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
   JAX.
 * The bytes never pass through a host thread: the programs read and write the store, and the
   runtime orders each program after the one that produced the store version it takes, so writes
@@ -43,7 +44,8 @@ from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
-from tpuoffload.worker.programs import load_plan_ids, programs_for, save_plan_ids
+from tpuoffload.worker.ids_ring import IdsRing
+from tpuoffload.worker.programs import bucket, load_plan_ids, programs_for, save_plan_ids
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,8 @@ class TransferEngine:
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
         self._programs = [programs_for(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
-        self._ids_sharding = NamedSharding(self.layout.mesh, PartitionSpec())
+        # Each call's ids, written into preallocated host buffers (worker/ids_ring.py); main thread only.
+        self._ids = IdsRing(NamedSharding(self.layout.mesh, PartitionSpec(), memory_kind=host_memory_kind))
         # Weak references to the arrays last checked or produced (never keeping a cache alive); main thread only.
         self._known_caches: tuple[weakref.ref, ...] = ()
         self.log = DispatchLog()
@@ -135,13 +138,6 @@ class TransferEngine:
         self.layout.check_same(kv_caches)
         self._known_caches = tuple(map(weakref.ref, kv_caches))
 
-    def _put_ids(self, ids: np.ndarray) -> jax.Array:
-        """One small transfer of a call's ids, shared by every group's program (a numpy argument
-        would be transferred again for each). Built from this host's own values: a load's valid
-        flags are local, and ``jax.device_put`` of a numpy array onto a mesh spanning processes
-        would compare it across processes (a hidden collective that also fails on local flags)."""
-        return jax.make_array_from_callback(ids.shape, self._ids_sharding, lambda index: ids[index])
-
     @staticmethod
     def _group_caches(kv_caches, group: GroupLayout) -> tuple:
         return tuple(kv_caches[i] for i in group.layers)
@@ -171,13 +167,14 @@ class TransferEngine:
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
-        ids = self._put_ids(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
+        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         tokens = []
         for i, prog in enumerate(self._programs):
             self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
             self.log.record("save", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
+        self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
         fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous)
         with self._lock:
@@ -263,6 +260,7 @@ class TransferEngine:
         t0 = time.monotonic()
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
+        rows = self._read_first(slots) if self._reads_first(n) else None
         failed = self._wait_for_writes(slots)
         try:
             failed |= self._faults.hit(FaultPoint.READ_SLOTS, n)
@@ -272,14 +270,19 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        ids = self._put_ids(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
+        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
-        new = list(kv_caches)
+        new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
-            out = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+            if rows is None:
+                out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+            else:
+                out, token = prog.scatter(self._group_caches(kv_caches, prog.group), rows[i], ids)
             self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+            tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
+        self._ids.read_by(entry, tokens)
         self._known_caches = tuple(map(weakref.ref, new))
         with self._lock:
             self.counters[C.CHUNKS_LOADED] += n - len(failed)
@@ -287,6 +290,30 @@ class TransferEngine:
             self.counters[C.LOAD_ERRORS] += len(failed)
             self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
         return new, [block_ids[i] for i in sorted(failed)]
+
+    def _reads_first(self, n: int) -> bool:
+        """Whether a load of ``n`` chunks runs as two programs, reads then scatter, rather than as
+        one load program: when that program would move it in one part (nothing to overlap inside),
+        since then the copies start before the checks and the scatter's dispatch. Measured on the
+        H200 (tools/probe_overhead.py): 64 MiB 103-105% of the raw path against 90-91% for one
+        program; 512 MiB (2 parts) 85% against 98%."""
+        padded = bucket(n, self.max_chunks_per_transfer)
+        return all(p.load_parts(padded) == 1 for p in self._programs)
+
+    def _read_first(self, slots: list[int]) -> list[jax.Array]:
+        """Dispatch the reads of a load before its checks: they need only the slots, and the store
+        version each takes orders it after every earlier save's writes; the checks only decide
+        which rows count. The copies run while this thread checks and dispatches the scatter."""
+        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, [1] * len(slots),
+                                                 self.num_blocks, self.max_chunks_per_transfer))
+        rows, tokens = [], []
+        for i, prog in enumerate(self._programs):
+            group_rows, token = prog.read(self._stores[i], ids)
+            self.log.record("load.read", shape=ids.shape, group=i, slots=str(slots))
+            rows.append(group_rows)
+            tokens.append(token)
+        self._ids.read_by(entry, tokens)
+        return rows
 
     def _unusable(self, block_ids: list[int], slots: list[int], save_ids: Sequence[int]) -> set[int]:
         """Positions whose slot does not hold the expected chunk, or lacks bytes this host needs
@@ -340,12 +367,15 @@ class TransferEngine:
         late = self._wait_for_writes(slots)
         ok, _ = self.backend.lookup(slots, save_ids)
         valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
-        ids = self._put_ids(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks,
-                                          _pow2_ceil(len(slots))))
-        rows = []
+        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks,
+                                                 _pow2_ceil(len(slots))))
+        rows, tokens = [], []
         for i, prog in enumerate(self._programs):
-            rows.append(prog.read(self._stores[i], ids))
+            group_rows, token = prog.read(self._stores[i], ids)
             self.log.record("read", shape=ids.shape, group=i, slots=str(slots))
+            rows.append(group_rows)
+            tokens.append(token)
+        self._ids.read_by(entry, tokens)
         return rows, [bool(v) for v in valid]
 
     def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
@@ -375,7 +405,7 @@ class TransferEngine:
             if i not in missing:
                 host[i] = p
         host[n:] = host[n - 1]  # padding rows rewrite the last slot with its own bytes
-        ids = self._put_ids(save_plan_ids([0] * n, slots, cap))
+        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap))
         offset, tokens = 0, []
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
             arrays = []
@@ -390,6 +420,7 @@ class TransferEngine:
             self._stores[i], token = prog.install(rows, self._stores[i], ids)
             self.log.record("install", shape=ids.shape, group=i, slots=str(slots))
             tokens.append(token)
+        self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
         fut = self._pool.submit(self._complete_save, tokens, [0] * n, slots, save_ids, previous, missing)
         with self._lock:

@@ -1,0 +1,57 @@
+"""IdsRing (worker/ids_ring.py): a call's ids are written into a preallocated host buffer only
+when every program that read that buffer before has finished; otherwise the call gets a fresh
+array and the busy buffer keeps the ids its program is still to copy."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tpuoffload.worker.ids_ring import IdsRing
+
+
+class Token:
+    """Stands for a program's token output: ready or still running."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = ready
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def ring(depth: int) -> IdsRing:
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    return IdsRing(NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"), depth=depth)
+
+
+def ids(value: int) -> np.ndarray:
+    return np.full((3, 8), value, np.int32)
+
+
+def test_busy_buffer_is_never_overwritten():
+    r = ring(depth=2)
+    first, entry1 = r.put(ids(1))
+    r.read_by(entry1, [Token(True), Token(False)])  # one group's program still runs
+    second, entry2 = r.put(ids(2))
+    r.read_by(entry2, [Token(False)])
+    third, entry3 = r.put(ids(3))  # the ring wraps onto the first buffer, still being read
+    assert entry3 is None and r.fallbacks == 1
+    assert third is not first and np.array_equal(np.asarray(third), ids(3))
+    for shard in first.addressable_shards:  # every device's copy still holds the first call's ids
+        assert np.array_equal(np.asarray(shard.data), ids(1))
+    assert np.array_equal(np.asarray(second), ids(2))
+
+
+def test_buffer_reused_once_its_programs_finished():
+    r = ring(depth=2)
+    tokens = [Token(False)]
+    first, entry1 = r.put(ids(1))
+    r.read_by(entry1, tokens)
+    r.read_by(r.put(ids(2))[1], [Token(True)])
+    tokens[0].ready = True
+    again, entry = r.put(ids(3))
+    assert again is first and entry is entry1 and r.fallbacks == 0
+    for shard in again.addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), ids(3))

@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""Probes for issue 9's fixed per-call costs (developer tool), in one process on the platform JAX has
+(--expect-platform, never a silent fallback), 32 layers of (64, 8, 2, 128) bf16 blocks (8 MiB chunks).
+
+  dispatch  (--save-blocks): main-thread and total ms of engine.save, and a clock reading after each
+            step of it (checks, ids, the program's dispatch, log, background submit).
+  load      (--load-blocks): the raw load (device_put of a pinned array + donating scatter) against
+            engine.load with other read programs (written out / fori_loops) and with the load as
+            one program or as reads-then-scatter, interleaved; main-thread and total ms, % of raw.
+
+    python tools/probe_overhead.py --expect-platform gpu --save-blocks 64 8 --load-blocks 8 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+BLOCK = (64, 8, 2, 128)
+
+
+def ms(xs) -> str:
+    return f"{statistics.median(xs) * 1e3:8.3f}"
+
+
+def timed(fn, iters, *, ready=None, before=None, warm=1):
+    """(main-thread seconds, seconds until ``ready(result)`` is ready) per call."""
+    main, total = [], []
+    for _ in range(iters + warm):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        jax.block_until_ready(ready(out) if ready else out)
+        t2 = time.perf_counter()
+        main.append(t1 - t0)
+        total.append(t2 - t0)
+    return main[warm:], total[warm:]
+
+
+def make_caches(n, layers, sh):
+    shape = (n, *BLOCK)
+    return [jax.jit(lambda i=i: (jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) % 251 + i)
+                    .astype(jnp.bfloat16), out_shardings=sh)() for i in range(layers)]
+
+
+def save_stamped(eng, pm, kv, block_ids, slots, save_ids, marks):
+    """engine.save's steps (one piece, one group) with a clock reading after each."""
+    t = [time.perf_counter()]
+    eng._check_owner()
+    eng._check_caches(kv)
+    eng._check_plan(block_ids, slots, save_ids, unique="slots")
+    t.append(time.perf_counter())
+    block_ids, slots, save_ids = [int(b) for b in block_ids], [int(s) for s in slots], [int(s) for s in save_ids]
+    t.append(time.perf_counter())
+    ids_np = pm.save_plan_ids(block_ids, slots, eng.max_chunks_per_transfer)
+    t.append(time.perf_counter())
+    ids, entry = eng._ids.put(ids_np)
+    t.append(time.perf_counter())
+    bt, st = str(block_ids), str(slots)
+    t.append(time.perf_counter())
+    prog = eng._programs[0]
+    eng._stores[0], token = prog.save(eng._group_caches(kv, prog.group), eng._stores[0], ids)
+    eng._ids.read_by(entry, [token])
+    t.append(time.perf_counter())
+    eng.log.record("save", shape=ids.shape, group=0, blocks=bt, slots=st)
+    t.append(time.perf_counter())
+    previous = {eng._last_write[s] for s in slots if s in eng._last_write}
+    fut = eng._pool.submit(eng._complete_save, [token], block_ids, slots, save_ids, previous)
+    t.append(time.perf_counter())
+    with eng._lock:
+        eng._inflight[fut] = (time.monotonic(), len(slots), 0)
+    fut.add_done_callback(eng._forget_inflight)
+    for s in slots:
+        eng._last_write[s] = fut
+    t.append(time.perf_counter())
+    names = ("checks", "int lists", "plan ids", "put ids", "str", "program", "log", "submit", "bookkeeping")
+    for name, a, b in zip(names, t, t[1:]):
+        marks.setdefault(name, []).append(b - a)
+
+
+def load_stamped(eng, pm, kv, block_ids, slots, save_ids, marks):
+    t = [time.perf_counter()]
+    eng._check_owner()
+    eng._check_caches(kv)
+    eng._check_plan(block_ids, slots, save_ids, unique="block_ids")
+    t.append(time.perf_counter())
+    n = len(block_ids)
+    block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
+    failed = eng._wait_for_writes(slots)
+    t.append(time.perf_counter())
+    failed |= eng._unusable(block_ids, slots, save_ids)
+    t.append(time.perf_counter())
+    valid = [0 if i in failed else 1 for i in range(n)]
+    ids_np = pm.load_plan_ids(block_ids, slots, valid, eng.num_blocks, eng.max_chunks_per_transfer)
+    t.append(time.perf_counter())
+    ids, entry = eng._ids.put(ids_np)
+    t.append(time.perf_counter())
+    bt, st = str(block_ids), str(slots)
+    prog = eng._programs[0]
+    out, token = prog.load(eng._group_caches(kv, prog.group), eng._stores[0], ids)
+    eng._ids.read_by(entry, [token])
+    t.append(time.perf_counter())
+    eng.log.record("load", shape=ids.shape, group=0, blocks=bt, slots=st)
+    new = list(out)
+    eng._known_caches = tuple(map(weakref.ref, new))
+    with eng._lock:
+        eng.counters["x"] += n
+    t.append(time.perf_counter())
+    names = ("checks", "wait writes", "unusable", "plan ids", "put ids", "program", "after")
+    for name, a, b in zip(names, t, t[1:]):
+        marks.setdefault(name, []).append(b - a)
+    return new
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--expect-platform", required=True)
+    ap.add_argument("--save-blocks", type=int, nargs="+", default=[64])
+    ap.add_argument("--load-blocks", type=int, nargs="+", default=[8])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--only", nargs="*", default=["dispatch", "load"])
+    a = ap.parse_args()
+    if jax.default_backend() != a.expect_platform:
+        print(f"platform is {jax.default_backend()}, expected {a.expect_platform}", file=sys.stderr)
+        return 2
+    from tpuoffload.worker import programs as pm
+    from tpuoffload.worker.transfer_engine import TransferEngine
+
+    print(f"platform {jax.default_backend()} | {jax.devices()[0].device_kind} | jax {jax.__version__}", flush=True)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    sh = NamedSharding(mesh, P("data", None, "model"))
+    chunk = a.layers * int(np.prod(BLOCK)) * 2
+
+    host = "pinned_host"
+    for n in (a.save_blocks if "dispatch" in a.only else ()):
+        caches = make_caches(2 * n, a.layers, sh)
+        eng = TransferEngine(caches, n * chunk, transfer_buffer_bytes=1 << 40)
+        src = list(range(n))
+        ids_iter = iter(range(1, 1 << 40))
+        print(f"--- save of {n} chunks ({n * chunk >> 20} MiB), ms: main / total")
+        ids_np = pm.save_plan_ids(src, src, n)
+        m, t = timed(lambda: eng.save(caches, src, src, [next(ids_iter) for _ in src]), a.iters,
+                     ready=lambda _: eng.wait_idle())
+        print(f"  engine.save                 {ms(m)} {ms(t)}")
+        marks = {}
+        for _ in range(a.iters):
+            save_stamped(eng, pm, caches, src, src, [next(ids_iter) for _ in src], marks)
+            eng.wait_idle()
+        print("    stamps: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in marks.items()))
+        print(f"    ids ring fallbacks: {eng._ids.fallbacks}")
+        eng.close()
+        del caches, eng
+
+    for n in (a.load_blocks if "load" in a.only else ()):
+        caches = make_caches(2 * n, a.layers, sh)
+        eng = TransferEngine(caches, n * chunk, transfer_buffer_bytes=1 << 40)
+        rng = np.random.default_rng(0)
+        src = rng.permutation(n).tolist()
+        dst = (n + rng.permutation(n)).tolist()
+        slots = rng.permutation(n).tolist()
+        eng.save(caches, src, slots, list(range(1, n + 1)))
+        eng.wait_idle()
+        dev_sh = NamedSharding(mesh, P())
+        host_sh = NamedSharding(mesh, P(), memory_kind=host)
+        out_sh = tuple(sh for _ in caches)
+        gather = jax.jit(lambda cs, ids: jnp.stack([c[ids] for c in cs], axis=1), out_shardings=dev_sh)
+        scatter = jax.jit(lambda cs, ids, rows: tuple(c.at[ids].set(rows[:, i], mode="drop") for i, c in enumerate(cs)),
+                          donate_argnums=0, out_shardings=out_sh)
+        pinned = jax.device_put(gather(tuple(caches), np.array(src, np.int32)), host_sh)
+        dst_np = np.array(dst, np.int32)
+        state = {"caches": caches}
+
+        def raw():
+            state["caches"] = scatter(tuple(state["caches"]), dst_np, jax.device_put(pinned, dev_sh))
+            return state["caches"]
+
+        progs = {}
+        saved = (pm.LOAD_STATIC_MAX, pm.LOAD_UNROLL)
+        for static, unroll in ((256, 16), (0, 4)):
+            pm.LOAD_STATIC_MAX, pm.LOAD_UNROLL = static, unroll
+            progs[static, unroll] = pm.GroupPrograms(eng._programs[0].group, host, eng.backend.num_slots)
+        pm.LOAD_STATIC_MAX, pm.LOAD_UNROLL = saved
+
+        def engine(key, split=False):
+            def go():
+                eng._programs[0] = progs[key]
+                eng._reads_first = lambda n: split
+                state["caches"], failed = eng.load(state["caches"], dst, slots, list(range(1, n + 1)))
+                assert not failed
+                return state["caches"]
+            return go
+
+        variants = {"raw": raw}
+        for key in progs:
+            variants[f"engine {'static' if key[0] else 'loops'} unroll {key[1]:2d}"] = engine(key)
+            variants[f"split {'static' if key[0] else 'loops'} unroll {key[1]:2d}"] = engine(key, True)
+        res = {k: ([], []) for k in variants}
+        for it in range(a.iters + 2):
+            for name, fn in variants.items():
+                m, t = timed(fn, 1, warm=0)
+                if it > 1:
+                    res[name][0].extend(m)
+                    res[name][1].extend(t)
+        print(f"--- load of {n} chunks ({n * chunk >> 20} MiB), ms: main / total / GiB/s / of raw")
+        raw_t = statistics.median(res["raw"][1])
+        for name, (m, t) in res.items():
+            print(f"  {name:32s} {ms(m)} {ms(t)} {n * chunk / 2**30 / statistics.median(t):6.2f} "
+                  f"{raw_t / statistics.median(t):6.1%}")
+        eng.close()
+        del caches, eng, state
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Preallocated host buffers for the ids of a save or load (see worker/programs.py).
+
+Transferring a call's small ids array costs more than its size suggests: on an H200 (JAX 0.11.2)
+the dispatch of the program that takes a just-transferred array blocks 0.1-0.3 ms until the
+transfer landed, and a load cannot start its first copy before that (tools/probe_overhead.py).
+Instead each call's ids are written, by the calling thread, into a buffer in pinned host memory
+that the runtime already holds (through a numpy view of it), and the program copies them to the
+device as its first step: no transfer, no allocation per call.
+
+JAX believes its arrays immutable, so a buffer is written again only once every program that read
+it has finished (their tokens are ready); when every buffer of that width is still in use (more
+calls in flight than the ring is deep), the call gets a freshly transferred array instead. Main
+thread only, like all dispatch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+@dataclass
+class _Entry:
+    array: jax.Array
+    views: list[np.ndarray]  # one per local copy (each device keeps its own)
+    readers: Sequence[jax.Array] = field(default_factory=tuple)  # tokens of the programs that read it
+
+    def free(self) -> bool:
+        return all(t.is_ready() for t in self.readers)
+
+
+class IdsRing:
+    def __init__(self, sharding: NamedSharding, depth: int = 8) -> None:
+        self._sharding = sharding  # replicated, in a host memory kind
+        self._depth = depth
+        self._rings: dict[tuple[int, ...], list[_Entry]] = {}
+        self._next: dict[tuple[int, ...], int] = {}
+        self.fallbacks = 0  # calls that found every buffer of their width in use
+
+    def put(self, ids: np.ndarray) -> tuple[jax.Array, _Entry | None]:
+        """An array holding ``ids`` (int32), and the entry to hand to ``read_by`` once dispatched
+        (None: a fresh array, nothing to track)."""
+        ring = self._rings.get(ids.shape)
+        if ring is None:  # the first call of this width (the one that compiles its programs too)
+            ring = self._rings[ids.shape] = [self._allocate(ids.shape) for _ in range(self._depth)]
+        i = self._next.get(ids.shape, 0)
+        self._next[ids.shape] = (i + 1) % self._depth
+        entry = ring[i]
+        if not entry.free():  # a program in flight may still copy these ids: never overwrite them
+            self.fallbacks += 1
+            return self._transfer(ids), None
+        for view in entry.views:
+            view[...] = ids
+        return entry.array, entry
+
+    @staticmethod
+    def read_by(entry: _Entry | None, tokens: Sequence[jax.Array]) -> None:
+        if entry is not None:
+            entry.readers = tuple(tokens)
+
+    def _transfer(self, ids: np.ndarray) -> jax.Array:
+        # From this host's own values: device_put onto a mesh spanning processes would compare
+        # them across processes (a hidden collective).
+        return jax.make_array_from_callback(ids.shape, self._sharding, lambda index: ids[index])
+
+    def _allocate(self, shape: tuple[int, ...]) -> _Entry:
+        array = self._transfer(np.zeros(shape, np.int32))
+        array.block_until_ready()  # the zeros must land before anything is written over them
+        count = int(np.prod(shape))
+        views = [np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(s.data.unsafe_buffer_pointer()))
+                 .reshape(shape) for s in array.addressable_shards]
+        return _Entry(array, views)
