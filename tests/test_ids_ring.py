@@ -55,3 +55,27 @@ def test_buffer_reused_once_its_programs_finished():
     assert again is first and entry is entry1 and r.fallbacks == 0
     for shard in again.addressable_shards:
         assert np.array_equal(np.asarray(shard.data), ids(3))
+
+
+def test_platform_whose_programs_do_not_see_the_writes_falls_back_to_transfers(monkeypatch, caplog):
+    """If writes through a buffer's address are not what a program reads (here: views onto copies),
+    the start-up check turns the ring off and every call transfers its ids: correct, only slower."""
+    allocate = IdsRing._allocate
+
+    def detached(self, shape):
+        entry = allocate(self, shape)
+        entry.views = [np.zeros(shape, np.int32) for _ in entry.views]  # not the buffers programs read
+        return entry
+
+    monkeypatch.setattr(IdsRing, "_allocate", detached)
+    r = ring(depth=2)
+    out, entry = r.put(ids(5))
+    assert entry is None and not r.enabled and "transferred per call" in caplog.text
+    assert np.array_equal(np.asarray(out), ids(5))
+    assert np.array_equal(np.asarray(r.put(ids(6))[0]), ids(6))
+
+
+def test_start_up_check_passes_here():
+    r = ring(depth=2)
+    out, entry = r.put(ids(7))
+    assert r.enabled and entry is not None and np.array_equal(np.asarray(out), ids(7))
