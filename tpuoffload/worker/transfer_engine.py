@@ -329,16 +329,14 @@ class TransferEngine:
     def _wait_for_writes(self, slots: Sequence[int]) -> set[int]:
         """Read-after-write: wait for in-flight writes to these slots. Returns the positions whose
         write did not finish within the timeout."""
-        deadline = time.monotonic() + self._load_wait_timeout_s
-        late = set()
-        for i, s in enumerate(slots):
-            fut = self._last_write.get(int(s))
-            if fut is None or fut.done():
-                continue
-            done, _ = futures.wait([fut], timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                late.add(i)
-        return late
+        writes = self._last_write
+        # One save writes many slots: check each distinct write once (done() takes a lock).
+        pending = {fut for fut in map(writes.get, slots) if fut is not None}
+        pending = [fut for fut in pending if not fut.done()]
+        if not pending:
+            return set()
+        _, late_writes = futures.wait(pending, timeout=self._load_wait_timeout_s)
+        return {i for i, s in enumerate(slots) if writes.get(s) in late_writes}
 
     # ---------------- the disk tier (tpuoffload/worker/disk_stage.py) ----------------
     def _row_pieces(self, n: int) -> list[list[tuple[jax.Device, tuple[int, ...]]]]:
