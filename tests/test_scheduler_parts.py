@@ -12,7 +12,7 @@ import pytest
 
 from tpuoffload import counters as C
 from tpuoffload.messages import OffloadWorkerReport, id_ranges, merge_ranges
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes
 from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.recency import RecencyLog
@@ -451,8 +451,11 @@ def test_index_randomized_against_model(seed):
                 else:
                     seen.add(x)
                     keep.append(i)
-            got_keep, got_dup, got_held = idx.select_new(HashKeys.of(q))
-            assert (got_keep.tolist(), got_dup, got_held) == (keep, dup, held_)
+            want_keys = HashKeys.of([q[i] for i in keep])
+            for batch in (HashKeys.of(q), PackedHashes.of(q)):  # the same answer from keys or packed hashes
+                got_keys, got_keep, got_dup, got_held = idx.select_new(batch)
+                assert (got_keep.tolist(), got_dup, got_held) == (keep, dup, held_)
+                assert got_keys.k1.tolist() == want_keys.k1.tolist() and got_keys.k2.tolist() == want_keys.k2.tolist()
             assert idx.find(HashKeys.of(q)).tolist() == [model.chunks[x].slot if x in model.chunks else -1 for x in q]
 
         # ---- invariants after every operation ----

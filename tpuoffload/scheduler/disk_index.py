@@ -66,8 +66,8 @@ class DiskIndex:
         """Chunks just evicted from host RAM go to disk (those not there already)."""
         if not len(slots):
             return _EMPTY_BATCH
-        new, _, _ = self.index.select_new(keys)
-        slots, save_ids, keys = slots[new], save_ids[new], keys.take(new)
+        keys, new, _, _ = self.index.select_new(keys)
+        slots, save_ids = slots[new], save_ids[new]
         entries = self.index.allocate(len(slots))
         self._forget(entries[self._held[entries]])  # evicted from disk: the hosts delete them
         n = len(entries)

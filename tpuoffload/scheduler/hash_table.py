@@ -34,6 +34,54 @@ from tpuoffload.scheduler.kernels import W as _W  # cells per bucket: a row hold
 _TWO_WORDS = struct.Struct("<QQ").unpack_from  # the first 16 bytes as two little-endian uint64
 
 
+class PackedHashes:
+    """A batch of content hashes as the compiled loops read them: ``width`` bytes each (a multiple
+    of 8, at least 16), laid end to end in one bytes object. Packing reads each hash object once;
+    the keys are split from the bytes inside the compiled loop that uses them (``HashKeys.of``, or
+    ``ChunkIndex.select_new`` directly), with no numpy call in between."""
+
+    __slots__ = ("buf", "width")
+
+    def __init__(self, buf: bytes, width: int) -> None:
+        self.buf = buf
+        self.width = width
+
+    def __len__(self) -> int:
+        return len(self.buf) // self.width
+
+    @classmethod
+    def of(cls, hashes: Sequence[bytes]) -> "PackedHashes":
+        """``hashes`` (bytes of one length, at least 16 and a multiple of 8, as vLLM's block hashers
+        produce; anything else bytes-like is normalised to its first 16 bytes, zero-padded)."""
+        if not len(hashes):
+            return cls(b"", 16)
+        try:
+            buf = b"".join(hashes)
+        except TypeError:
+            raise TypeError(f"block hashes must be bytes, got {type(hashes[0]).__name__}") from None
+        width = len(hashes[0])
+        if width < 16 or width % 8 or len(buf) != len(hashes) * width:
+            return cls(b"".join([bytes(h[:16]).ljust(16, b"\0") for h in hashes]), 16)
+        return cls(buf, width)
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "PackedHashes":
+        """The hashes of ``runs`` one after the other (``of`` of their concatenation), without
+        building the concatenated list: each run is joined as it is, so every hash object is read
+        once (on a cold cache, that read is most of the cost)."""
+        if len(runs) == 1:
+            return cls.of(runs[0])
+        try:
+            w = len(next(r[0] for r in runs if len(r)))
+            buf = b"".join([b"".join(r) for r in runs])
+        except (TypeError, StopIteration):
+            w = 0  # not bytes (``of`` says so), or nothing at all
+        n = len(buf) // w if w >= 16 and not w % 8 else -1
+        if n != sum(map(len, runs)):  # not bytes, or of another or several lengths: ``of`` normalises
+            return cls.of([h for r in runs for h in r])
+        return cls(buf, w)
+
+
 class HashKeys:
     """Keys of a batch of content hashes: ``k1`` (looked up in the table) and ``k2`` (confirms)."""
 
@@ -50,44 +98,15 @@ class HashKeys:
         return HashKeys(self.k1[idx], self.k2[idx])
 
     @classmethod
-    def of(cls, hashes: Sequence[bytes]) -> "HashKeys":
-        """Keys of ``hashes`` (bytes of one length, at least 16 and a multiple of 8, as vLLM's
-        block hashers produce; anything else bytes-like is normalised to that first)."""
-        n = len(hashes)
-        if not n:
-            return cls(np.zeros(0, np.uint64), np.zeros(0, np.uint64))
-        try:
-            buf = b"".join(hashes)
-        except TypeError:
-            raise TypeError(f"block hashes must be bytes, got {type(hashes[0]).__name__}") from None
-        width = len(hashes[0])
-        if width < 16 or width % 8 or len(buf) != n * width:
-            return cls.of([bytes(h[:16]).ljust(16, b"\0") for h in hashes])
-        return cls._of_buffer(buf, width)
-
-    @classmethod
-    def _of_buffer(cls, buf: bytes, width: int) -> "HashKeys":
-        """Keys of the hashes of ``width`` bytes laid end to end in ``buf``: one compiled pass
-        (every numpy call costs microseconds on a cold cache: a step runs few of them)."""
-        k1, k2 = kernels().split_keys(np.frombuffer(buf, dtype=np.uint64), width // 8)
-        return cls(k1, k2)
+    def of(cls, hashes: "Sequence[bytes] | PackedHashes") -> "HashKeys":
+        """Keys of ``hashes`` (as ``PackedHashes.of`` takes them, or packed already)."""
+        packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
+        return cls(*kernels().split_keys(packed.buf, packed.width))
 
     @classmethod
     def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "HashKeys":
-        """Keys of the hashes of ``runs`` one after the other (``of`` of their concatenation),
-        without building the concatenated list: each run is joined as it is, so every hash
-        object is read once (on a cold cache, that read is most of the cost)."""
-        if len(runs) == 1:
-            return cls.of(runs[0])
-        try:
-            w = len(next(r[0] for r in runs if len(r)))
-            buf = b"".join([b"".join(r) for r in runs])
-        except TypeError:
-            w = 0  # not bytes: ``of`` says so
-        n = len(buf) // w if w >= 16 and not w % 8 else -1
-        if n != sum(map(len, runs)):  # not bytes, or of another or several lengths: ``of`` normalises
-            return cls.of([h for r in runs for h in r])
-        return cls._of_buffer(buf, w)
+        """``of`` of the runs' concatenation (``PackedHashes.of_runs``)."""
+        return cls.of(PackedHashes.of_runs(runs))
 
     @staticmethod
     def one(h: bytes) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable, _i64, _u64
+from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes, _i64, _u64
 from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
@@ -109,12 +109,17 @@ class ChunkIndex:
             self._k.find_confirmed(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2), out)
         return out
 
-    def select_new(self, keys: HashKeys) -> tuple[np.ndarray, int, int]:
-        """Deduplicate a batch of save candidates (invariant 5), in one pass: returns (positions,
-        ascending, of the keys that are neither held nor being saved nor equal to an earlier key of
-        the batch; how many were equal to an earlier key; how many are held or being saved)."""
-        keep, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2))
-        return keep, n_dup, len(keys) - len(keep) - n_dup
+    def select_new(self, keys: "HashKeys | PackedHashes") -> tuple[HashKeys, np.ndarray, int, int]:
+        """Deduplicate a batch of save candidates (invariant 5), in one pass: returns (the keys that
+        are neither held nor being saved nor equal to an earlier key of the batch; their positions,
+        ascending; how many were equal to an earlier key; how many are held or being saved).
+        Packed hashes are split into keys in the same compiled call."""
+        tab = self._table.buckets
+        if type(keys) is PackedHashes:
+            keep, k1, k2, n_dup = self._k.select_new_packed(tab, self._key2, keys.buf, keys.width)
+        else:
+            keep, k1, k2, n_dup = self._k.select_new(tab, self._key2, _u64(keys.k1), _u64(keys.k2))
+        return HashKeys(k1, k2), keep, n_dup, len(keys) - len(keep) - n_dup
 
     def state_of(self, slot: int) -> int:
         return int(self._state_np[slot])
@@ -171,22 +176,24 @@ class ChunkIndex:
                 slots = np.concatenate((slots, victims)) if len(slots) else victims
         return slots
 
-    def add_saving(self, keys: HashKeys, slots: np.ndarray, first_save_id: int) -> None:
+    def add_saving(self, keys: HashKeys, slots: np.ndarray, first_save_id: int) -> int:
         """Name ``slots`` (from ``allocate``) by ``keys``, SAVING under save ids
         ``first_save_id, first_save_id + 1, ...``. The keys must be distinct and new to the index
-        (``find`` says -1): the save planner checks."""
+        (``find`` says -1): the save planner checks. Returns 1 if ``slots`` ascend by one, -1 if
+        they descend by one, else 0 (found in the same pass: the planner sends a run as a range)."""
         n = len(slots)
         if len(keys) != n:
             raise ValueError(f"{len(keys)} keys for {n} slots")
         if not n:
-            return
+            return 0
         table = self._table
         table.check_room(n)
-        reused = self._k.name(table.buckets, _u64(keys.k1), _u64(keys.k2), _i64(slots),
-                              self._cell, self._key2, self._state_np, self._save_id, first_save_id)
+        reused, run_step = self._k.name(table.buckets, _u64(keys.k1), _u64(keys.k2), _i64(slots),
+                                        self._cell, self._key2, self._state_np, self._save_id, first_save_id)
         table.inserted(n, reused)
         self._counts[FREE] -= n
         self._counts[SAVING] += n
+        return run_step
 
     def mark_ready(self, slots: np.ndarray, save_ids: np.ndarray) -> int:
         """Every host confirmed these saves: SAVING chunks become READY and most recently used

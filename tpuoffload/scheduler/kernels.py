@@ -147,7 +147,8 @@ def _evict(tab, cell, state, save_id, victims):
     return markers
 
 
-def _select_new(tab, key2, k1, k2):
+@numba.njit(inline="always")
+def _dedup(tab, key2, k1, k2):
     """Deduplicate one batch of save candidates. Returns (the positions, ascending, of the
     candidates whose key is neither held nor equal to an earlier candidate's; how many were equal
     to an earlier candidate's); the rest are held already."""
@@ -183,9 +184,39 @@ def _select_new(tab, key2, k1, k2):
     return keep[:n_keep], n_dup
 
 
+@numba.njit(inline="always")
+def _kept(k1, k2, keep):
+    """The keys at the positions ``keep`` (ascending), as new arrays."""
+    o1 = np.empty(keep.shape[0], dtype=np.uint64)
+    o2 = np.empty(keep.shape[0], dtype=np.uint64)
+    for j in range(keep.shape[0]):
+        o1[j] = k1[keep[j]]
+        o2[j] = k2[keep[j]]
+    return o1, o2
+
+
+def _select_new(tab, key2, k1, k2):
+    """``_dedup``: (positions kept, their k1, their k2, how many were batch duplicates)."""
+    keep, n_dup = _dedup(tab, key2, k1, k2)
+    o1, o2 = _kept(k1, k2, keep)
+    return keep, o1, o2, n_dup
+
+
+def _select_new_packed(tab, key2, buf, width):
+    """``_select_new`` of hashes of ``width`` bytes laid end to end in ``buf`` (``_split_keys``
+    first, in the same call: each call of a compiled function costs microseconds on a cold cache)."""
+    k1, k2 = _split_keys(buf, width)
+    keep, n_dup = _dedup(tab, key2, k1, k2)
+    if keep.shape[0] == k1.shape[0]:
+        return keep, k1, k2, n_dup
+    o1, o2 = _kept(k1, k2, keep)
+    return keep, o1, o2, n_dup
+
+
 def _name(tab, k1, k2, slots, cell, key2, state, save_id, first_id):
     """Insert ``k1[i] -> slots[i]`` (absent, distinct keys) and make each slot SAVING under save
-    id ``first_id + i``, recording its cell and k2. Returns how many DELETED cells were reused."""
+    id ``first_id + i``, recording its cell and k2. Returns (how many DELETED cells were reused,
+    ``_run_step(slots)``: the caller sends slots that are a run as a range)."""
     cells = np.empty(k1.shape[0], dtype=np.int64)
     reused = _insert(tab, k1, slots, cells)
     for i in range(slots.shape[0]):
@@ -194,7 +225,7 @@ def _name(tab, k1, k2, slots, cell, key2, state, save_id, first_id):
         key2[s] = k2[i]
         state[s] = SAVING
         save_id[s] = first_id + i
-    return reused
+    return reused, _run_step(slots)
 
 
 def _mark_ready(state, save_id, slots, ids):
@@ -251,6 +282,7 @@ def _ready_prefix(tab, key2, state, k1, k2, out):
     return k1.shape[0]
 
 
+@numba.njit(inline="always")
 def _run_step(values):
     """1 if ``values`` ascend by one, -1 if they descend by one, else 0 (also for fewer than 2)."""
     n = values.shape[0]
@@ -265,16 +297,26 @@ def _run_step(values):
     return step
 
 
-def _split_keys(words, stride):
-    """The keys of hashes of ``stride`` 8-byte words each, laid end to end: k1 (the first word,
-    at least 2: 0 and 1 mark free cells) and k2 (the second)."""
-    n = words.shape[0] // stride
+@numba.njit(inline="always")
+def _word(buf, i):
+    """The little-endian uint64 at byte ``i`` of ``buf`` (bytes: read in place, no numpy view)."""
+    w = np.uint64(0)
+    for j in range(8):
+        w |= np.uint64(buf[i + j]) << np.uint64(8 * j)
+    return w
+
+
+@numba.njit(inline="always")
+def _split_keys(buf, width):
+    """The keys of hashes of ``width`` bytes each (a multiple of 8, at least 16), laid end to end
+    in ``buf``: k1 (the first word, at least 2: 0 and 1 mark free cells) and k2 (the second)."""
+    n = len(buf) // width
     k1 = np.empty(n, dtype=np.uint64)
     k2 = np.empty(n, dtype=np.uint64)
     for i in range(n):
-        w = words[i * stride]
+        w = _word(buf, i * width)
         k1[i] = w if w > DELETED else np.uint64(2)
-        k2[i] = words[i * stride + 1]
+        k2[i] = _word(buf, i * width + 8)
     return k1, k2
 
 
@@ -306,7 +348,7 @@ class Kernels:
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
                  "ready_prefix", "run_step", "evict",
-                 "split_keys", "pool_take", "stamp")
+                 "split_keys", "select_new_packed", "pool_take", "stamp")
 
 
 @functools.cache
@@ -321,6 +363,7 @@ def kernels() -> Kernels:
     i64 = numba.int64[::1]  # outputs: contiguous
     u64out = numba.uint64[::1]
     keys, ints = numba.uint64[:], numba.int64[:]  # inputs: any layout (a reversed view, a column)
+    packed = numba.types.Bytes(numba.uint8, 1, "C", readonly=True)  # hashes laid end to end (a bytes object)
     # ChunkIndex's per-slot fields: columns of one record array (strided).
     key2, cell, save_id, pins, state = numba.uint64[:], numba.int64[:], numba.int64[:], numba.int32[:], numba.uint8[:]
     k = Kernels()
@@ -328,16 +371,18 @@ def kernels() -> Kernels:
     k.find_confirmed = jit(numba.void(tab, key2, keys, keys, i64))(_find_confirmed)
     k.insert = jit(numba.int64(tab, keys, ints, i64))(_insert.py_func)
     k.delete = jit(numba.int64(tab, ints))(_delete)
-    k.select_new = jit(numba.types.Tuple((i64, numba.int64))(tab, key2, keys, keys))(_select_new)
-    k.name = jit(numba.int64(tab, keys, keys, ints, cell, key2, state, save_id, numba.int64))(_name)
+    selected = numba.types.Tuple((i64, u64out, u64out, numba.int64))  # keep, k1, k2 (kept), batch duplicates
+    k.select_new = jit(selected(tab, key2, keys, keys))(_select_new)
+    k.select_new_packed = jit(selected(tab, key2, packed, numba.int64))(_select_new_packed)
+    k.name = jit(numba.types.UniTuple(numba.int64, 2)(tab, keys, keys, ints, cell, key2, state, save_id,
+                                                       numba.int64))(_name)
     k.mark_ready = jit(numba.boolean(state, save_id, ints, ints))(_mark_ready)
     k.pin = jit(numba.boolean(pins, state, ints))(_pin)
     k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
     k.ready_prefix = jit(numba.int64(tab, key2, state, keys, keys, i64))(_ready_prefix)
-    k.run_step = jit(numba.int64(ints))(_run_step)
+    k.run_step = jit(numba.int64(ints))(_run_step.py_func)
     k.evict = jit(numba.int64(tab, cell, state, save_id, ints))(_evict)
-    words = numba.types.Array(numba.uint64, 1, "C", readonly=True)  # np.frombuffer of bytes
     k.pool_take = jit(i64(i64, numba.boolean[::1], numba.int64, numba.int64))(_pool_take)
     k.stamp = jit(numba.types.UniTuple(i64, 2)(i64, ints, numba.int64))(_stamp)
-    k.split_keys = jit(numba.types.UniTuple(u64out, 2)(words, numba.int64))(_split_keys)
+    k.split_keys = jit(numba.types.UniTuple(u64out, 2)(packed, numba.int64))(_split_keys.py_func)
     return k

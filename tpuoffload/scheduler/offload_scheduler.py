@@ -31,7 +31,7 @@ from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
 from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch
 from tpuoffload.scheduler.disk_index import DiskIndex, FetchPlanner
-from tpuoffload.scheduler.hash_table import HashKeys
+from tpuoffload.scheduler.hash_table import PackedHashes
 from tpuoffload.scheduler.index import ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.lifecycle import RequestLifecycle
@@ -180,7 +180,7 @@ class OffloadScheduler:
                 save: SaveBatch = EMPTY
             else:
                 blocks, runs = self.requests.step_candidates(scheduler_output, block_ids_of)
-                save = plan(blocks, HashKeys.of_runs(runs), step) if blocks else EMPTY
+                save = plan(blocks, PackedHashes.of_runs(runs), step) if blocks else EMPTY
         finally:
             self.index.unpin(load_slots)
         if self.disk is not None:  # what this plan evicted from host RAM goes to disk first

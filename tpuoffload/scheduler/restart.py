@@ -143,8 +143,8 @@ class WarmRestart:
         ok[ok] = self.index.free_slots_mask(slots[ok])
         common = common[ok]
         keys = HashKeys(common["k1"].copy(), common["k2"].copy())
-        keep, _, _ = self.index.select_new(keys)  # one chunk per hash, none already held (invariant 5)
-        common, keys = common[keep], keys.take(keep)
+        keys, keep, _, _ = self.index.select_new(keys)  # one chunk per hash, none already held (invariant 5)
+        common = common[keep]
         self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"])
         self.counters[C.RESTORED_READY] += len(common)
         self.counters[C.RESTORED_DROPPED] += offered - len(common)

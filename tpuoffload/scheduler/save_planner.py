@@ -9,7 +9,7 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is compiled (``ChunkIndex.select_new`` and ``add_saving``,
+never waited for). The per-chunk work is compiled (``ChunkIndex.select_new``, ``allocate`` and ``add_saving``,
 kernels.py); the rest is a fixed number of calls per batch.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch, pack_keys
-from tpuoffload.scheduler.hash_table import HashKeys
+from tpuoffload.scheduler.hash_table import PackedHashes
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
 from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.ledger import CompletionLedger
@@ -43,10 +43,10 @@ class SavePlanner:
         self.clock = clock
         self.counters = counters
 
-    def plan(self, block_ids: Sequence[int], hashes: Sequence[ChunkHash] | HashKeys, step: int) -> SaveBatch:
+    def plan(self, block_ids: Sequence[int], hashes: "Sequence[ChunkHash] | PackedHashes", step: int) -> SaveBatch:
         """Chunks to save among the candidates ``zip(block_ids, hashes)``, earliest first. The
         blocks must hold their content until the workers gather them in this step's plan.
-        ``hashes`` may also be given as their ``HashKeys`` already.
+        ``hashes`` may also be given packed already.
 
         Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
         against saves in flight) and invariant 10 (``StagingBudget.reserve_up_to`` grants what
@@ -59,8 +59,8 @@ class SavePlanner:
         # candidate block is computed by the time the workers gather it), a key held or being
         # saved is an index duplicate (in flight included).
         counters = self.counters
-        keys = hashes if isinstance(hashes, HashKeys) else HashKeys.of(hashes)
-        keep, n_dup, n_held = self.index.select_new(keys)
+        packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
+        keys, keep, n_dup, n_held = self.index.select_new(packed)
         if n_dup:
             counters[C.DEDUP_BATCH] += n_dup
         if n_held:
@@ -68,7 +68,6 @@ class SavePlanner:
         if len(keep) < n:
             if not len(keep):
                 return EMPTY
-            keys = keys.take(keep)
             blocks = tuple(map(block_ids.__getitem__, keep.tolist()))
         else:
             blocks = tuple(block_ids)
@@ -87,20 +86,21 @@ class SavePlanner:
         if not got:
             return EMPTY
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        self.index.add_saving(keys, slots, base)
+        run_step = self.index.add_saving(keys, slots, base)
         counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=blocks, slots=compact_ints(slots), save_ids=range(base, base + got),
+        return SaveBatch(block_ids=blocks, slots=compact_ints(slots, run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
 
 
-def compact_ints(values: np.ndarray) -> Sequence[int]:
+def compact_ints(values: np.ndarray, run_step: int | None = None) -> Sequence[int]:
     """``values`` as a ``range`` when they are consecutive, ascending or descending (the usual
     case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
     batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
-    range costs neither a per-element conversion here nor bytes per element on the wire."""
+    range costs neither a per-element conversion here nor bytes per element on the wire.
+    ``run_step``: the caller's answer already (as ``ChunkIndex.add_saving`` returns it)."""
     if len(values) < 2:
         return tuple(values.tolist())
-    step = kernels().run_step(values)
+    step = kernels().run_step(values) if run_step is None else run_step
     if step:
         first = int(values[0])
         return range(first, first + step * len(values), step)
