@@ -75,7 +75,9 @@ class Harness:
             return so
 
         sched.schedule = schedule
-        off = self.eng.offload
+        # Wrapped on the connector vLLM calls (its scheduler-side hooks are the scheduler half's
+        # bound methods, taken at construction: wrapping the scheduler half would not be seen).
+        off = sched.connector
         orig_finished = off.request_finished
 
         def request_finished(request, block_ids):

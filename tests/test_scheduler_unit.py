@@ -70,7 +70,7 @@ class Fake:
         assert is_async == (ext > 0)
         self.blocks[req.request_id] = list(range(self.next_block, self.next_block + len(req.block_hashes) + 1))
         self.next_block += 1000
-        self.off.update_state_after_alloc(req, ext)
+        self.off.update_state_after_alloc(req, None, ext)
         req.num_computed_tokens = local_tokens + ext
         req.status = WAITING_FOR_KV if ext else RequestStatus.RUNNING
         return ext
@@ -237,7 +237,7 @@ def test_promised_blocks_that_vanished_before_admission_are_load_errors(vanish):
     slot = f.off.index.slot_of(seed.block_hashes[vanish])
     assert f.off.index.discard(slot, f.off.index.save_id_of(slot))
     f.blocks["b"] = [7, 8, 9, 10]
-    f.off.update_state_after_alloc(req, ext)
+    f.off.update_state_after_alloc(req, None, ext)
     req.status = WAITING_FOR_KV
     (load,) = f.plan().loads
     assert load.block_ids == (7, 8, 9)[:vanish] and load.unavailable_block_ids == (7, 8, 9)[vanish:]

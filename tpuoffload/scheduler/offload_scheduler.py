@@ -126,10 +126,10 @@ class OffloadScheduler:
             return None, False  # its prefix continues on disk: ask again once it is back in host RAM
         return hits * self.block_size, hits > 0
 
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int,
-                                 blocks: "KVCacheBlocks | None" = None) -> None:
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks | None",
+                                 num_external_tokens: int) -> None:
         """vLLM allocated ``blocks`` for ``request`` (admission or resumption), expecting
-        ``num_external_tokens`` tokens from host RAM."""
+        ``num_external_tokens`` tokens from host RAM (``blocks`` None: ask the KV cache manager)."""
         self.requests.admit(request)
         if self.fetches is not None:
             self.fetches.forget(request.request_id)
