@@ -119,8 +119,8 @@ class DiskIndex:
         for rows in kept[1:]:
             common = common[np.isin(_void(common), _void(rows))]
         keys = HashKeys(common["k1"].copy(), common["k2"].copy())
-        keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
-        common, keys = common[keep], keys.take(keep)
+        keys, keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
+        common = common[keep]
         free = np.flatnonzero(self.index.free_slots_mask(np.arange(self.index.num_slots)))
         skip = max(0, len(common) - len(free))  # the most recently used fit
         common, keys, entries = common[skip:], keys.take(slice(skip, None)), free[:len(common) - skip]
