@@ -2,7 +2,9 @@
 """Scheduler-side cost per engine step of a KV connector, on vLLM's real Scheduler (CPU, no model).
 
 Three configurations of the same vLLM 0.32 ``Scheduler`` run the same requests, stepped
-round-robin (one step of each in turn, so drift in machine speed hits all of them alike):
+round-robin (one step of each per round, so drift in machine speed hits all of them alike; the
+order is shuffled every round, so no config always runs right after the same other one, on the
+caches that one left):
 
   (a) none        no KV connector
   (b) offloading  vLLM's own OffloadingConnector, CPUOffloadingSpec backend
@@ -390,11 +392,17 @@ def reset_prefix_cache(sim: Sim) -> None:
 
 
 def round_robin(sims, phase, done, max_steps=100_000) -> None:
-    """Step each sim in turn until done(sim); timing recorded under ``phase`` (None: untimed)."""
+    """Step each sim once per round until done(sim); timing recorded under ``phase`` (None:
+    untimed). The order is shuffled every round (seeded): each config runs on the caches the one
+    before it left, and a fixed order would always put the same config after the heaviest one
+    (OffloadingConnector) and the baseline after the lightest."""
     active = list(sims)
+    rng = random.Random(len(sims))
     n = 0
     while active:
-        for sim in list(active):
+        order = list(active)
+        rng.shuffle(order)
+        for sim in order:
             if done(sim):
                 active.remove(sim)
                 continue
