@@ -304,12 +304,16 @@ class TransferEngine:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
         version each takes orders it after every earlier save's writes; the checks only decide
         which rows count. The copies run while this thread checks and dispatches the scatter."""
-        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, [1] * len(slots),
-                                                 self.num_blocks, self.max_chunks_per_transfer))
+        return self._read_programs("load.read", slots, [1] * len(slots), self.max_chunks_per_transfer)
+
+    def _read_programs(self, op: str, slots: list[int], valid: list[int], cap: int) -> list[jax.Array]:
+        """One read program per layer group: ``slots`` copied into device rows (zeros where not
+        ``valid``); the stores are read, not donated."""
+        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks, cap))
         rows, tokens = [], []
         for i, prog in enumerate(self._programs):
             group_rows, token = prog.read(self._stores[i], ids)
-            self.log.record("load.read", shape=ids.shape, group=i, slots=str(slots))
+            self.log.record(op, shape=ids.shape, group=i, slots=str(slots))
             rows.append(group_rows)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
@@ -365,15 +369,7 @@ class TransferEngine:
         late = self._wait_for_writes(slots)
         ok, _ = self.backend.lookup(slots, save_ids)
         valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
-        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks,
-                                                 _pow2_ceil(len(slots))))
-        rows, tokens = [], []
-        for i, prog in enumerate(self._programs):
-            group_rows, token = prog.read(self._stores[i], ids)
-            self.log.record("read", shape=ids.shape, group=i, slots=str(slots))
-            rows.append(group_rows)
-            tokens.append(token)
-        self._ids.read_by(entry, tokens)
+        rows = self._read_programs("read", slots, valid, _pow2_ceil(len(slots)))
         return rows, [bool(v) for v in valid]
 
     def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
