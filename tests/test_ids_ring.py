@@ -79,3 +79,14 @@ def test_start_up_check_passes_here():
     r = ring(depth=2)
     out, entry = r.put(ids(7))
     assert r.enabled and entry is not None and np.array_equal(np.asarray(out), ids(7))
+
+
+def test_buffer_handed_out_but_never_reported_read_is_not_reused():
+    """A dispatch that raised after some programs took the buffer never calls ``read_by``: the
+    buffer must stay untouched (those programs may still copy it), later calls fall back."""
+    r = ring(depth=1)
+    first, entry = r.put(ids(1))  # ... and the caller's dispatch fails: no read_by
+    again, entry2 = r.put(ids(2))
+    assert entry2 is None and r.fallbacks == 1 and np.array_equal(np.asarray(again), ids(2))
+    for shard in first.addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), ids(1))

@@ -33,6 +33,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 logger = logging.getLogger(__name__)
 
 
+class _Unread:
+    """Readers of a buffer handed out whose programs were not reported yet (``read_by``): never
+    ready, so a dispatch that failed half-way never lets a later call overwrite the ids that the
+    programs it did dispatch may still copy."""
+
+    @staticmethod
+    def is_ready() -> bool:
+        return False
+
+
+_UNREAD = (_Unread(),)
+
+
 @dataclass
 class _Entry:
     array: jax.Array
@@ -68,6 +81,7 @@ class IdsRing:
             return self._transfer(ids), None
         for view in entry.views:
             view[...] = ids
+        entry.readers = _UNREAD
         return entry.array, entry
 
     @staticmethod
