@@ -76,8 +76,9 @@ def test_adopts_only_what_every_host_restored_alike(tmp_path):
 
 def test_restored_hash_held_twice_or_slot_out_of_range_is_dropped(tmp_path):
     part, index, counters, _ = restart_part(tmp_path, num_hosts=1, num_slots=8)
-    part.on_report(OffloadWorkerReport(restored={0: rows((1, 10, 100), (2, 11, 100), (9, 12, 300))}))
-    assert len(index) == 1 and counters[C.RESTORED_READY] == 1 and counters[C.RESTORED_DROPPED] == 2
+    part.on_report(OffloadWorkerReport(restored={0: rows((1, 10, 100), (2, 11, 100), (9, 12, 300), (3, 13, 0))}))
+    assert len(index) == 1 and counters[C.RESTORED_READY] == 1 and counters[C.RESTORED_DROPPED] == 3
+    assert index.slot_of(key(100)) == 1  # a k1 of 0 (a free table cell's marker) was not inserted
 
 
 def test_restore_report_that_never_comes_unblocks_saves_after_the_timeout(tmp_path):
@@ -146,10 +147,10 @@ def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted
     part = WarmRestart(str(tmp_path), 0.0, 30.0, ChunkIndex(16, counters=counters), 2, counters, Clock(), disk)
     # least recently used first; host 1 lost 200's file and holds 300 under another disk id
     part.on_report(OffloadWorkerReport(restored={0: b""},
-                                       disk_restored={0: disk_rows((7, 100), (3, 200), (9, 300), (4, 500))}))
+                                       disk_restored={0: disk_rows((7, 100), (3, 200), (9, 300), (4, 500), (8, 1))}))
     assert len(disk.index) == 0  # host 1 has not reported
     part.on_report(OffloadWorkerReport(restored={1: b""},
-                                       disk_restored={1: disk_rows((4, 500), (7, 100), (5, 300), (6, 400))}))
+                                       disk_restored={1: disk_rows((4, 500), (7, 100), (5, 300), (6, 400), (8, 1))}))
     assert not part.saves_blocked
     assert [disk.index.slot_of(key(k)) is not None for k in (100, 200, 300, 400, 500)] == [True, False, False,
                                                                                           False, True]
@@ -157,8 +158,9 @@ def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted
     entries = [disk.index.slot_of(key(k)) for k in (100, 500)]
     assert disk.ready_prefix([key(100), key(500), key(300)]) == entries
     assert list(disk.index.save_ids(np.array(entries))) == [7, 4] and disk.index.lru_order() == entries
-    assert sorted(unpack_keys(disk.take_drops().keys)[:, 0]) == [200, 300, 400]  # deleted on every host
-    assert counters[C.DISK_RESTORED_READY] == 2 and counters[C.DISK_RESTORED_DROPPED] == 3
+    # deleted on every host; k1 = 1 (a free table cell's marker, never a scheduler's key) too
+    assert sorted(unpack_keys(disk.take_drops().keys)[:, 0]) == [1, 200, 300, 400]
+    assert counters[C.DISK_RESTORED_READY] == 2 and counters[C.DISK_RESTORED_DROPPED] == 4
 
 
 def test_a_report_of_restored_rows_only_survives_vllms_aggregator():
