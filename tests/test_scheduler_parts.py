@@ -855,7 +855,7 @@ def test_hash_keys_of_vllm_hashes_and_odd_input():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_hash_keys_of_runs_is_of_the_concatenation(seed):
+def test_packed_hashes_of_runs_is_of_the_concatenation(seed):
     rng = random.Random(seed)
     for _ in range(50):
         width = rng.choice([16, 32])
@@ -863,10 +863,10 @@ def test_hash_keys_of_runs_is_of_the_concatenation(seed):
         if not any(runs):
             runs[0].append(rng.randbytes(width))
         flat = [x for r in runs for x in r]
-        got, want = HashKeys.of_runs(runs), HashKeys.of(flat)
+        got, want = HashKeys.of(PackedHashes.of_runs(runs)), HashKeys.of(flat)
         assert got.k1.tolist() == want.k1.tolist() and got.k2.tolist() == want.k2.tolist()
     mixed = [[b"a" * 32], [b"b" * 16, b"short"]]  # lengths differ: normalised like ``of``
-    got, want = HashKeys.of_runs(mixed), HashKeys.of([b"a" * 32, b"b" * 16, b"short"])
+    got, want = HashKeys.of(PackedHashes.of_runs(mixed)), HashKeys.of([b"a" * 32, b"b" * 16, b"short"])
     assert got.k1.tolist() == want.k1.tolist() and got.k2.tolist() == want.k2.tolist()
     with pytest.raises(TypeError, match="bytes"):
-        HashKeys.of_runs([[b"x" * 16], [1]])
+        PackedHashes.of_runs([[b"x" * 16], [1]])

@@ -2,8 +2,8 @@
 """Probes for issue 9's fixed per-call costs (developer tool), in one process on the platform JAX has
 (--expect-platform, never a silent fallback), 32 layers of (64, 8, 2, 128) bf16 blocks (8 MiB chunks).
 
-  dispatch  (--save-blocks): main-thread and total ms of engine.save, and a clock reading after each
-            step of it (checks, ids, the program's dispatch, log, background submit).
+  dispatch  (--save-blocks): main-thread and total ms of engine.save (tools/profile_dispatch.py
+            splits the main-thread time into the engine's own steps).
   load      (--load-blocks): the raw load (device_put of a pinned array + donating scatter) against
             engine.load with other read programs (written out / fori_loops) and with the load as
             one program or as reads-then-scatter, interleaved; main-thread and total ms, % of raw.
@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -53,75 +52,6 @@ def make_caches(n, layers, sh):
                     .astype(jnp.bfloat16), out_shardings=sh)() for i in range(layers)]
 
 
-def save_stamped(eng, pm, kv, block_ids, slots, save_ids, marks):
-    """engine.save's steps (one piece, one group) with a clock reading after each."""
-    t = [time.perf_counter()]
-    eng._check_owner()
-    eng._check_caches(kv)
-    eng._check_plan(block_ids, slots, save_ids, unique="slots")
-    t.append(time.perf_counter())
-    block_ids, slots, save_ids = [int(b) for b in block_ids], [int(s) for s in slots], [int(s) for s in save_ids]
-    t.append(time.perf_counter())
-    ids_np = pm.save_plan_ids(block_ids, slots, eng.max_chunks_per_transfer)
-    t.append(time.perf_counter())
-    ids, entry = eng._ids.put(ids_np)
-    t.append(time.perf_counter())
-    bt, st = str(block_ids), str(slots)
-    t.append(time.perf_counter())
-    prog = eng._programs[0]
-    eng._stores[0], token = prog.save(eng._group_caches(kv, prog.group), eng._stores[0], ids)
-    eng._ids.read_by(entry, [token])
-    t.append(time.perf_counter())
-    eng.log.record("save", shape=ids.shape, group=0, blocks=bt, slots=st)
-    t.append(time.perf_counter())
-    previous = {eng._last_write[s] for s in slots if s in eng._last_write}
-    fut = eng._pool.submit(eng._complete_save, [token], block_ids, slots, save_ids, previous)
-    t.append(time.perf_counter())
-    with eng._lock:
-        eng._inflight[fut] = (time.monotonic(), len(slots), 0)
-    fut.add_done_callback(eng._forget_inflight)
-    for s in slots:
-        eng._last_write[s] = fut
-    t.append(time.perf_counter())
-    names = ("checks", "int lists", "plan ids", "put ids", "str", "program", "log", "submit", "bookkeeping")
-    for name, a, b in zip(names, t, t[1:]):
-        marks.setdefault(name, []).append(b - a)
-
-
-def load_stamped(eng, pm, kv, block_ids, slots, save_ids, marks):
-    t = [time.perf_counter()]
-    eng._check_owner()
-    eng._check_caches(kv)
-    eng._check_plan(block_ids, slots, save_ids, unique="block_ids")
-    t.append(time.perf_counter())
-    n = len(block_ids)
-    block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
-    failed = eng._wait_for_writes(slots)
-    t.append(time.perf_counter())
-    failed |= eng._unusable(block_ids, slots, save_ids)
-    t.append(time.perf_counter())
-    valid = [0 if i in failed else 1 for i in range(n)]
-    ids_np = pm.load_plan_ids(block_ids, slots, valid, eng.num_blocks, eng.max_chunks_per_transfer)
-    t.append(time.perf_counter())
-    ids, entry = eng._ids.put(ids_np)
-    t.append(time.perf_counter())
-    bt, st = str(block_ids), str(slots)
-    prog = eng._programs[0]
-    out, token = prog.load(eng._group_caches(kv, prog.group), eng._stores[0], ids)
-    eng._ids.read_by(entry, [token])
-    t.append(time.perf_counter())
-    eng.log.record("load", shape=ids.shape, group=0, blocks=bt, slots=st)
-    new = list(out)
-    eng._known_caches = tuple(map(weakref.ref, new))
-    with eng._lock:
-        eng.counters["x"] += n
-    t.append(time.perf_counter())
-    names = ("checks", "wait writes", "unusable", "plan ids", "put ids", "program", "after")
-    for name, a, b in zip(names, t, t[1:]):
-        marks.setdefault(name, []).append(b - a)
-    return new
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--expect-platform", required=True)
@@ -149,15 +79,9 @@ def main() -> int:
         src = list(range(n))
         ids_iter = iter(range(1, 1 << 40))
         print(f"--- save of {n} chunks ({n * chunk >> 20} MiB), ms: main / total")
-        ids_np = pm.save_plan_ids(src, src, n)
         m, t = timed(lambda: eng.save(caches, src, src, [next(ids_iter) for _ in src]), a.iters,
                      ready=lambda _: eng.wait_idle())
         print(f"  engine.save                 {ms(m)} {ms(t)}")
-        marks = {}
-        for _ in range(a.iters):
-            save_stamped(eng, pm, caches, src, src, [next(ids_iter) for _ in src], marks)
-            eng.wait_idle()
-        print("    stamps: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in marks.items()))
         print(f"    ids ring fallbacks: {eng._ids.fallbacks}")
         eng.close()
         del caches, eng

@@ -118,8 +118,8 @@ class DiskIndex:
         common = kept[0]
         for rows in kept[1:]:
             common = common[np.isin(_void(common), _void(rows))]
-        common = common[common["k1"] > 1]  # 0 and 1 mark free table cells: never a key the scheduler wrote
-        keys = HashKeys(common["k1"].copy(), common["k2"].copy())
+        keys, valid = HashKeys.of_rows(common)
+        common = common[valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
         common = common[keep]
         free = np.flatnonzero(self.index.free_slots_mask(np.arange(self.index.num_slots)))

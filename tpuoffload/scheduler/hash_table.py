@@ -104,9 +104,11 @@ class HashKeys:
         return cls(*kernels().split_keys(packed.buf, packed.width))
 
     @classmethod
-    def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "HashKeys":
-        """``of`` of the runs' concatenation (``PackedHashes.of_runs``)."""
-        return cls.of(PackedHashes.of_runs(runs))
+    def of_rows(cls, rows: np.ndarray) -> "tuple[HashKeys, np.ndarray]":
+        """Keys of stored or reported rows (fields ``k1``, ``k2``), and which rows they are: a row
+        whose k1 is 0 or 1 (the table's free-cell markers, never a key a scheduler wrote) is left out."""
+        ok = rows["k1"] > 1
+        return cls(rows["k1"][ok], rows["k2"][ok]), ok
 
     @staticmethod
     def one(h: bytes) -> tuple[int, int]:

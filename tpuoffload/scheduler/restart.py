@@ -138,12 +138,11 @@ class WarmRestart:
             common = np.intersect1d(common, rows[host], assume_unique=True)
         offered = max(len(r) for r in rows.values())
         common = common[np.argsort(common["save_id"], kind="stable")]  # LRU order: oldest save first
-        common = common[common["k1"] > 1]  # 0 and 1 mark free table cells: never a key the scheduler wrote
         slots = common["slot"]
         ok = (slots < self.index.num_slots) & (slots >= 0)
         ok[ok] = self.index.free_slots_mask(slots[ok])
-        common = common[ok]
-        keys = HashKeys(common["k1"].copy(), common["k2"].copy())
+        keys, valid = HashKeys.of_rows(common[ok])
+        common = common[ok][valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one chunk per hash, none already held (invariant 5)
         common = common[keep]
         self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"])
