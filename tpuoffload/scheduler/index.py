@@ -121,6 +121,28 @@ class ChunkIndex:
             keep, k1, k2, n_dup = self._k.select_new(tab, self._key2, _u64(keys.k1), _u64(keys.k2))
         return HashKeys(k1, k2), keep, n_dup, len(keys) - len(keep) - n_dup
 
+    def select_and_name(self, packed: PackedHashes, limit: int,
+                        first_save_id: int) -> tuple[HashKeys, np.ndarray, int, int, np.ndarray, int]:
+        """``select_new`` of a batch of save candidates, then ``allocate`` + ``add_saving`` of its
+        first kept keys from free slots only (no eviction), in one compiled call: up to ``limit``
+        keys are named SAVING under save ids ``first_save_id ..``. Returns (the kept keys, their
+        positions, batch duplicates, held, the slots named, ``add_saving``'s run step). Fewer
+        slots than ``min(kept, limit)`` means the pool ran out: ``allocate`` + ``add_saving`` the
+        next kept keys (evicting)."""
+        stack, allocated, top = self._pool.free_stack()
+        table = self._table
+        table.check_room(min(len(packed), limit, top))
+        keep, k1, k2, n_dup, slots, reused, run_step = self._k.plan_saves(
+            table.buckets, self._key2, self._cell, self._state_np, self._save_id, stack, allocated, top,
+            packed.buf, packed.width, limit, first_save_id)
+        n = len(slots)
+        self._pool.took(n)
+        if n:
+            table.inserted(n, reused)
+            self._counts[FREE] -= n
+            self._counts[SAVING] += n
+        return HashKeys(k1, k2), keep, n_dup, len(packed) - len(keep) - n_dup, slots, run_step
+
     def state_of(self, slot: int) -> int:
         return int(self._state_np[slot])
 
@@ -154,10 +176,8 @@ class ChunkIndex:
             return _NO_SLOTS
         if stop - start == 1:
             return np.array([first], dtype=np.int64)
-        keys = HashKeys.of(hashes[start:stop])
-        out = np.empty(len(keys), dtype=np.int64)
-        k = self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, keys.k1, keys.k2, out)
-        return out[:k]
+        packed = PackedHashes.of(hashes[start:stop])
+        return self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, packed.buf, packed.width)
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:

@@ -24,6 +24,7 @@ or intp explicitly: numba turns a uint64/int64 mix into a float.
 from __future__ import annotations
 
 import functools
+import sys
 
 import numba
 import numpy as np
@@ -202,6 +203,7 @@ def _select_new(tab, key2, k1, k2):
     return keep, o1, o2, n_dup
 
 
+@numba.njit(inline="always")
 def _select_new_packed(tab, key2, buf, width):
     """``_select_new`` of hashes of ``width`` bytes laid end to end in ``buf`` (``_split_keys``
     first, in the same call: each call of a compiled function costs microseconds on a cold cache)."""
@@ -213,6 +215,21 @@ def _select_new_packed(tab, key2, buf, width):
     return keep, o1, o2, n_dup
 
 
+def _plan_saves(tab, key2, cell, state, save_id, stack, allocated, top, buf, width, limit, first_id):
+    """One save batch's index work in one call (the save planner's usual case; each call of a
+    compiled function costs microseconds on a cold cache): ``_select_new_packed``, then the first
+    ``m = min(kept, limit, top)`` kept keys take slots from the free stack (``_pool_take``) and are
+    named SAVING under save ids ``first_id ..`` (``_name``). Returns (keep, kept k1, kept k2, batch
+    duplicates, the ``m`` slots, DELETED cells reused, ``_run_step`` of the slots). Kept keys past
+    ``m`` are the caller's: ``limit`` means staging, ``top`` means evict for them."""
+    keep, k1, k2, n_dup = _select_new_packed(tab, key2, buf, width)
+    m = min(keep.shape[0], limit, top)
+    slots = _pool_take(stack, allocated, top, m)
+    reused, run_step = _name(tab, k1[:m], k2[:m], slots, cell, key2, state, save_id, first_id)
+    return keep, k1, k2, n_dup, slots, reused, run_step
+
+
+@numba.njit(inline="always")
 def _name(tab, k1, k2, slots, cell, key2, state, save_id, first_id):
     """Insert ``k1[i] -> slots[i]`` (absent, distinct keys) and make each slot SAVING under save
     id ``first_id + i``, recording its cell and k2. Returns (how many DELETED cells were reused,
@@ -269,17 +286,20 @@ def _unpin(pins, slots, released):
     return k
 
 
-def _ready_prefix(tab, key2, state, k1, k2, out):
-    """``out[:k]``: the slots of the leading keys that name READY chunks; returns ``k`` (stops at
-    the first key that does not)."""
+def _ready_prefix(tab, key2, state, buf, width):
+    """The slots of the leading hashes (``width`` bytes each, end to end in ``buf``) that name READY
+    chunks, stopping at the first that does not. Keys are split here, in the same call (each call of
+    a compiled function costs microseconds on a cold cache)."""
+    k1, k2 = _split_keys(buf, width)
+    out = np.empty(k1.shape[0], dtype=np.int64)
     if k1.shape[0]:
         out[0] = np.int64(_touch_homes(tab, k1) >> np.uint64(1))  # prefetch (overwritten below)
     for i in range(k1.shape[0]):
         s = _probe(tab, k1[i])
         if s < 0 or key2[s] != k2[i] or state[s] != READY:
-            return i
+            return out[:i]
         out[i] = s
-    return k1.shape[0]
+    return out
 
 
 @numba.njit(inline="always")
@@ -298,28 +318,23 @@ def _run_step(values):
 
 
 @numba.njit(inline="always")
-def _word(buf, i):
-    """The little-endian uint64 at byte ``i`` of ``buf`` (bytes: read in place, no numpy view)."""
-    w = np.uint64(0)
-    for j in range(8):
-        w |= np.uint64(buf[i + j]) << np.uint64(8 * j)
-    return w
-
-
-@numba.njit(inline="always")
 def _split_keys(buf, width):
     """The keys of hashes of ``width`` bytes each (a multiple of 8, at least 16), laid end to end
-    in ``buf``: k1 (the first word, at least 2: 0 and 1 mark free cells) and k2 (the second)."""
-    n = len(buf) // width
+    in ``buf``: k1 (the first little-endian word, at least 2: 0 and 1 mark free cells) and k2 (the
+    second). The bytes are read in place as words (``kernels()`` checks the host is little-endian)."""
+    words = np.frombuffer(buf, np.uint64)
+    step = width // 8
+    n = words.shape[0] // step
     k1 = np.empty(n, dtype=np.uint64)
     k2 = np.empty(n, dtype=np.uint64)
     for i in range(n):
-        w = _word(buf, i * width)
+        w = words[i * step]
         k1[i] = w if w > DELETED else np.uint64(2)
-        k2[i] = _word(buf, i * width + 8)
+        k2[i] = words[i * step + 1]
     return k1, k2
 
 
+@numba.njit(inline="always")
 def _pool_take(stack, allocated, top, k):
     """SlotPool: the ``k`` slots below ``top`` of the free stack, top first, marked allocated."""
     out = np.empty(k, dtype=np.int64)
@@ -348,11 +363,13 @@ class Kernels:
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
                  "ready_prefix", "run_step", "evict",
-                 "split_keys", "select_new_packed", "pool_take", "stamp")
+                 "split_keys", "select_new_packed", "plan_saves", "pool_take", "stamp")
 
 
 @functools.cache
 def kernels() -> Kernels:
+    if sys.byteorder != "little":  # _split_keys reads hash bytes as native words; keys are little-endian
+        raise RuntimeError("tpuoffload's scheduler needs a little-endian host")
     try:
         numba.njit(cache=True)(_delete)  # raises where no cache directory is writable
         cache = True
@@ -373,16 +390,19 @@ def kernels() -> Kernels:
     k.delete = jit(numba.int64(tab, ints))(_delete)
     selected = numba.types.Tuple((i64, u64out, u64out, numba.int64))  # keep, k1, k2 (kept), batch duplicates
     k.select_new = jit(selected(tab, key2, keys, keys))(_select_new)
-    k.select_new_packed = jit(selected(tab, key2, packed, numba.int64))(_select_new_packed)
+    k.select_new_packed = jit(selected(tab, key2, packed, numba.int64))(_select_new_packed.py_func)
     k.name = jit(numba.types.UniTuple(numba.int64, 2)(tab, keys, keys, ints, cell, key2, state, save_id,
-                                                       numba.int64))(_name)
+                                                       numba.int64))(_name.py_func)
+    planned = numba.types.Tuple((i64, u64out, u64out, numba.int64, i64, numba.int64, numba.int64))
+    k.plan_saves = jit(planned(tab, key2, cell, state, save_id, i64, numba.boolean[::1], numba.int64, packed,
+                               numba.int64, numba.int64, numba.int64))(_plan_saves)
     k.mark_ready = jit(numba.boolean(state, save_id, ints, ints))(_mark_ready)
     k.pin = jit(numba.boolean(pins, state, ints))(_pin)
     k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
-    k.ready_prefix = jit(numba.int64(tab, key2, state, keys, keys, i64))(_ready_prefix)
+    k.ready_prefix = jit(i64(tab, key2, state, packed, numba.int64))(_ready_prefix)
     k.run_step = jit(numba.int64(ints))(_run_step.py_func)
     k.evict = jit(numba.int64(tab, cell, state, save_id, ints))(_evict)
-    k.pool_take = jit(i64(i64, numba.boolean[::1], numba.int64, numba.int64))(_pool_take)
+    k.pool_take = jit(i64(i64, numba.boolean[::1], numba.int64, numba.int64))(_pool_take.py_func)
     k.stamp = jit(numba.types.UniTuple(i64, 2)(i64, ints, numba.int64))(_stamp)
     k.split_keys = jit(numba.types.UniTuple(u64out, 2)(packed, numba.int64))(_split_keys.py_func)
     return k

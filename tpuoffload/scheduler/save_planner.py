@@ -9,8 +9,9 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is compiled (``ChunkIndex.select_new``, ``allocate`` and ``add_saving``,
-kernels.py); the rest is a fixed number of calls per batch.
+never waited for). The per-chunk work is compiled (``ChunkIndex.select_and_name``: one call that deduplicates and names
+the chunks that free slots take; ``allocate`` and ``add_saving`` for the rest, when eviction makes
+room; kernels.py); the rest is a fixed number of calls per batch.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class SavePlanner:
         ``hashes`` may also be given packed already.
 
         Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
-        against saves in flight) and invariant 10 (``StagingBudget.reserve_up_to`` grants what
-        fits, ``ChunkIndex.allocate`` the slots that exist; the rest is skipped and counted)."""
+        against saves in flight) and invariant 10 (the staging budget's room and the slots that exist
+        bound what is named; the rest is skipped and counted)."""
         n = len(hashes)
         if not n:
             return EMPTY
@@ -60,33 +61,37 @@ class SavePlanner:
         # saved is an index duplicate (in flight included).
         counters = self.counters
         packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
-        keys, keep, n_dup, n_held = self.index.select_new(packed)
+        limit = self.staging.room(self.chunk_bytes)  # chunks the staging budget takes now
+        first = self.ledger.next_save_id
+        # Deduplication and the free slots' naming in one compiled call (the usual case); kept
+        # keys beyond what free slots covered are named below, on slots of evicted chunks.
+        keys, keep, n_dup, n_held, slots, run_step = self.index.select_and_name(packed, limit, first)
         if n_dup:
             counters[C.DEDUP_BATCH] += n_dup
         if n_held:
             counters[C.DEDUP_INDEX] += n_held
-        if len(keep) < n:
-            if not len(keep):
-                return EMPTY
-            blocks = tuple(map(block_ids.__getitem__, keep.tolist()))
-        else:
-            blocks = tuple(block_ids)
-        granted = self.staging.reserve_up_to(len(blocks), self.chunk_bytes)
-        if granted < len(blocks):
-            counters[C.SKIPPED_STAGING] += len(blocks) - granted
-            keys, blocks = keys.take(slice(0, granted)), blocks[:granted]
-        if not granted:
-            return EMPTY
-        slots = self.index.allocate(granted)
+        n_keep = len(keep)
+        granted = min(n_keep, limit)
+        if granted < n_keep:
+            counters[C.SKIPPED_STAGING] += n_keep - granted
         got = len(slots)
-        if got < granted:
-            counters[C.SKIPPED_NO_SPACE] += granted - got
-            self.staging.release((granted - got) * self.chunk_bytes)
-            keys, blocks = keys.take(slice(0, got)), blocks[:got]
+        if got < granted:  # host RAM is full: LRU chunks make room
+            victims = self.index.allocate(granted - got)
+            if len(victims):
+                self.index.add_saving(keys.take(slice(got, got + len(victims))), victims, first + got)
+                slots = np.concatenate((slots, victims)) if got else victims
+                got, run_step = len(slots), None
+            if got < granted:
+                counters[C.SKIPPED_NO_SPACE] += granted - got
         if not got:
             return EMPTY
+        if got < n_keep:
+            keep, keys = keep[:got], keys.take(slice(0, got))
+        blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, keep.tolist()))
+        reserved = self.staging.reserve_up_to(got, self.chunk_bytes)
+        assert reserved == got, (reserved, got)  # got <= room(), and nothing reserved since
         base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        run_step = self.index.add_saving(keys, slots, base)
+        assert base == first, (base, first)  # the save ids the chunks were named under
         counters[C.SAVES_ISSUED] += got
         return SaveBatch(block_ids=blocks, slots=compact_ints(slots, run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")

@@ -35,6 +35,17 @@ class SlotPool:
         self._top -= k
         return out
 
+    def free_stack(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(stack, allocated, top)`` for a compiled loop that takes slots exactly as ``take`` does
+        (kernels.py ``_pool_take``, inside a larger call); it must report how many with ``took``."""
+        return self._stack, self._allocated, self._top
+
+    def took(self, k: int) -> None:
+        """A compiled loop took the top ``k`` slots of ``free_stack()`` (and marked them allocated)."""
+        if not 0 <= k <= self._top:
+            raise ValueError(f"took {k} slots with {self._top} free")
+        self._top -= k
+
     def give(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64)
         k = len(slots)

@@ -8,7 +8,7 @@ class StagingBudget:
 
     Contract: ``in_use`` never exceeds ``capacity`` (invariant 10). A reservation that does not
     fit is refused whole (``try_reserve`` returns False and takes nothing); ``reserve_up_to``
-    grants the largest whole number of units that fits and says how many. The caller spends only
+    grants the largest whole number of units that fits and says how many (``room`` says it first). The caller spends only
     what it was granted and counts the rest as skipped.
     """
 
@@ -29,6 +29,12 @@ class StagingBudget:
             return False
         self.in_use += nbytes
         return True
+
+    def room(self, unit: int) -> int:
+        """How many units of ``unit`` bytes ``reserve_up_to`` would grant now (nothing reserved)."""
+        if unit <= 0:
+            raise ValueError(f"unit must be positive, got {unit}")
+        return self.available // unit
 
     def reserve_up_to(self, count: int, unit: int) -> int:
         """Reserve ``k * unit`` bytes for the largest ``k <= count`` that fits; returns ``k``."""
