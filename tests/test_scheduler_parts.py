@@ -781,6 +781,26 @@ def test_planner_no_space_releases_unspent_staging():
     assert budget.in_use == 10  # only what was issued stays reserved
 
 
+def test_planner_names_free_slots_then_evicted_ones_in_candidate_order():
+    """Free slots are named in the planner's one compiled call, the rest on slots of LRU chunks
+    evicted for them: every kept chunk is named by its own hash, under the save id of its position
+    in the batch, and the batch lists them in candidate order."""
+    p, idx, led, budget, counters = planner(num_slots=6)
+    old = ready(idx, [h(100), h(101), h(102), h(103)], 500)  # 2 slots left free; LRU: 100 first
+    blocks, hashes = [1, 2, 3, 4, 5], [h(1), h(2), h(1), h(3), h(4)]
+    batch = p.plan(blocks, hashes, 0)
+    assert batch.block_ids == (1, 2, 4, 5) and list(batch.save_ids) == [0, 1, 2, 3]
+    assert list(batch.slots)[2:] == [int(old[0]), int(old[1])]  # evicted oldest first
+    for slot, x, sid in zip(batch.slots, (h(1), h(2), h(3), h(4)), batch.save_ids):
+        assert idx.slot_of(x) == slot and idx.save_id_of(slot) == sid and idx.state_of(slot) == SAVING
+    assert not idx.contains(h(100)) and not idx.contains(h(101)) and idx.contains(h(102))
+    assert +counters == {C.DEDUP_BATCH: 1, C.SAVES_ISSUED: 4} and idx.counters[C.EVICTED] == 2
+    assert budget.in_use == 40 and len(led) == 4
+    led.report(0, ok=[(0, 4)])
+    res = led.take_resolved()
+    assert idx.mark_ready(res.ready_slots, res.ready_ids) == 4
+
+
 # ---------------------------------------------------------------- HashTable
 @pytest.mark.parametrize("seed", range(4))
 def test_hash_table_randomized_against_a_dict(seed):
