@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from tpuoffload import counters as C
-from tpuoffload.messages import OffloadWorkerReport, id_ranges, merge_ranges
+from tpuoffload.messages import OffloadWorkerReport, compact_ints, id_ranges, merge_ranges
 from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes
 from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.recency import RecencyLog
-from tpuoffload.scheduler.save_planner import SavePlanner, compact_ints
+from tpuoffload.scheduler.save_planner import SavePlanner
 from tpuoffload.scheduler.slot_pool import SlotPool
 from tpuoffload.scheduler.staging import StagingBudget
 

@@ -208,3 +208,21 @@ def pack_keys(k1: np.ndarray, k2: np.ndarray) -> bytes:
 def unpack_keys(keys: bytes) -> np.ndarray:
     """(n, 2) uint64 hash keys of ``SaveBatch.keys``."""
     return np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
+
+
+def compact_ints(values: np.ndarray, run_step: int | None = None) -> Sequence[int]:
+    """``values`` as a ``range`` when they are consecutive, ascending or descending (the usual
+    case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
+    batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
+    range costs neither a per-element conversion here nor bytes per element on the wire.
+    ``run_step``: the caller's answer already (as ``ChunkIndex.add_saving`` and ``saved_as`` find it)."""
+    if len(values) < 2:
+        return tuple(values.tolist())
+    if run_step is None:
+        from tpuoffload.scheduler.kernels import kernels  # (numba: only the scheduler half needs it)
+
+        run_step = kernels().run_step(values)
+    if run_step:
+        first = int(values[0])
+        return range(first, first + run_step * len(values), run_step)
+    return tuple(values.tolist())

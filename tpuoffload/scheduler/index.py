@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpuoffload import counters as C
+from tpuoffload.messages import compact_ints
 from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes, _i64, _u64
 from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.recency import RecencyLog
@@ -151,6 +152,13 @@ class ChunkIndex:
 
     def save_ids(self, slots: np.ndarray) -> np.ndarray:
         return self._save_id[slots]
+
+    def saved_as(self, slots: np.ndarray) -> tuple[Sequence[int], Sequence[int]]:
+        """(``slots``, their save ids), each as ``compact_ints`` lists it (what a load sends), in
+        one compiled call."""
+        slots = _i64(slots)
+        ids, slot_step, id_step = self._k.saved_as(self._save_id, slots)
+        return compact_ints(slots, slot_step), compact_ints(ids, id_step)
 
     def lru_order(self) -> list[int]:
         """Slots of the eviction candidates, least recently used first. O(num_slots): for reports

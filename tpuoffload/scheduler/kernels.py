@@ -334,6 +334,15 @@ def _split_keys(buf, width):
     return k1, k2
 
 
+def _saved_as(save_id, slots):
+    """(the save id of each slot, ``_run_step`` of the slots, ``_run_step`` of the ids): what a load
+    lists, in one call."""
+    ids = np.empty(slots.shape[0], dtype=np.int64)
+    for i in range(slots.shape[0]):
+        ids[i] = save_id[slots[i]]
+    return ids, _run_step(slots), _run_step(ids)
+
+
 @numba.njit(inline="always")
 def _pool_take(stack, allocated, top, k):
     """SlotPool: the ``k`` slots below ``top`` of the free stack, top first, marked allocated."""
@@ -363,7 +372,7 @@ class Kernels:
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
                  "ready_prefix", "run_step", "evict",
-                 "split_keys", "select_new_packed", "plan_saves", "pool_take", "stamp")
+                 "split_keys", "select_new_packed", "plan_saves", "saved_as", "pool_take", "stamp")
 
 
 @functools.cache
@@ -401,6 +410,7 @@ def kernels() -> Kernels:
     k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
     k.ready_prefix = jit(i64(tab, key2, state, packed, numba.int64))(_ready_prefix)
     k.run_step = jit(numba.int64(ints))(_run_step.py_func)
+    k.saved_as = jit(numba.types.Tuple((i64, numba.int64, numba.int64))(save_id, ints))(_saved_as)
     k.evict = jit(numba.int64(tab, cell, state, save_id, ints))(_evict)
     k.pool_take = jit(i64(i64, numba.boolean[::1], numba.int64, numba.int64))(_pool_take.py_func)
     k.stamp = jit(numba.types.UniTuple(i64, 2)(i64, ints, numba.int64))(_stamp)

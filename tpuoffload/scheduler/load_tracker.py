@@ -26,7 +26,6 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
 from tpuoffload.scheduler.index import ChunkIndex
-from tpuoffload.scheduler.save_planner import compact_ints
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -110,15 +109,15 @@ class LoadTracker:
             local = lookup.local if lookup is not None else 0
             slots = self.index.ready_prefix_slots(request.block_hashes, local, local + num_blocks)
         ready = len(slots)
-        slot_arr = slots
+        slot_seq, save_ids = self.index.saved_as(slots)
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
             block_ids=tuple(block_ids[local:local + ready]),
             # Usually runs (a prefix saved in one batch): ranges, a few bytes on the wire.
-            slots=compact_ints(slot_arr),
-            save_ids=compact_ints(self.index.save_ids(slot_arr)),
+            slots=slot_seq,
+            save_ids=save_ids,
             unavailable_block_ids=tuple(block_ids[local + ready:local + num_blocks]),
-        ), slot_arr)
+        ), slots)
 
     def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:
         """This step's loads: the planned loads vLLM still waits for (``waiting(request)``), and

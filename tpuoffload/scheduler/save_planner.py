@@ -20,11 +20,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 from tpuoffload import counters as C
-from tpuoffload.messages import SaveBatch, pack_keys
+from tpuoffload.messages import SaveBatch, compact_ints, pack_keys
 from tpuoffload.scheduler.hash_table import PackedHashes
 from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
-from tpuoffload.scheduler.kernels import kernels
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.staging import StagingBudget
 
@@ -95,18 +95,3 @@ class SavePlanner:
         counters[C.SAVES_ISSUED] += got
         return SaveBatch(block_ids=blocks, slots=compact_ints(slots, run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
-
-
-def compact_ints(values: np.ndarray, run_step: int | None = None) -> Sequence[int]:
-    """``values`` as a ``range`` when they are consecutive, ascending or descending (the usual
-    case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
-    batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
-    range costs neither a per-element conversion here nor bytes per element on the wire.
-    ``run_step``: the caller's answer already (as ``ChunkIndex.add_saving`` returns it)."""
-    if len(values) < 2:
-        return tuple(values.tolist())
-    step = kernels().run_step(values) if run_step is None else run_step
-    if step:
-        first = int(values[0])
-        return range(first, first + step * len(values), step)
-    return tuple(values.tolist())
