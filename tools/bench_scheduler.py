@@ -47,6 +47,10 @@ cache is reset while host RAM keeps its chunks, so host RAM is the only place a 
   "decode"                  --warmup untimed steps, then --steps timed steps: R requests running,
                             one token each per step (the steady state)
 
+For the two prefill phases, measurement 1 also prints the whole phase's CPU time per request: with
+hits the connectors need fewer steps than (a), each carrying more requests, which a per-step figure
+charges to them.
+
 Measurement 1b repeats measurement 1 with the connectors' scheduler-side hooks wrapped in timers:
 the time spent inside the connector itself, per step (skip with --no-hooks).
 
@@ -521,6 +525,16 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.1%}" if b > 0 else "n/a"
 
 
+def print_per_request(sims, phase: str, requests: int, base_name: str, out=print) -> None:
+    """The whole phase's CPU time per request, added over ``base_name``: in "prefill+hits" the
+    connectors load prefixes that (a) recomputes, so they run fewer, fuller steps and a per-step
+    figure charges them for vLLM's work on the extra requests each step carries."""
+    tot = {s.name: sum(c for _, _, c, _ in s.times.get(phase, [])) / 1000 / requests for s in sims}
+    base = tot[base_name]
+    parts = [f"{name} {v - base:+.0f}" for name, v in tot.items() if name != base_name]
+    out(f"{'':<13} whole phase, CPU time per request: {base_name} {base:.0f} us; added: " + ", ".join(parts))
+
+
 def print_table(sims, phases, base_name, ratio_pair=None, out=print) -> None:
     hdr = (f"{'phase':<13} {'config':<24} {'steps':>5} | {'median':>7} {'p90':>7} {'mean':>7} | "
            f"{'median':>7} {'p90':>7} | {'added':>7} {'added':>7} {'added':>7}")
@@ -621,6 +635,9 @@ def main(argv=None) -> int:
         print(f"  {ph:<13} {PHASE_NOTES[ph]}")
     print()
     print_table(sims, PHASES, "(a) none", ratio_pair=ratio)
+    for ph in ("prefill cold", "prefill+hits"):
+        print_per_request(sims, ph, args.requests * args.rounds, "(a) none")
+    print()
     print("work acknowledged by the fake worker (the two connectors must match):")
     print_work(sims)
     print()
