@@ -6,8 +6,10 @@ Threading contract (invariants 1-4):
   order that depends only on the arguments: per layer group and piece, ONE save program (gather,
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
   scatter; a load moved in one part runs as a read program per group, dispatched before the
-  checks, then a scatter program per group); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
-  JAX.
+  checks, then a scatter program per group); see worker/programs.py. Each program moves its slots
+  in groups of ``run`` consecutive slots, one copy per group; ``run`` is a function of the slots
+  alone (programs.slot_run), so it too is the same on every host. Calls from any other thread
+  raise RuntimeError before touching JAX.
 * The bytes never pass through a host thread: the programs read and write the store, and the
   runtime orders each program after the one that produced the store version it takes, so writes
   land in issue order and a load sees every earlier write. Background threads only wait for a
@@ -45,7 +47,7 @@ from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
-from tpuoffload.worker.programs import bucket, load_plan_ids, programs_for, save_plan_ids
+from tpuoffload.worker.programs import bucket, load_plan_ids, programs_for, save_plan_ids, slot_run
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +169,15 @@ class TransferEngine:
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
-        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
+        cap = self.max_chunks_per_transfer
+        run = slot_run(slots, bucket(n, cap))
+        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         tokens = []
         for i, prog in enumerate(self._programs):
-            self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
-            self.log.record("save", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+            r = min(run, prog.part_rows("save", ids.shape[1]))
+            self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
+            self.log.record("save", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
@@ -270,15 +275,19 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
+        cap = self.max_chunks_per_transfer
+        run = slot_run(slots, bucket(n, cap)) if rows is None else 1  # a scatter reads no slot
+        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
-                out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+                r = min(run, prog.part_rows("load", ids.shape[1]))
+                out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
+                self.log.record("load", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
             else:
                 out, token = prog.scatter(self._group_caches(kv_caches, prog.group), rows[i], ids)
-            self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+                self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
@@ -309,11 +318,13 @@ class TransferEngine:
     def _read_programs(self, op: str, slots: list[int], valid: list[int], cap: int) -> list[jax.Array]:
         """One read program per layer group: ``slots`` copied into device rows (zeros where not
         ``valid``); the stores are read, not donated."""
-        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks, cap))
+        n = len(slots)
+        run = slot_run(slots, bucket(n, cap))
+        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * n, slots, valid, self.num_blocks, cap, run))
         rows, tokens = [], []
         for i, prog in enumerate(self._programs):
-            group_rows, token = prog.read(self._stores[i], ids)
-            self.log.record(op, shape=ids.shape, group=i, slots=str(slots))
+            group_rows, token = prog.read(self._stores[i], ids, run=run)
+            self.log.record(op, shape=ids.shape, group=i, run=run, slots=str(slots))
             rows.append(group_rows)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
@@ -398,8 +409,10 @@ class TransferEngine:
         for i, p in enumerate(payloads):
             if i not in missing:
                 host[i] = p
-        host[n:] = host[n - 1]  # padding rows rewrite the last slot with its own bytes
-        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap))
+        run = slot_run(slots, cap)
+        pad = np.arange(n, cap)
+        host[n:] = host[n - run + pad % run]  # padding rows rewrite the last slots with their own bytes
+        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap, run))
         offset, tokens = 0, []
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
             arrays = []
@@ -411,8 +424,8 @@ class TransferEngine:
                 offset += size
             shape = (prog.group.num_shards, cap, *prog.store_shape[2:])
             rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
-            self._stores[i], token = prog.install(rows, self._stores[i], ids)
-            self.log.record("install", shape=ids.shape, group=i, slots=str(slots))
+            self._stores[i], token = prog.install(rows, self._stores[i], ids, run=run)
+            self.log.record("install", shape=ids.shape, group=i, run=run, slots=str(slots))
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
