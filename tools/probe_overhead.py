@@ -7,6 +7,7 @@
   load      (--load-blocks): the raw load (device_put of a pinned array + donating scatter) against
             engine.load with other read programs (written out / fori_loops) and with the load as
             one program or as reads-then-scatter, interleaved; main-thread and total ms, % of raw.
+            The slots are a random permutation: one copy per slot (see ``runs`` for slot runs).
   runs      (--run-blocks): slot runs (worker/programs.py) with slots 0..n-1: one device_put of a
             pinned array, the engine's read program alone with each width of copy, and engine
             loads and saves with the width capped at each value; main-thread and total ms, GiB/s.
@@ -124,7 +125,7 @@ def main() -> int:
         def engine(key, split=False):
             def go():
                 eng._programs[0] = progs[key]
-                eng._reads_first = lambda n: split
+                eng._reads_first = lambda *a: split
                 state["caches"], failed = eng.load(state["caches"], dst, slots, list(range(1, n + 1)))
                 assert not failed
                 return state["caches"]

@@ -71,10 +71,8 @@ SAVE_STATIC_MAX = 0
 # 8 MiB slots, GiB/s): loads of 512 MiB in 2 parts 39.5, 4 parts 38.0, 8 parts 34.8, unsplit 38.5
 # (reads written out) / 34.8 (loops); of 2 GiB in 4 parts 40.6, 8 parts 40.3, 16 parts 39.7. Saves
 # of 512 MiB unsplit 39.2, 2 parts 40.6, 4 parts 42.5; of 2 GiB 41.5, 43.7, 45.1 (raw: 41.1, 44.4).
-# (Those are one copy per slot; with slot runs and the unique scatter, a load of 512 MiB or 2 GiB
-# read whole before one scatter measured 1.5-4% faster than in parts when the slots form one run,
-# and slower when they are scattered: within noise of each other, so the parts stay.)
-# A load that this makes one part runs as two programs instead (TransferEngine._reads_first).
+# (Those are one copy per slot.) A load that this makes one part, or whose parts would each be one
+# copy (slot runs), runs as two programs instead, reads then scatter (TransferEngine._reads_first).
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4

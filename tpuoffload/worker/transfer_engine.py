@@ -5,8 +5,8 @@ Threading contract (invariants 1-4):
 * Every JAX dispatch happens in ``save``/``load`` on the thread that created the engine, in an
   order that depends only on the arguments: per layer group and piece, ONE save program (gather,
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
-  scatter; a load moved in one part runs as a read program per group, dispatched before the
-  checks, then a scatter program per group); see worker/programs.py. Each program moves its slots
+  scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
+  group, dispatched before the checks, then a scatter program per group); see worker/programs.py. Each program moves its slots
   in groups of ``run`` consecutive slots, one copy per group; ``run`` is a function of the slots
   alone (programs.slot_run), so it too is the same on every host. Calls from any other thread
   raise RuntimeError before touching JAX.
@@ -265,7 +265,9 @@ class TransferEngine:
         t0 = time.monotonic()
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
-        rows = self._read_first(slots) if self._reads_first(n) else None
+        cap = self.max_chunks_per_transfer
+        run = slot_run(slots, bucket(n, cap))
+        rows = self._read_first(slots) if self._reads_first(n, run) else None
         failed = self._wait_for_writes(slots)
         try:
             failed |= self._faults.hit(FaultPoint.READ_SLOTS, n)
@@ -275,8 +277,6 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        cap = self.max_chunks_per_transfer
-        run = slot_run(slots, bucket(n, cap)) if rows is None else 1  # a scatter reads no slot
         ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new, tokens = list(kv_caches), []
@@ -300,14 +300,19 @@ class TransferEngine:
             self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
         return new, [block_ids[i] for i in sorted(failed)]
 
-    def _reads_first(self, n: int) -> bool:
-        """Whether a load of ``n`` chunks runs as two programs, reads then scatter, rather than as
-        one load program: when that program would move it in one part (nothing to overlap inside),
-        since then the copies start before the checks and the scatter's dispatch. Measured on the
-        H200 (tools/probe_overhead.py): 64 MiB 103-105% of the raw path against 90-91% for one
-        program; 512 MiB (2 parts) 85% against 98%."""
+    def _reads_first(self, n: int, run: int = 1) -> bool:
+        """Whether a load of ``n`` chunks whose slots allow copies of ``run`` (programs.slot_run)
+        runs as two programs, reads then scatter, rather than as one load program: when that
+        program would move each of its parts in one copy or has one part (nothing to overlap
+        inside), since then the copies start before the checks and the scatter's dispatch, and
+        one copy of the whole load is the fastest copy. Measured on the H200
+        (tools/probe_overhead.py): 64 MiB 103-105% of the raw path against 90-91% for one program;
+        one copy per slot, 512 MiB (2 parts) 85% against 98%. Slots in one run, with the unique
+        scatter (two runs of a scratch probe, 11 iterations each): 512 MiB 11.6 ms against 12.1
+        and 12.4; 2 GiB 44.3 and 44.5 against 45.0 and 45.1. One copy per slot stays one program:
+        at 2 GiB reading first took 52.4-52.5 ms against 50.4-50.6."""
         padded = bucket(n, self.max_chunks_per_transfer)
-        return all(p.load_parts(padded) == 1 for p in self._programs)
+        return all(p.load_parts(padded) == 1 or run >= p.part_rows("load", padded) for p in self._programs)
 
     def _read_first(self, slots: list[int]) -> list[jax.Array]:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
