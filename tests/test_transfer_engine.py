@@ -512,6 +512,39 @@ def test_slot_runs_round_trip_byte_exact(engines, pattern):
     assert runs == [run, run, pm.slot_run(sorted(slots), 16 if len(slots) > 8 else 8)]
 
 
+@pytest.mark.parametrize("src_slots,dst_slots", [
+    ([0, 1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25]),  # runs of 2, padded to 8
+    ([9, 3, 7, 1, 5], [30, 31, 0, 1, 2]),  # wraps; 5 rows: one copy per slot
+    (list(range(8)), list(range(NUM_SLOTS - 8, NUM_SLOTS))),  # one run to the last slot
+])
+def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots):
+    """The disk tier's two programs use the widths too: chunks read out of slots (``read_slots``)
+    and written back into other slots (``install``, padding rewriting the last group with its own
+    bytes) load byte-exact, and the slots around them keep their chunks."""
+    caches = random_caches(BF16, 40)
+    src = host(caches)
+    eng = engines(caches)
+    n = len(src_slots)
+    keep = [s for s in range(NUM_SLOTS) if s not in src_slots and s not in dst_slots][:4]
+    save_ok(eng, caches, list(range(n)), src_slots, list(range(100, 100 + n)))
+    save_ok(eng, caches, [40, 41, 42, 43], keep, [200, 201, 202, 203])
+    rows, ok = eng.read_slots(src_slots, list(range(100, 100 + n)))
+    assert ok == [True] * n
+    eng.install(eng.rows_to_payloads(rows, n), dst_slots, list(range(300, 300 + n)))
+    assert eng.wait_idle(30) and all(r.ok for r in eng.drain_results())
+    ops = eng.finish_step().ops
+    assert [logged_run(op) for op in ops[-2:]] == [pm.slot_run(src_slots, pm.bucket(n, 8)),
+                                                   pm.slot_run(dst_slots, pm.bucket(n, 8))]
+    out, failed = eng.load(random_caches(BF16, 41), list(range(50, 50 + n)) + [60, 61, 62, 63], dst_slots + keep,
+                           list(range(300, 300 + n)) + [200, 201, 202, 203])
+    assert failed == []
+    after = host(out)
+    for i in range(n):
+        assert np.array_equal(chunk(after, 50 + i), chunk(src, i)), i
+    for k, b in enumerate([40, 41, 42, 43]):
+        assert np.array_equal(chunk(after, 60 + k), chunk(src, b)), keep[k]
+
+
 @pytest.mark.parametrize("pattern", ["wraps", "12 ascending", "descending"])
 def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
     """The round trip above catches a wrong width: an engine that takes every plan for one run
