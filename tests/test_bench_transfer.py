@@ -33,9 +33,13 @@ def test_cpu_run_verifies_bytes(bench, tmp_path, capsys):
     assert report["platform"] == "cpu" and report["verified"] and report["failures"] == []
     (row,) = report["results"]
     assert row["blocks"] == 16
-    for key in ("raw_save_gibps", "raw_load_gibps", "engine_save_gibps", "engine_load_gibps",
-                "per_block_save_gibps", "per_block_load_gibps", "engine_save_main_ms", "engine_raw_load_ratio"):
+    for key in ("raw_save_gibps", "raw_load_gibps", "per_block_save_gibps", "per_block_load_gibps"):
         assert row[key] > 0, key
+    for pat in ("contiguous", "scattered"):
+        for key in ("save_gibps", "load_gibps", "save_main_ms", "raw_load_ratio", "raw_save_ratio"):
+            assert row[f"engine_{pat}_{key}"] > 0, (pat, key)
+    # 16 blocks in one run: one copy per call; 16 of 32 slots at random: one copy per slot.
+    assert row["engine_contiguous_runs"] == [16] and row["engine_scattered_runs"] == [1]
 
 
 def test_load_that_moves_nothing_fails_the_run(bench, monkeypatch, capsys):
@@ -48,7 +52,7 @@ def test_load_that_moves_nothing_fails_the_run(bench, monkeypatch, capsys):
     monkeypatch.setattr(transfer_engine.TransferEngine, "load", load_nothing)
     assert bench.main(["--expect-platform", "cpu", *TINY, "--no-per-block"]) == 1
     err = capsys.readouterr().err
-    assert "VERIFY FAILED" in err and "engine" in err
+    assert "VERIFY FAILED" in err and "engine contiguous" in err and "engine scattered" in err
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])

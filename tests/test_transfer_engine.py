@@ -30,6 +30,7 @@ from tpuoffload.config import parse_config
 from tpuoffload.layout import CacheLayout, UnsupportedCache
 from tpuoffload.messages import LoadRequest, OffloadMetadata, SaveBatch
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
 from tpuoffload.worker.offload_worker import OffloadWorker
@@ -306,11 +307,14 @@ def load_program_shape(monkeypatch):
     programs.programs_for.cache_clear()  # no program built with patched constants outlives the test
 
 
+@pytest.mark.parametrize("slots", [[7, 3, 11, 0, 30, 12, 5, 9], [8, 9, 20, 21, 4, 5, 14, 15]],
+                         ids=["scattered", "runs of 2"])
 @pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0), (1, 0)])
-def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max):
+def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max, slots):
     """The programs' variants (one part or several: saves gathered and loads scattered part by
-    part; reads and writes written out per slot or in fori_loops) move the same bytes: valid rows exact,
-    placeholders zero, every other block untouched, across batch shards."""
+    part; reads and writes written out per copy or in fori_loops; one copy per slot or per run of
+    slots) move the same bytes: valid rows exact, placeholders zero, every other block untouched,
+    across batch shards."""
     from tpuoffload.worker import programs
 
     load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max,
@@ -323,7 +327,6 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     src = host(caches)
     per = g.blocks_per_shard
     blocks = [0, 1, 2, 3, per, per + 1, per + 2, per + 3]
-    slots = [7, 3, 11, 0, 30, 12, 5, 9]
     ids = list(range(700, 708))
     save_ok(eng, caches, blocks, slots, ids)
     caches = random_caches(name, 21)
@@ -331,8 +334,10 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     targets = [4, 5, per + 6, 7, per + 4, 9, per + 5, per + 7]  # positions 2 and 5 cross shards: zeros
     caches, failed = eng.load(caches, targets, slots, ids)
     assert failed == [per + 6, 9]
-    # One part: reads, then the scatter (two programs); several: one load program overlapping them.
-    assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if parts == 1 else ["load"])
+    # One part, or one copy per part: reads, then the scatter (two programs); otherwise one load
+    # program overlapping them.
+    one_copy_per_part = parts == 1 or pm.slot_run(slots, 8) >= 8 // parts
+    assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if one_copy_per_part else ["load"])
     after = host(caches)
     for b, t in zip(blocks, targets):
         if t in failed:
@@ -389,6 +394,165 @@ def test_transfer_buffer_bounds_each_piece(engines, monkeypatch, buffer_chunks, 
     rest = [x for x in range(layout.num_blocks) if x not in targets]
     for layer in range(len(out)):
         assert np.array_equal(after[layer][rest], before[layer][rest])
+
+
+# ---------------------------------------------------------------- slot runs
+def _groups_are_runs(slots: np.ndarray, run: int) -> bool:
+    groups = slots.reshape(-1, run)
+    return bool((groups == groups[:, :1] + np.arange(run)).all())
+
+
+@pytest.mark.parametrize("slots,padded,run", [
+    (list(range(8)), 8, 8),
+    (list(range(24, 32)), 8, 8),  # ends at the store's last slot
+    (list(range(5, 17)), 16, 4),  # 12 rows padded to 16: padding repeats the last group of 4
+    ([30, 31, 0, 1, 2, 3, 4, 5], 8, 2),  # wraps past the last slot: a break at row 2
+    ([1, 2, 3, 4, 9, 10, 11, 12], 8, 4),  # two runs, each an aligned group
+    ([1, 2, 3, 9, 10, 11, 12, 13], 8, 1),  # a break at row 3
+    (list(range(7, -1, -1)), 8, 1),  # descending
+    ([3, 3, 4, 5], 4, 1),  # a slot read twice (a load may): a break at row 1
+    ([3, 4, 4, 5], 4, 2),  # ... or at row 2: two groups of 2
+    ([3, 4, 5, 6, 3, 4, 5, 6], 8, 4),  # one run read into two sets of blocks
+    ([6], 8, 1), ([6, 7], 2, 2), ([], 8, 1),
+])
+def test_slot_run_examples(slots, padded, run):
+    assert pm.slot_run(slots, padded) == run
+
+
+def test_slot_run_is_the_widest_width_whose_padded_plan_is_runs():
+    """Against brute force, on random plans made of ascending and descending runs and repeats: the
+    padded plan (both ``save_plan_ids`` and ``load_plan_ids``) keeps the real rows, holds
+    consecutive slots in every aligned group of ``run`` rows, and no wider width allowed by the
+    padding does; save padding rewrites real (block, slot) pairs; load padding targets no block."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        slots: list[int] = []
+        n = int(rng.integers(1, 40))
+        while len(slots) < n:
+            start, length = int(rng.integers(0, 200)), int(rng.choice([1, 2, 3, 4, 8, 16]))
+            step = -1 if rng.random() < 0.2 else 1
+            slots += [max(0, start + step * i) for i in range(length)]
+        slots = slots[:n]
+        padded = pm.bucket(n, 64)
+        blocks = [1000 + 3 * i for i in range(n)]
+        widest = max(w for w in (1 << k for k in range(padded.bit_length())) if w <= padded and n % w == 0
+                     and _groups_are_runs(pm.save_plan_ids(blocks, slots, 64, w)[1], w))
+        run = pm.slot_run(slots, padded)
+        assert run == widest, (slots, run, widest)
+        save = pm.save_plan_ids(blocks, slots, 64, run)
+        load = pm.load_plan_ids(blocks, slots, [1] * n, 99, 64, run)
+        for ids in (save, load):
+            assert ids.shape == (3, padded) and _groups_are_runs(ids[1], run)
+            assert ids[0, :n].tolist() == blocks and ids[1, :n].tolist() == slots
+        pairs = set(zip(blocks, slots))
+        assert all((int(b), int(s)) in pairs for b, s in zip(save[0, n:], save[1, n:])) and (save[2] == 1).all()
+        assert (load[0, n:] == 99).all() and (load[2, n:] == 0).all() and (load[2, :n] == 1).all()
+
+
+# slots of one save, the width its programs use, and four sentinel slots saved just before it
+# (neighbours a wrong width would overwrite).
+SLOT_PATTERNS = {
+    "run to the last slot": (list(range(NUM_SLOTS - 8, NUM_SLOTS)), 8, [20, 21, 22, 23]),
+    "wraps": ([30, 31, 0, 1, 2, 3, 4, 5], 2, [6, 7, 28, 29]),
+    "12 ascending": (list(range(3, 15)), 4, [15, 16, 17, 18]),
+    "descending": (list(range(NUM_SLOTS - 1, NUM_SLOTS - 9, -1)), 1, [20, 21, 22, 23]),
+    "two runs": ([1, 2, 3, 4, 9, 10, 11, 12], 4, [5, 6, 7, 8]),
+    "scattered": ([7, 3, 11, 0, 30, 12, 5, 9], 1, [1, 2, 4, 6]),
+}
+
+
+def logged_run(op: str) -> int:
+    return int(re.search(r"\brun=(\d+)", op).group(1))
+
+
+def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]]:
+    """Save sentinels, then the pattern's chunks (from both batch shards); load them back in the
+    saved order, then in ascending slot order (another width), then the sentinels. Returns the
+    mismatches and the widths logged by the save, the first load's read, the second's."""
+    slots, _, sentinels = SLOT_PATTERNS[pattern]
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 30)
+    eng = engines(caches)
+    per = eng.layout.groups[0].blocks_per_shard
+    n = len(slots)
+    src = host(caches)
+    blocks = [(i % 2) * per + i for i in range(n)]
+    ids = list(range(900, 900 + n))
+    save_ok(eng, caches, [12, 13, per + 12, per + 13], sentinels, [800, 801, 802, 803])
+    save_ok(eng, caches, blocks, slots, ids)
+    runs = [logged_run(eng.finish_step().ops[-1])]
+    bad = []
+    order = sorted(range(n), key=lambda i: slots[i])
+    for k, (pos, first) in enumerate(((list(range(n)), 16), (order, 20))):
+        caches = random_caches(name, 31 + k)
+        targets = [(i % 2) * per + first + j for j, i in enumerate(pos)]
+        caches, failed = eng.load(caches, targets, [slots[i] for i in pos], [ids[i] for i in pos])
+        ops = eng.finish_step().ops
+        assert failed == [] and op_names(ops) == small_load_ops(1)
+        runs.append(logged_run(ops[0]))
+        after = host(caches)
+        bad += [f"load {k} slot {slots[i]}" for i, t in zip(pos, targets)
+                if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
+    caches, failed = eng.load(random_caches(name, 33), [14, 15, per + 14, per + 15], sentinels, [800, 801, 802, 803])
+    after = host(caches)
+    bad += [f"sentinel slot {s}" for s, b, t in zip(sentinels, [12, 13, per + 12, per + 13], [14, 15, per + 14, per + 15])
+            if not np.array_equal(chunk(after, t), chunk(src, b))]
+    return bad, runs
+
+
+@pytest.mark.parametrize("pattern", SLOT_PATTERNS)
+def test_slot_runs_round_trip_byte_exact(engines, pattern):
+    """Whatever the slots (one run, a run that ends at the store's last slot or wraps past it, a
+    run that is padded, descending slots, scattered ones), each chunk comes back byte-exact, loaded
+    in the saved order or in another, and no neighbouring slot is touched; the save moves its slots
+    in groups of the width ``slot_run`` allows (1 for descending slots: never the fast path)."""
+    slots, run, _ = SLOT_PATTERNS[pattern]
+    bad, runs = slot_pattern_round_trip(engines, pattern)
+    assert bad == []
+    assert runs == [run, run, pm.slot_run(sorted(slots), 16 if len(slots) > 8 else 8)]
+
+
+@pytest.mark.parametrize("src_slots,dst_slots", [
+    ([0, 1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25]),  # runs of 2, padded to 8
+    ([9, 3, 7, 1, 5], [30, 31, 0, 1, 2]),  # wraps; 5 rows: one copy per slot
+    (list(range(8)), list(range(NUM_SLOTS - 8, NUM_SLOTS))),  # one run to the last slot
+])
+def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots):
+    """The disk tier's two programs use the widths too: chunks read out of slots (``read_slots``)
+    and written back into other slots (``install``, padding rewriting the last group with its own
+    bytes) load byte-exact, and the slots around them keep their chunks."""
+    caches = random_caches(BF16, 40)
+    src = host(caches)
+    eng = engines(caches)
+    n = len(src_slots)
+    keep = [s for s in range(NUM_SLOTS) if s not in src_slots and s not in dst_slots][:4]
+    save_ok(eng, caches, list(range(n)), src_slots, list(range(100, 100 + n)))
+    save_ok(eng, caches, [40, 41, 42, 43], keep, [200, 201, 202, 203])
+    rows, ok = eng.read_slots(src_slots, list(range(100, 100 + n)))
+    assert ok == [True] * n
+    eng.install(eng.rows_to_payloads(rows, n), dst_slots, list(range(300, 300 + n)))
+    assert eng.wait_idle(30) and all(r.ok for r in eng.drain_results())
+    ops = eng.finish_step().ops
+    assert [logged_run(op) for op in ops[-2:]] == [pm.slot_run(src_slots, pm.bucket(n, 8)),
+                                                   pm.slot_run(dst_slots, pm.bucket(n, 8))]
+    out, failed = eng.load(random_caches(BF16, 41), list(range(50, 50 + n)) + [60, 61, 62, 63], dst_slots + keep,
+                           list(range(300, 300 + n)) + [200, 201, 202, 203])
+    assert failed == []
+    after = host(out)
+    for i in range(n):
+        assert np.array_equal(chunk(after, 50 + i), chunk(src, i)), i
+    for k, b in enumerate([40, 41, 42, 43]):
+        assert np.array_equal(chunk(after, 60 + k), chunk(src, b)), keep[k]
+
+
+@pytest.mark.parametrize("pattern", ["wraps", "12 ascending", "descending"])
+def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
+    """The round trip above catches a wrong width: an engine that takes every plan for one run
+    overwrites neighbouring slots (a run that wraps, or is padded) or stores a descending run
+    reversed (seen by the load in another order)."""
+    monkeypatch.setattr(te, "slot_run", lambda slots, padded: padded)
+    bad, _ = slot_pattern_round_trip(engines, pattern)
+    assert bad
 
 
 # ---------------------------------------------------------------- write-after-write

@@ -11,7 +11,14 @@ warm-up; raw and engine iterations interleaved so drift hits both alike):
              save = ``engine.save(kv_caches, block_ids, slots, save_ids)`` + ``engine.wait_idle()``
              (the bytes are in host slots); load = ``engine.load(kv_caches, block_ids, slots,
              save_ids)`` until the returned caches are ready. ``main ms`` is the time until
-             ``save()`` / ``load()`` returned on the calling thread.
+             ``save()`` / ``load()`` returned on the calling thread. Measured for two slot patterns
+             on one engine of 2n slots: ``contiguous`` (slots n..2n-1 in order, one ascending run
+             ending at the store's last slot, as a fresh scheduler hands them out) and ``scattered``
+             (n of the 2n slots drawn at random, in random order: one copy per slot). ``run`` is
+             the slot-group width the engine dispatched (worker/programs.py).
+  raw_unique load only: the raw load with the scatter told its indices are unique (they are), as
+             the engine's scatter is (worker/programs.py): the same transfer with XLA's faster
+             scatter, the stricter ceiling for loads.
   per-block  the same moves one block at a time (one gather + one device_put per block; one
              device_put + one scatter per block): the floor batching has to beat.
 
@@ -40,9 +47,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
+from functools import partial
 
 # Importable from a plain checkout (the device machine has no install); an installed tpuoffload or
 # PYTHONPATH still comes first.
@@ -124,11 +133,12 @@ def main(argv=None) -> int:
     def gather(caches, ids):
         return jnp.stack([c[ids] for c in caches], axis=1)  # (n, layers, *block_shape)
 
-    def scatter(caches, ids, rows):
-        return tuple(c.at[ids].set(rows[:, i], mode="drop") for i, c in enumerate(caches))
+    def scatter(caches, ids, rows, unique=False):
+        return tuple(c.at[ids].set(rows[:, i], mode="drop", unique_indices=unique) for i, c in enumerate(caches))
 
     gather_jit = jax.jit(gather, out_shardings=dev_sharding)
     scatter_jit = jax.jit(scatter, donate_argnums=0, out_shardings=out_shardings)
+    scatter_unique_jit = jax.jit(partial(scatter, unique=True), donate_argnums=0, out_shardings=out_shardings)
     zero_jit = jax.jit(lambda cs, ids: tuple(c.at[ids].set(jnp.zeros((), c.dtype)) for c in cs),
                        donate_argnums=0, out_shardings=out_shardings)
     pick_jit = jax.jit(lambda cs, ids: jnp.stack([c[ids] for c in cs], axis=1))
@@ -161,7 +171,8 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(int(size_mib * 1000))
         src = rng.permutation(n).astype(np.int32)  # saved from blocks 0..n-1, in shuffled order
         dst = (n + rng.permutation(n)).astype(np.int32)  # loaded into blocks n..2n-1
-        slots = rng.permutation(n).astype(np.int32)
+        patterns = {"contiguous": np.arange(n, 2 * n, dtype=np.int32),
+                    "scattered": rng.choice(2 * n, n, replace=False).astype(np.int32)}
         pos = np.arange(n) if args.verify_blocks == 0 or args.verify_blocks >= n else \
             np.unique(np.linspace(0, n - 1, args.verify_blocks).astype(np.int64))
         src_s, dst_s = src[pos], dst[pos]
@@ -189,14 +200,55 @@ def main(argv=None) -> int:
             jax.block_until_ready(cs)
             return cs
 
-        times = {k: [] for k in ("raw_save", "raw_load", "eng_save", "eng_load", "eng_save_main", "eng_load_main",
-                                 "pb_save", "pb_load", "settle")}
+        times = {k: [] for k in ("raw_save", "raw_load", "raw_unique_load", "pb_save", "pb_load", "settle")}
+        for pat in patterns:
+            for k in ("save", "load", "save_main", "load_main"):
+                times[f"{pat}_{k}"] = []
+        runs = {}
         print(f"--- {label}: {n} blocks x {args.layers} layers of {block_shape} {args.dtype} "
               f"({chunk_bytes / MIB:g} MiB per block), layout {args.layout}", flush=True)
 
         buffer = int((args.transfer_buffer_mib or size_mib) * 2**20)
-        engine = TransferEngine(caches, n * chunk_bytes, transfer_buffer_bytes=buffer)
+        engine = TransferEngine(caches, 2 * n * chunk_bytes, transfer_buffer_bytes=buffer)
         next_id = iter(range(1, 1 << 62))
+
+        def engine_round(pat: str, record: bool) -> bool:
+            """One save and one load through the public API with the slots of ``pat``; False if the
+            save never finished."""
+            nonlocal caches
+            slots = patterns[pat]
+            ids = [next(next_id) for _ in range(n)]
+            t0 = time.perf_counter()
+            engine.save(caches, src.tolist(), slots.tolist(), ids)
+            t_main = time.perf_counter() - t0
+            if not engine.wait_idle(300):
+                failures.append(f"{label} engine {pat}: save did not finish in 300 s")
+                return False
+            t_save = time.perf_counter() - t0
+            drain = getattr(engine, "drain_results", None)
+            if drain is not None:
+                bad_saves = [r for r in drain() if not r.ok]
+                if bad_saves:
+                    failures.append(f"{label} engine {pat}: {len(bad_saves)} saves failed")
+            caches = fresh_dst(caches)
+            t0 = time.perf_counter()
+            caches, failed = engine.load(caches, dst.tolist(), slots.tolist(), ids)
+            t_load_main = time.perf_counter() - t0
+            jax.block_until_ready(caches)
+            t_load = time.perf_counter() - t0
+            if failed:
+                failures.append(f"{label} engine {pat}: load reported {len(failed)} failed blocks")
+            verify(f"engine {pat}", caches)
+            if hasattr(engine, "finish_step"):
+                ops = engine.finish_step().ops
+                runs[pat] = sorted({int(m) for op in ops for m in re.findall(r"\brun=(\d+)", op)})
+            if record:
+                times[f"{pat}_save"].append(t_save)
+                times[f"{pat}_load"].append(t_load)
+                times[f"{pat}_save_main"].append(t_main)
+                times[f"{pat}_load_main"].append(t_load_main)
+            return True
+
         try:
             for it in range(args.iters + 1):
                 record = it > 0  # iteration 0 is the warm-up (compiles)
@@ -210,42 +262,22 @@ def main(argv=None) -> int:
                 caches = scatter_jit(tuple(caches), dst, jax.device_put(pinned, dev_sharding))
                 jax.block_until_ready(caches)
                 t_load = time.perf_counter() - t0
-                del pinned
                 verify("raw", caches)
+                caches = fresh_dst(caches)
+                t0 = time.perf_counter()
+                caches = scatter_unique_jit(tuple(caches), dst, jax.device_put(pinned, dev_sharding))
+                jax.block_until_ready(caches)
+                t_load_unique = time.perf_counter() - t0
+                del pinned
+                verify("raw unique", caches)
                 if record:
                     times["raw_save"].append(t_save)
                     times["raw_load"].append(t_load)
+                    times["raw_unique_load"].append(t_load_unique)
 
-                # engine save / load through the public API
-                ids = [next(next_id) for _ in range(n)]
-                t0 = time.perf_counter()
-                engine.save(caches, src.tolist(), slots.tolist(), ids)
-                t_main = time.perf_counter() - t0
-                if not engine.wait_idle(300):
-                    failures.append(f"{label} engine: save did not finish in 300 s")
+                # engine save / load through the public API, each slot pattern
+                if not all(engine_round(pat, record) for pat in patterns):
                     break
-                t_save = time.perf_counter() - t0
-                drain = getattr(engine, "drain_results", None)
-                if drain is not None:
-                    bad_saves = [r for r in drain() if not r.ok]
-                    if bad_saves:
-                        failures.append(f"{label} engine: {len(bad_saves)} saves failed")
-                caches = fresh_dst(caches)
-                t0 = time.perf_counter()
-                caches, failed = engine.load(caches, dst.tolist(), slots.tolist(), ids)
-                t_load_main = time.perf_counter() - t0
-                jax.block_until_ready(caches)
-                t_load = time.perf_counter() - t0
-                if failed:
-                    failures.append(f"{label} engine: load reported {len(failed)} failed blocks")
-                verify("engine", caches)
-                if hasattr(engine, "finish_step"):
-                    engine.finish_step()
-                if record:
-                    times["eng_save"].append(t_save)
-                    times["eng_load"].append(t_load)
-                    times["eng_save_main"].append(t_main)
-                    times["eng_load_main"].append(t_load_main)
         finally:
             engine.close()
 
@@ -273,15 +305,22 @@ def main(argv=None) -> int:
 
         med = {k: median_ms(v) if v else None for k, v in times.items()}
         row = {"step_mib": step_bytes / MIB, "blocks": n, "block_mib": chunk_bytes / MIB}
-        for path, key in (("raw", "raw"), ("engine", "eng"), ("per_block", "pb")):
+        paths = (("raw", "raw"), *((f"engine_{pat}", pat) for pat in patterns), ("per_block", "pb"))
+        for path, key in paths:
             for op in ("save", "load"):
                 ms = med[f"{key}_{op}"]
                 row[f"{path}_{op}_ms"] = ms
                 row[f"{path}_{op}_gibps"] = gib / (ms / 1e3) if ms else None
-        for op in ("save", "load"):
-            if med[f"eng_{op}"]:
-                row[f"engine_raw_{op}_ratio"] = med[f"raw_{op}"] / med[f"eng_{op}"]
-            row[f"engine_{op}_main_ms"] = med[f"eng_{op}_main"]
+        row["raw_unique_load_ms"] = med["raw_unique_load"]
+        row["raw_unique_load_gibps"] = gib / (med["raw_unique_load"] / 1e3)
+        for pat in patterns:
+            if med[f"{pat}_load"]:
+                row[f"engine_{pat}_raw_unique_load_ratio"] = med["raw_unique_load"] / med[f"{pat}_load"]
+            for op in ("save", "load"):
+                if med[f"{pat}_{op}"]:
+                    row[f"engine_{pat}_raw_{op}_ratio"] = med[f"raw_{op}"] / med[f"{pat}_{op}"]
+                row[f"engine_{pat}_{op}_main_ms"] = med[f"{pat}_{op}_main"]
+            row[f"engine_{pat}_runs"] = runs.get(pat, [])
         row["settle_after_check_ms"] = med["settle"]
         results.append(row)
         del caches
@@ -291,20 +330,27 @@ def main(argv=None) -> int:
 
     print(f"\nmedian of {args.iters} after warm-up; bytes verified on {args.verify_blocks or 'all'} blocks after "
           f"every load; {time.perf_counter() - t_start:.1f} s in all")
-    header = (f"{'step':>9} {'path':<10} {'save ms':>9} {'save GiB/s':>10} {'load ms':>9} {'load GiB/s':>10} "
-              f"{'save main ms':>12} {'load main ms':>12}")
+    header = (f"{'step':>9} {'path':<17} {'save ms':>9} {'save GiB/s':>10} {'load ms':>9} {'load GiB/s':>10} "
+              f"{'save main ms':>12} {'load main ms':>12}  run")
     print(header)
     for r in results:
         step = f"{r['step_mib']:g} MiB"
-        for path in ("raw", "engine", "per_block"):
+        for path in ("raw", "engine_contiguous", "engine_scattered", "per_block"):
             if r[f"{path}_save_ms"] is None:
                 continue
-            main_s = fmt(r["engine_save_main_ms"], ".3f") if path == "engine" else ""
-            main_l = fmt(r["engine_load_main_ms"], ".3f") if path == "engine" else ""
-            print(f"{step:>9} {path:<10} {fmt(r[f'{path}_save_ms'], '.2f'):>9} {fmt(r[f'{path}_save_gibps'], '.2f'):>10} "
-                  f"{fmt(r[f'{path}_load_ms'], '.2f'):>9} {fmt(r[f'{path}_load_gibps'], '.2f'):>10} {main_s:>12} {main_l:>12}")
-        print(f"{step:>9} {'eng/raw':<10} {'':>9} {fmt(r.get('engine_raw_save_ratio'), '.1%'):>10} "
-              f"{'':>9} {fmt(r.get('engine_raw_load_ratio'), '.1%'):>10}")
+            eng = path.startswith("engine")
+            main_s = fmt(r[f"{path}_save_main_ms"], ".3f") if eng else ""
+            main_l = fmt(r[f"{path}_load_main_ms"], ".3f") if eng else ""
+            run = ",".join(map(str, r[f"{path}_runs"])) if eng else ""
+            print(f"{step:>9} {path:<17} {fmt(r[f'{path}_save_ms'], '.2f'):>9} {fmt(r[f'{path}_save_gibps'], '.2f'):>10} "
+                  f"{fmt(r[f'{path}_load_ms'], '.2f'):>9} {fmt(r[f'{path}_load_gibps'], '.2f'):>10} {main_s:>12} "
+                  f"{main_l:>12}  {run}")
+        print(f"{step:>9} {'raw_unique':<17} {'':>9} {'':>10} {fmt(r['raw_unique_load_ms'], '.2f'):>9} "
+              f"{fmt(r['raw_unique_load_gibps'], '.2f'):>10}")
+        for pat in ("contiguous", "scattered"):
+            print(f"{step:>9} {pat[:10] + '/raw':<17} {'':>9} {fmt(r.get(f'engine_{pat}_raw_save_ratio'), '.1%'):>10} "
+                  f"{'':>9} {fmt(r.get(f'engine_{pat}_raw_load_ratio'), '.1%'):>10}  "
+                  f"(load / raw_unique {fmt(r.get(f'engine_{pat}_raw_unique_load_ratio'), '.1%')})")
     print("settle after each byte check (untimed): " +
           ", ".join(f"{r['step_mib']:g} MiB {fmt(r['settle_after_check_ms'], '.3f')} ms" for r in results))
     if args.json:

@@ -7,8 +7,13 @@
   load      (--load-blocks): the raw load (device_put of a pinned array + donating scatter) against
             engine.load with other read programs (written out / fori_loops) and with the load as
             one program or as reads-then-scatter, interleaved; main-thread and total ms, % of raw.
+            The slots are a random permutation: one copy per slot (see ``runs`` for slot runs).
+  runs      (--run-blocks): slot runs (worker/programs.py) with slots 0..n-1: one device_put of a
+            pinned array, the engine's read program alone with each width of copy, and engine
+            loads and saves with the width capped at each value; main-thread and total ms, GiB/s.
 
     python tools/probe_overhead.py --expect-platform gpu --save-blocks 64 8 --load-blocks 8 64 256
+    python tools/probe_overhead.py --expect-platform gpu --only runs --run-blocks 8 32 64 256 --iters 11
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def main() -> int:
     ap.add_argument("--load-blocks", type=int, nargs="+", default=[8])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--run-blocks", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--only", nargs="*", default=["dispatch", "load"])
     a = ap.parse_args()
     if jax.default_backend() != a.expect_platform:
@@ -119,7 +125,7 @@ def main() -> int:
         def engine(key, split=False):
             def go():
                 eng._programs[0] = progs[key]
-                eng._reads_first = lambda n: split
+                eng._reads_first = lambda *a: split
                 state["caches"], failed = eng.load(state["caches"], dst, slots, list(range(1, n + 1)))
                 assert not failed
                 return state["caches"]
@@ -143,7 +149,68 @@ def main() -> int:
                   f"{raw_t / statistics.median(t):6.1%}")
         eng.close()
         del caches, eng, state
+
+    for n in (a.run_blocks if "runs" in a.only else ()):
+        probe_runs(n, a, sh, chunk)
     return 0
+
+
+def probe_runs(n, a, sh, chunk) -> None:
+    """Slot runs at ``n`` chunks: what each width of copy costs (see the module docstring)."""
+    from tpuoffload.worker import transfer_engine as te
+    from tpuoffload.worker.programs import load_plan_ids
+
+    caches = make_caches(2 * n, a.layers, sh)
+    eng = te.TransferEngine(caches, n * chunk, transfer_buffer_bytes=1 << 40)
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    state = {"caches": caches, "ids": list(range(1, n + 1))}
+    eng.save(caches, src, src, state["ids"])
+    eng.wait_idle()
+    mesh = sh.mesh
+    pinned = jax.device_put(jnp.zeros((n, chunk // 2), jnp.bfloat16), NamedSharding(mesh, P(), memory_kind="pinned_host"))
+    prog = eng._programs[0]
+    ids = eng._ids._transfer(load_plan_ids(dst, src, [1] * n, 2 * n, n))
+    widths = [1 << k for k in range(n.bit_length()) if 1 << k <= n]
+    exact = te.slot_run
+    next_id = iter(range(n + 1, 1 << 40))
+
+    def capped(cap):
+        te.slot_run = lambda slots, padded: min(exact(slots, padded), cap)
+
+    def load(cap):
+        capped(cap)
+        state["caches"], failed = eng.load(state["caches"], dst, src, state["ids"])
+        assert not failed
+        return state["caches"]
+
+    def save(cap):
+        capped(cap)
+        state["ids"] = [next(next_id) for _ in src]
+        eng.save(state["caches"], src, src, state["ids"])
+        eng.wait_idle()
+        assert all(r.ok for r in eng.drain_results())
+
+    variants = {"device_put of a pinned array": lambda: jax.device_put(pinned, NamedSharding(mesh, P()))}
+    for w in widths:
+        variants[f"read program, {w} per copy"] = lambda w=w: prog.read(eng._stores[0], ids, run=w)[0]
+    for w in widths:
+        variants[f"engine.load, width <= {w}"] = lambda w=w: load(w)
+    for w in widths:
+        variants[f"engine.save, width <= {w}"] = lambda w=w: save(w)
+    res = {k: ([], []) for k in variants}
+    try:
+        for it in range(a.iters + 2):
+            for name, fn in variants.items():
+                m, t = timed(fn, 1, warm=0, before=lambda: jax.block_until_ready(state["caches"]))
+                if it > 1:
+                    res[name][0].extend(m)
+                    res[name][1].extend(t)
+    finally:
+        te.slot_run = exact
+        eng.close()
+    print(f"--- slot runs, {n} chunks ({n * chunk >> 20} MiB), ms: main / total / GiB/s")
+    for name, (m, t) in res.items():
+        print(f"  {name:32s} {ms(m)} {ms(t)} {n * chunk / 2**30 / statistics.median(t):6.2f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ cache arrays (as a serving runner does after each model step), so the layout che
 
     python tools/profile_dispatch.py --expect-platform gpu
     python tools/profile_dispatch.py --expect-platform gpu --blocks 8 64 --fresh-caches
+    python tools/profile_dispatch.py --expect-platform gpu --blocks 64 --slots scattered
+
+``--slots``: ``contiguous`` (0..n-1 in order: one copy per part) or ``scattered`` (a fixed random
+permutation of them: one copy per slot); see worker/programs.py on slot runs.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--fresh-caches", action="store_true", help="new cache arrays before every call")
+    p.add_argument("--slots", choices=("contiguous", "scattered"), default="contiguous")
     args = p.parse_args()
     if jax.default_backend() != args.expect_platform:
         print(f"platform is {jax.default_backend()}, expected {args.expect_platform}", file=sys.stderr)
         return 2
     from tpuoffload.worker import transfer_engine as te
-    from tpuoffload.worker.programs import load_plan_ids, save_plan_ids
+    from tpuoffload.worker.programs import load_plan_ids, save_plan_ids, slot_run
 
     print(f"platform {jax.default_backend()} | device {jax.devices()[0].device_kind} | jax {jax.__version__}")
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
@@ -60,16 +65,17 @@ def main() -> int:
             setattr(eng, name, timed)
         prog = eng._programs[0]
         compiled = {kind: getattr(prog, kind) for kind in ("save", "load")}
-        for kind in ("save", "load"):
+        for kind in ("save", "load", "read", "scatter"):
             fn = getattr(prog, kind)
 
-            def timed_prog(*a, _fn=fn, _kind=kind):
+            def timed_prog(*a, _fn=fn, _kind=kind, **k):
                 t0 = time.perf_counter()
-                out = _fn(*a)
+                out = _fn(*a, **k)
                 parts.setdefault(f"{_kind} program dispatch", []).append(time.perf_counter() - t0)
                 return out
             setattr(prog, kind, timed_prog)
         src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
+        slots = src if args.slots == "contiguous" else np.random.default_rng(0).permutation(blocks).tolist()
         op = ["save"]
         for it in range(args.iters + 1):
             ids = list(range(it * 10 * blocks, it * 10 * blocks + blocks))
@@ -78,7 +84,7 @@ def main() -> int:
             jax.block_until_ready((eng._stores, caches))
             op[0] = "save"
             t0 = time.perf_counter()
-            eng.save(caches, src, src, ids)
+            eng.save(caches, src, slots, ids)
             parts.setdefault("save() total", []).append(time.perf_counter() - t0)
             eng.wait_idle()
             if args.fresh_caches:
@@ -86,20 +92,23 @@ def main() -> int:
             jax.block_until_ready((eng._stores, caches))
             op[0] = "load"
             t0 = time.perf_counter()
-            caches, failed = eng.load(caches, dst, src, ids)
+            caches, failed = eng.load(caches, dst, slots, ids)
             parts.setdefault("load() total", []).append(time.perf_counter() - t0)
             jax.block_until_ready(caches)
             parts.setdefault("load() until ready", []).append(time.perf_counter() - t0)
             assert not failed
         mem = []
-        for kind, plan in (("save", save_plan_ids(src, src, blocks)),
-                           ("load", load_plan_ids(dst, src, [1] * blocks, 2 * blocks, blocks))):
-            stats = compiled[kind].lower(tuple(caches), eng._stores[0], eng._ids.put(plan)[0]).compile().memory_analysis()
+        run = slot_run(slots, len(slots))
+        for kind, plan in (("save", save_plan_ids(src, slots, blocks, run)),
+                           ("load", load_plan_ids(dst, slots, [1] * blocks, 2 * blocks, blocks, run))):
+            lowered = compiled[kind].lower(tuple(caches), eng._stores[0], eng._ids.put(plan)[0],
+                                           run=min(run, prog.part_rows(kind, plan.shape[1])))
+            stats = lowered.compile().memory_analysis()
             if stats is not None:
                 mem.append(f"{kind}: device temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
                            f"host temp {stats.host_temp_size_in_bytes / 2**20:.1f} MiB")
         eng.close()
-        print(f"--- {blocks} chunks of {eng_bytes(caches) / 2**20:g} MiB, {args.layers} layers"
+        print(f"--- {blocks} chunks of {eng_bytes(caches) / 2**20:g} MiB, {args.layers} layers, {args.slots} slots"
               f"{', fresh cache arrays every call' if args.fresh_caches else ''}: median of {args.iters} (ms)")
         for name in sorted(parts, key=lambda k: (k.split()[0].rstrip("()"), "total" in k or "ready" in k, k)):
             print(f"  {name:28s} {statistics.median(parts[name][1:]) * 1e3:8.3f}")

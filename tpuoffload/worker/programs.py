@@ -20,7 +20,23 @@ The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
 They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
 ``P`` is padded to a power of two so the programs compile a few times; padding rows repeat the
-last real save (an idempotent rewrite) or target no block (loads).
+last real rows (a save rewrites the same bytes; a load's padding targets no block).
+
+Slot runs: a program moves slots in groups of ``run`` rows (a static power of two), each group ONE
+copy of ``run`` consecutive slots: one dynamic slice of the store, one transfer, one update. This
+needs every aligned group of ``run`` rows of the plan to hold consecutive ascending slots;
+``slot_run`` finds the widest such ``run`` (1: one copy per slot, which is right for any slots).
+Slots come from the scheduler's free stack, which hands them out in ascending runs (a fresh pool,
+and the LRU victims of one earlier save), so a whole save or load is often one run: one copy per
+part instead of one per slot, and a few launched ops instead of hundreds. On the GPU each copy is
+an asynchronous XLA kernel that reads or writes the pinned store over PCIe (not a copy-engine
+DMA), and wider copies move faster (measured on an H200, tools/probe_overhead.py --only runs, 32
+layers of 8 MiB slots: reading 512 MiB one slot per copy 12.9 ms, 8 slots per copy 11.8, all 64 in
+one 10.5, where a ``device_put`` of a pinned array takes 11.0; saves of 64 MiB 2.69 -> 2.49 ms, of
+2 GiB 45.2 -> 43.9; the main thread's dispatch of a 512 MiB save program 0.47 -> 0.24 ms). The
+choice is a pure function of the arguments (every host receives the same slots), so every host
+dispatches the same variant; it is logged with the program. A shape compiles at most
+``log2(rows per part) + 1`` variants (the engine caps ``run`` at a part's rows).
 """
 
 from __future__ import annotations
@@ -38,15 +54,16 @@ from tpuoffload.layout import GroupLayout, stacked_spec
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 SAVE_UNROLL = 4  # measured on an H200 (tools/probe_pinned.py): 92-97% of a raw device_put
 LOAD_UNROLL = 16
-# A load reads its slots with one dynamic slice per slot written out in the program (XLA issues them
-# as asynchronous host-to-device copies, all in flight at once) up to this many slots; larger
-# batches of small slots use fori_loops (one synchronous copy per iteration), to bound compile time.
+# A load reads its slots with one dynamic slice per copy (a slot, or a run of them) written out in
+# the program (XLA issues them as asynchronous host-to-device copies, all in flight at once) up to
+# this many copies; more use fori_loops (one synchronous copy per iteration), to bound compile time.
 # Measured again with host-memory ids (tools/probe_overhead.py, engine loads on the H200): written out
 # vs fori_loops unrolled 4 or 8 are within noise (64 MiB 86.1 / 85.6 / 85.7% of raw, 512 MiB 98.6 /
 # 97.4 / 98.0%, 2 GiB 95.8 / 96.0 / 95.9%), so the values stay.
 LOAD_STATIC_MAX = 256
-# The same for a save's writes into the store; 0: always fori_loops, which measured faster on the
-# H200 (512 MiB: 37.1 GiB/s written out against 40.0 in loops; 2 GiB: 41.4 against 44.4).
+# The same for a save's writes into the store (a part moved in one copy has no loop); 0: always
+# fori_loops, which measured faster on the H200 (512 MiB, one copy per slot: 37.1 GiB/s written out
+# against 40.0 in loops; 2 GiB: 41.4 against 44.4).
 SAVE_STATIC_MAX = 0
 # A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /
 # LOAD_PART_BYTES (bytes per device): a save gathers part k+1 while part k crosses to host memory; a
@@ -54,7 +71,8 @@ SAVE_STATIC_MAX = 0
 # 8 MiB slots, GiB/s): loads of 512 MiB in 2 parts 39.5, 4 parts 38.0, 8 parts 34.8, unsplit 38.5
 # (reads written out) / 34.8 (loops); of 2 GiB in 4 parts 40.6, 8 parts 40.3, 16 parts 39.7. Saves
 # of 512 MiB unsplit 39.2, 2 parts 40.6, 4 parts 42.5; of 2 GiB 41.5, 43.7, 45.1 (raw: 41.1, 44.4).
-# A load that this makes one part runs as two programs instead (TransferEngine._reads_first).
+# (Those are one copy per slot.) A load that this makes one part, or whose parts would each be one
+# copy (slot runs), runs as two programs instead, reads then scatter (TransferEngine._reads_first).
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4
@@ -65,20 +83,52 @@ def bucket(n: int, cap: int) -> int:
     return max(min(8, cap), 1 << (n - 1).bit_length())
 
 
-def save_plan_ids(block_ids, slots, cap: int) -> np.ndarray:
-    """``(3, P)`` ids of a save; padding rows repeat the last chunk (the same bytes, rewritten)."""
-    ids = np.empty((3, bucket(len(block_ids), cap)), np.int32)
-    ids[0, :len(block_ids)], ids[1, :len(slots)] = block_ids, slots
-    ids[0, len(block_ids):], ids[1, len(slots):] = block_ids[-1], slots[-1]
-    ids[2] = 1
+def slot_run(slots, padded: int) -> int:
+    """The widest power of two ``run <= padded`` such that a plan of ``slots`` padded to ``padded``
+    rows (as ``save_plan_ids`` / ``load_plan_ids`` pad for that run) holds, in every aligned group
+    of ``run`` rows, ``run`` consecutive ascending slots; 1 (one copy per slot) at worst, e.g. for
+    descending slots or a slot listed twice. O(len(slots)), no Python loop.
+
+    A break before row ``i`` (``slots[i] != slots[i-1] + 1``) must fall on a group boundary, so
+    ``run`` divides ``i``; so must the first padding row ``len(slots)``, since padding repeats whole
+    groups. Slots are in range (the engine checks), so a group never runs past the store's end."""
+    n = len(slots)
+    if not n:
+        return 1
+    run = padded if n == padded else min(padded, n & -n)
+    if n > 1 and run > 1:
+        s = np.asarray(slots, np.int64)
+        breaks = np.flatnonzero(s[1:] != s[:-1] + 1) + 1
+        if len(breaks):
+            run = min(run, int((breaks & -breaks).min()))
+    return run
+
+
+def _pad_rows(ids: np.ndarray, n: int, run: int) -> None:
+    """Fill rows ``n:`` by repeating the last ``run`` rows (``run`` divides ``n``): each padding
+    group is a copy of the last real group, so it holds consecutive slots when that group does."""
+    pad = np.arange(n, ids.shape[1])
+    ids[:, n:] = ids[:, n - run + pad % run]
+
+
+def save_plan_ids(block_ids, slots, cap: int, run: int = 1) -> np.ndarray:
+    """``(3, P)`` ids of a save; padding rows repeat the last ``run`` chunks (the same bytes,
+    rewritten)."""
+    n = len(block_ids)
+    ids = np.ones((3, bucket(n, cap)), np.int32)
+    ids[0, :n], ids[1, :n] = block_ids, slots
+    _pad_rows(ids, n, run)
     return ids
 
 
-def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int) -> np.ndarray:
-    """``(3, P)`` ids of a load; padding rows target ``num_blocks``, outside every batch shard."""
-    ids = np.zeros((3, bucket(len(block_ids), cap)), np.int32)
-    ids[0] = num_blocks
-    ids[0, :len(block_ids)], ids[1, :len(slots)], ids[2, :len(valid)] = block_ids, slots, valid
+def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int, run: int = 1) -> np.ndarray:
+    """``(3, P)`` ids of a load; padding rows read the last ``run`` slots again and target
+    ``num_blocks``, outside every batch shard (not valid: nothing is written)."""
+    n = len(block_ids)
+    ids = np.zeros((3, bucket(n, cap)), np.int32)
+    ids[0, :n], ids[1, :n], ids[2, :n] = block_ids, slots, valid
+    _pad_rows(ids, n, run)
+    ids[0, n:], ids[2, n:] = num_blocks, 0
     return ids
 
 
@@ -99,14 +149,21 @@ def _gather_local(ids, caches, *, group: GroupLayout):
 
 
 def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
+    """Scatter rows into their blocks of this device's batch shard. The blocks of a load are
+    distinct (the engine checks), and a row that is not ours (padding, another batch shard) gets
+    its own index past the shard's end, where it is dropped: every index is unique, which XLA is
+    told. Measured on the H200 (32 layers, 8 MiB rows): the scatter of 512 MiB takes 1.5 ms
+    instead of 3.1, of 2 GiB 2.7 ms instead of 9.8."""
     local = _local_ids(ids, group)
     per_shard = group.blocks_per_shard
-    local = jnp.where((local >= 0) & (local < per_shard), local, per_shard)  # not ours: dropped
+    spare = per_shard + jnp.arange(local.shape[0], dtype=local.dtype)
+    local = jnp.where((local >= 0) & (local < per_shard), local, spare)  # not ours: dropped
     wire, dtype = group.wire_dtype, group.dtype
     keep = (valid != 0).reshape((-1,) + (1,) * (rows.ndim - 3))
     # A row that is not valid scatters zeros (a placeholder for a chunk this host could not supply).
     return tuple(jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(c, wire).at[local].set(jnp.where(keep, rows[0, :, i], 0), mode="drop"), dtype)
+        jax.lax.bitcast_convert_type(c, wire).at[local].set(jnp.where(keep, rows[0, :, i], 0), mode="drop",
+                                                            unique_indices=True), dtype)
         for i, c in enumerate(caches))
 
 
@@ -151,13 +208,17 @@ class GroupPrograms:
                                       in_specs=(PartitionSpec(), PartitionSpec(), rows_spec, (cache_spec,) * n),
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
-        self.save = jax.jit(self._save, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
-        self.load = jax.jit(self._load, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
+        # ``run`` (static, keyword): the width of the slot groups each copy moves (module docstring).
+        self.save = jax.jit(self._save, donate_argnums=1, static_argnames="run",
+                            out_shardings=(self.store_sharding, token_sharding))
+        self.load = jax.jit(self._load, donate_argnums=0, static_argnames="run",
+                            out_shardings=((group.sharding,) * n, token_sharding))
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
-        self.read = jax.jit(self._read, out_shardings=(self.device_sharding, token_sharding))
+        self.read = jax.jit(self._read, static_argnames="run", out_shardings=(self.device_sharding, token_sharding))
         self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
-        self.install = jax.jit(self._install, donate_argnums=1, out_shardings=(self.store_sharding, token_sharding))
+        self.install = jax.jit(self._install, donate_argnums=1, static_argnames="run",
+                               out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize
@@ -167,51 +228,63 @@ class GroupPrograms:
         shape, dtype = self.store_shape, self.group.wire_dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
-    def _save(self, caches, store, ids):
+    def part_rows(self, op: str, n: int) -> int:
+        """Rows of one part of program ``op`` on ``n`` (padded) rows: the widest ``run`` worth
+        compiling (a wider one moves the same copies)."""
+        if op == "save":
+            return n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
+        if op == "load":
+            return n // self.load_parts(n)
+        return n  # read, install: one part
+
+    def _save(self, caches, store, ids, run: int = 1):
         ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
-        step = n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
+        step = self.part_rows("save", n)
         for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
             rows = self._gather(ids[0, lo:lo + step], caches)
-            store = self._write_rows(store, rows, ids, lo)
+            store = self._write_rows(store, rows, ids, lo, run)
         return store, _token(ids)
 
-    def _install(self, rows, store, ids):
+    def _install(self, rows, store, ids, run: int = 1):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
         ids = jax.device_put(ids, DEVICE)
-        return self._write_rows(store, rows, ids, 0), _token(ids)
+        return self._write_rows(store, rows, ids, 0, run), _token(ids)
 
-    def _read(self, store, ids):
+    def _read(self, store, ids, run: int = 1):
         """Slots ``ids[1]`` copied into device memory (the disk tier's spills; the store is not donated)."""
         ids = jax.device_put(ids, DEVICE)
-        return self._read_rows(store, ids, 0, ids.shape[1]), _token(ids)
+        return self._read_rows(store, ids, 0, ids.shape[1], run), _token(ids)
 
     def _scatter_rows(self, caches, rows, ids):
         """Scatter rows read by ``read`` (``(shards, P, ...)`` on the devices) into blocks ``ids[0]``."""
         ids = jax.device_put(ids, DEVICE)
         return self._scatter(ids[0], ids[2], rows, caches), _token(ids)
 
-    def _write_rows(self, store, rows, ids, lo: int):
-        """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``."""
+    def _write_rows(self, store, rows, ids, lo: int, run: int):
+        """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``, ``run`` rows
+        (consecutive slots) per copy."""
         k = rows.shape[1]
-        if ids.shape[1] <= SAVE_STATIC_MAX:
-            for i in range(k):
-                row = jax.device_put(jax.lax.slice_in_dim(rows, i, i + 1, axis=1), HOST)
-                store = jax.lax.dynamic_update_slice_in_dim(store, row, ids[1, lo + i], axis=1)
+        run = min(run, k)
+        copies = k // run
+        if copies == 1 or ids.shape[1] // run <= SAVE_STATIC_MAX:
+            for i in range(0, k, run):
+                group = jax.device_put(jax.lax.slice_in_dim(rows, i, i + run, axis=1), HOST)
+                store = jax.lax.dynamic_update_slice_in_dim(store, group, ids[1, lo + i], axis=1)
             return store
 
-        def write(i, st):
-            row = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), HOST)
-            return jax.lax.dynamic_update_slice_in_dim(st, row, ids[1, lo + i], axis=1)
+        def write(j, st):
+            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * run, run, axis=1), HOST)
+            return jax.lax.dynamic_update_slice_in_dim(st, group, ids[1, lo + j * run], axis=1)
 
-        return jax.lax.fori_loop(0, k, write, store, unroll=SAVE_UNROLL)
+        return jax.lax.fori_loop(0, copies, write, store, unroll=min(SAVE_UNROLL, copies))
 
-    def _load(self, caches, store, ids):
+    def _load(self, caches, store, ids, run: int = 1):
         ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
-        step = n // self.load_parts(n)
+        step = self.part_rows("load", n)
         for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
-            rows = self._read_rows(store, ids, lo, lo + step)
+            rows = self._read_rows(store, ids, lo, lo + step, run)
             caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
         return caches, _token(ids)
 
@@ -219,17 +292,21 @@ class GroupPrograms:
         """Parts the load program moves ``n`` (padded) rows in."""
         return num_parts(n, self.row_bytes, LOAD_PART_BYTES)
 
-    def _read_rows(self, store, ids, lo: int, hi: int):
-        """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``."""
-        if ids.shape[1] <= LOAD_STATIC_MAX:
-            return jnp.concatenate([jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, i], 1, axis=1), DEVICE)
-                                    for i in range(lo, hi)], axis=1)
+    def _read_rows(self, store, ids, lo: int, hi: int, run: int):
+        """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``,
+        ``run`` rows (consecutive slots) per copy."""
+        run = min(run, hi - lo)
+        copies = (hi - lo) // run
+        if ids.shape[1] // run <= LOAD_STATIC_MAX:
+            groups = [jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, i], run, axis=1), DEVICE)
+                      for i in range(lo, hi, run)]
+            return groups[0] if copies == 1 else jnp.concatenate(groups, axis=1)
         g = self.group
         rows = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
         rows = jax.lax.with_sharding_constraint(rows, self.device_sharding)
 
-        def read(i, acc):
-            row = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, i], 1, axis=1), DEVICE)
-            return jax.lax.dynamic_update_slice_in_dim(acc, row, i - lo, axis=1)
+        def read(j, acc):
+            group = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + j * run], run, axis=1), DEVICE)
+            return jax.lax.dynamic_update_slice_in_dim(acc, group, j * run, axis=1)
 
-        return jax.lax.fori_loop(lo, hi, read, rows, unroll=LOAD_UNROLL)
+        return jax.lax.fori_loop(0, copies, read, rows, unroll=min(LOAD_UNROLL, copies))

@@ -5,9 +5,11 @@ Threading contract (invariants 1-4):
 * Every JAX dispatch happens in ``save``/``load`` on the thread that created the engine, in an
   order that depends only on the arguments: per layer group and piece, ONE save program (gather,
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
-  scatter; a load moved in one part runs as a read program per group, dispatched before the
-  checks, then a scatter program per group); see worker/programs.py. Calls from any other thread raise RuntimeError before touching
-  JAX.
+  scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
+  group, dispatched before the checks, then a scatter program per group); see worker/programs.py. Each program moves its slots
+  in groups of ``run`` consecutive slots, one copy per group; ``run`` is a function of the slots
+  alone (programs.slot_run), so it too is the same on every host. Calls from any other thread
+  raise RuntimeError before touching JAX.
 * The bytes never pass through a host thread: the programs read and write the store, and the
   runtime orders each program after the one that produced the store version it takes, so writes
   land in issue order and a load sees every earlier write. Background threads only wait for a
@@ -45,7 +47,7 @@ from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
-from tpuoffload.worker.programs import bucket, load_plan_ids, programs_for, save_plan_ids
+from tpuoffload.worker.programs import bucket, load_plan_ids, programs_for, save_plan_ids, slot_run
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +169,15 @@ class TransferEngine:
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
         save_ids = [int(s) for s in save_ids]
-        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, self.max_chunks_per_transfer))
+        cap = self.max_chunks_per_transfer
+        run = slot_run(slots, bucket(n, cap))
+        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         tokens = []
         for i, prog in enumerate(self._programs):
-            self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
-            self.log.record("save", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+            r = min(run, prog.part_rows("save", ids.shape[1]))
+            self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
+            self.log.record("save", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
@@ -260,7 +265,9 @@ class TransferEngine:
         t0 = time.monotonic()
         block_ids = [int(b) for b in block_ids]
         slots = [int(s) for s in slots]
-        rows = self._read_first(slots) if self._reads_first(n) else None
+        cap = self.max_chunks_per_transfer
+        run = slot_run(slots, bucket(n, cap))
+        rows = self._read_first(slots) if self._reads_first(n, run) else None
         failed = self._wait_for_writes(slots)
         try:
             failed |= self._faults.hit(FaultPoint.READ_SLOTS, n)
@@ -270,15 +277,17 @@ class TransferEngine:
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
         valid = [0 if i in failed else 1 for i in range(n)]
-        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, self.max_chunks_per_transfer))
+        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
-                out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids)
+                r = min(run, prog.part_rows("load", ids.shape[1]))
+                out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
+                self.log.record("load", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
             else:
                 out, token = prog.scatter(self._group_caches(kv_caches, prog.group), rows[i], ids)
-            self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+                self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
@@ -291,14 +300,19 @@ class TransferEngine:
             self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
         return new, [block_ids[i] for i in sorted(failed)]
 
-    def _reads_first(self, n: int) -> bool:
-        """Whether a load of ``n`` chunks runs as two programs, reads then scatter, rather than as
-        one load program: when that program would move it in one part (nothing to overlap inside),
-        since then the copies start before the checks and the scatter's dispatch. Measured on the
-        H200 (tools/probe_overhead.py): 64 MiB 103-105% of the raw path against 90-91% for one
-        program; 512 MiB (2 parts) 85% against 98%."""
+    def _reads_first(self, n: int, run: int = 1) -> bool:
+        """Whether a load of ``n`` chunks whose slots allow copies of ``run`` (programs.slot_run)
+        runs as two programs, reads then scatter, rather than as one load program: when that
+        program would move each of its parts in one copy or has one part (nothing to overlap
+        inside), since then the copies start before the checks and the scatter's dispatch, and
+        one copy of the whole load is the fastest copy. Measured on the H200
+        (tools/probe_overhead.py): 64 MiB 103-105% of the raw path against 90-91% for one program;
+        one copy per slot, 512 MiB (2 parts) 85% against 98%. Slots in one run, with the unique
+        scatter (two runs of a scratch probe, 11 iterations each): 512 MiB 11.6 ms against 12.1
+        and 12.4; 2 GiB 44.3 and 44.5 against 45.0 and 45.1. One copy per slot stays one program:
+        at 2 GiB reading first took 52.4-52.5 ms against 50.4-50.6."""
         padded = bucket(n, self.max_chunks_per_transfer)
-        return all(p.load_parts(padded) == 1 for p in self._programs)
+        return all(p.load_parts(padded) == 1 or run >= p.part_rows("load", padded) for p in self._programs)
 
     def _read_first(self, slots: list[int]) -> list[jax.Array]:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
@@ -309,11 +323,13 @@ class TransferEngine:
     def _read_programs(self, op: str, slots: list[int], valid: list[int], cap: int) -> list[jax.Array]:
         """One read program per layer group: ``slots`` copied into device rows (zeros where not
         ``valid``); the stores are read, not donated."""
-        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks, cap))
+        n = len(slots)
+        run = slot_run(slots, bucket(n, cap))
+        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * n, slots, valid, self.num_blocks, cap, run))
         rows, tokens = [], []
         for i, prog in enumerate(self._programs):
-            group_rows, token = prog.read(self._stores[i], ids)
-            self.log.record(op, shape=ids.shape, group=i, slots=str(slots))
+            group_rows, token = prog.read(self._stores[i], ids, run=run)
+            self.log.record(op, shape=ids.shape, group=i, run=run, slots=str(slots))
             rows.append(group_rows)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
@@ -398,8 +414,10 @@ class TransferEngine:
         for i, p in enumerate(payloads):
             if i not in missing:
                 host[i] = p
-        host[n:] = host[n - 1]  # padding rows rewrite the last slot with its own bytes
-        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap))
+        run = slot_run(slots, cap)
+        pad = np.arange(n, cap)
+        host[n:] = host[n - run + pad % run]  # padding rows rewrite the last slots with their own bytes
+        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap, run))
         offset, tokens = 0, []
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
             arrays = []
@@ -411,8 +429,8 @@ class TransferEngine:
                 offset += size
             shape = (prog.group.num_shards, cap, *prog.store_shape[2:])
             rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
-            self._stores[i], token = prog.install(rows, self._stores[i], ids)
-            self.log.record("install", shape=ids.shape, group=i, slots=str(slots))
+            self._stores[i], token = prog.install(rows, self._stores[i], ids, run=run)
+            self.log.record("install", shape=ids.shape, group=i, run=run, slots=str(slots))
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
