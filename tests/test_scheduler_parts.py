@@ -16,7 +16,6 @@ from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes
 from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.recency import RecencyLog
-from tpuoffload.scheduler.request_hashes import RequestHashes
 from tpuoffload.scheduler.save_planner import SavePlanner
 from tpuoffload.scheduler.slot_pool import SlotPool
 from tpuoffload.scheduler.staging import StagingBudget
@@ -875,59 +874,19 @@ def test_hash_keys_of_vllm_hashes_and_odd_input():
         HashKeys.of([1, 2])
 
 
-
-
-# ---------------------------------------------------------------- RequestHashes
-class _Req:
-    def __init__(self, req_id, hashes):
-        self.request_id, self.block_hashes = req_id, hashes
-
-
-def _same(got: PackedHashes, hashes) -> bool:
-    want = PackedHashes.of(hashes)
-    return got.buf == want.buf and got.width == want.width
-
-
 @pytest.mark.parametrize("seed", range(3))
-def test_request_hashes_equal_vllms_list_through_appends_and_truncations(seed):
-    """``packed(request, a, b)`` is always ``PackedHashes.of(request.block_hashes[a:b])``: after
-    decode hashes are appended, after a streaming session deletes a tail of the list and appends
-    newly computed hashes (equal to the old ones or not), for requests never added, and for runs of
-    several. (vLLM changes its list only so: appends, and a tail deleted then appended afresh.)"""
+def test_packed_hashes_of_runs_is_of_the_concatenation(seed):
     rng = random.Random(seed)
-    cache = RequestHashes()
-    reqs = [_Req(f"r{i}", [rng.randbytes(32) for _ in range(rng.randrange(1, 12))]) for i in range(6)]
-    for r in reqs[:5]:
-        cache.add(r)
-    for step in range(300):
-        r = rng.choice(reqs)
-        op = rng.random()
-        if op < 0.2:
-            r.block_hashes.append(rng.randbytes(32))  # a block filled
-        elif op < 0.3:
-            k = rng.randrange(0, len(r.block_hashes) + 1)  # a streaming update
-            old = r.block_hashes[k:]
-            del r.block_hashes[k:]
-            # vLLM computes the new tail afresh: new objects, equal to the old or not
-            r.block_hashes += [bytes(bytearray(h)) if rng.random() < 0.5 else rng.randbytes(32) for h in old]
-        n = len(r.block_hashes)
-        a = rng.randrange(0, n + 1)
-        b = rng.randrange(a, n + 1)
-        if a < b:
-            assert _same(cache.packed(r, a, b), r.block_hashes[a:b]), (step, a, b)
-        runs = [(x, 0, len(x.block_hashes)) for x in rng.sample(reqs, 3) if x.block_hashes]
-        if runs:
-            assert _same(cache.packed_runs(runs), [h for x, s, e in runs for h in x.block_hashes[s:e]])
-    for r in reqs:
-        cache.forget(r.request_id)
-    assert len(cache) == 0
-
-
-def test_request_hashes_drop_a_copy_vllm_replaced():
-    """A truncated and re-extended list holds new objects where the copy ends: the copy is never
-    used again (a copy kept would give the old hashes)."""
-    cache = RequestHashes()
-    r = _Req("r", [h(1) + bytes(24), h(2) + bytes(24)])
-    cache.add(r)
-    r.block_hashes[1:] = [h(3) + bytes(24)]
-    assert _same(cache.packed(r, 0, 2), r.block_hashes) and len(cache) == 0
+    for _ in range(50):
+        width = rng.choice([16, 32])
+        runs = [[rng.randbytes(width) for _ in range(rng.randrange(0, 5))] for _ in range(rng.randrange(1, 5))]
+        if not any(runs):
+            runs[0].append(rng.randbytes(width))
+        flat = [x for r in runs for x in r]
+        got, want = HashKeys.of(PackedHashes.of_runs(runs)), HashKeys.of(flat)
+        assert got.k1.tolist() == want.k1.tolist() and got.k2.tolist() == want.k2.tolist()
+    mixed = [[b"a" * 32], [b"b" * 16, b"short"]]  # lengths differ: normalised like ``of``
+    got, want = HashKeys.of(PackedHashes.of_runs(mixed)), HashKeys.of([b"a" * 32, b"b" * 16, b"short"])
+    assert got.k1.tolist() == want.k1.tolist() and got.k2.tolist() == want.k2.tolist()
+    with pytest.raises(TypeError, match="bytes"):
+        PackedHashes.of_runs([[b"x" * 16], [1]])

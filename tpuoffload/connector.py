@@ -131,15 +131,12 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         own step has just evicted, where every Python call costs about a microsecond: the instance
         takes the scheduler half's bound methods (same signatures), and the class methods below,
         which say the same, are never reached on the scheduler side."""
-        for name in ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
-                     "build_connector_meta", "update_connector_output", "request_finished"):
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                     "update_connector_output", "request_finished"):
             setattr(self, name, getattr(self.scheduler, name))
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self.scheduler.bind_kv_cache_manager(kv_cache_manager)
-
-    def on_new_request(self, request: "Request") -> None:
-        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -38,8 +38,7 @@ class PackedHashes:
     """A batch of content hashes as the compiled loops read them: ``width`` bytes each (a multiple
     of 8, at least 16), laid end to end in one bytes object. Packing reads each hash object once;
     the keys are split from the bytes inside the compiled loop that uses them (``HashKeys.of``, or
-    ``ChunkIndex.select_and_name`` and ``ready_prefix_slots`` directly), with no numpy call in
-    between. A request's hashes are packed once, when vLLM adds it (``RequestHashes``)."""
+    ``ChunkIndex.select_new`` directly), with no numpy call in between."""
 
     __slots__ = ("buf", "width")
 
@@ -49,15 +48,6 @@ class PackedHashes:
 
     def __len__(self) -> int:
         return len(self.buf) // self.width
-
-    def keys_at(self, i: int) -> tuple[int, int]:
-        """(k1, k2) of hash ``i``, as Python ints (``HashKeys.one`` of that hash)."""
-        k1, k2 = _TWO_WORDS(self.buf, i * self.width)
-        return (k1 if k1 > 1 else 2), k2
-
-    def slice(self, start: int, stop: int) -> "PackedHashes":
-        w = self.width
-        return PackedHashes(self.buf[start * w:stop * w], w)
 
     @classmethod
     def of(cls, hashes: Sequence[bytes]) -> "PackedHashes":
@@ -73,6 +63,23 @@ class PackedHashes:
         if width < 16 or width % 8 or len(buf) != len(hashes) * width:
             return cls(b"".join([bytes(h[:16]).ljust(16, b"\0") for h in hashes]), 16)
         return cls(buf, width)
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[Sequence[bytes]]) -> "PackedHashes":
+        """The hashes of ``runs`` one after the other (``of`` of their concatenation), without
+        building the concatenated list: each run is joined as it is, so every hash object is read
+        once (on a cold cache, that read is most of the cost)."""
+        if len(runs) == 1:
+            return cls.of(runs[0])
+        try:
+            w = len(next(r[0] for r in runs if len(r)))
+            buf = b"".join([b"".join(r) for r in runs])
+        except (TypeError, StopIteration):
+            w = 0  # not bytes (``of`` says so), or nothing at all
+        n = len(buf) // w if w >= 16 and not w % 8 else -1
+        if n != sum(map(len, runs)):  # not bytes, or of another or several lengths: ``of`` normalises
+            return cls.of([h for r in runs for h in r])
+        return cls(buf, w)
 
 
 class HashKeys:

@@ -170,27 +170,21 @@ class ChunkIndex:
         first that is not). Does not touch the LRU order."""
         return self.ready_prefix_slots(hashes, start, stop).tolist()
 
-    def ready_prefix_slots(self, hashes: "Sequence[ChunkHash] | PackedHashes", start: int = 0,
-                           stop: int | None = None) -> np.ndarray:
-        """``ready_prefix`` as an int64 array (``hashes`` may be packed already). The first hash is
-        looked up in plain Python (a miss there, the usual answer, costs about a microsecond);
-        after a hit, the rest in one compiled loop."""
-        n = len(hashes)
-        if stop is None or stop > n:
-            stop = n
+    def ready_prefix_slots(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``ready_prefix`` as an int64 array. The first hash is looked up in plain Python (a miss
+        there, the usual answer, costs about a microsecond); after a hit, the rest in one
+        compiled loop."""
+        if stop is None or stop > len(hashes):
+            stop = len(hashes)
         if start >= stop:
             return _NO_SLOTS
-        packed = hashes if type(hashes) is PackedHashes else None
-        k1, k2 = HashKeys.one(hashes[start]) if packed is None else packed.keys_at(start)
+        k1, k2 = HashKeys.one(hashes[start])
         first = self._table.find_one(k1)
         if first < 0 or int(self._key2[first]) != k2 or self._state_np[first] != READY:
             return _NO_SLOTS
         if stop - start == 1:
             return np.array([first], dtype=np.int64)
-        if packed is None:
-            packed = PackedHashes.of(hashes[start:stop])
-        elif start or stop < n:
-            packed = packed.slice(start, stop)
+        packed = PackedHashes.of(hashes[start:stop])
         return self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, packed.buf, packed.width)
 
     # ------------------------------------------------------------------ saves

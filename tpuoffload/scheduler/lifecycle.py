@@ -152,21 +152,21 @@ class RequestLifecycle:
         self._saving.discard(req_id)
 
     # ------------------------------------------------------------------ per-step candidates
-    def step_candidates(self, so: "SchedulerOutput",
-                        block_ids_of: BlockIdsOf) -> tuple[list[int], list[tuple["Request", int, int]]]:
+    def step_candidates(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> tuple[list[int], list[list[bytes]]]:
         """Eager mode: the full blocks this step's forward completes, request by request, planned in
         this step so the workers gather them right after the forward, before vLLM can reuse the
-        blocks (invariant 9). Returns (their block ids, their hashes as runs ``(request, start,
-        stop)`` of ``request.block_hashes``, in the same order). Requests with nothing left to save
-        stop being visited, so decode steps cost nothing."""
+        blocks (invariant 9). Returns (their block ids, their hashes as runs: one list per request,
+        to be read in order; a request's own list when all of it is new, so no hash is copied).
+        Requests with nothing left to save stop being visited, so decode steps cost nothing."""
         blocks: list[int] = []
-        runs: list[tuple["Request", int, int]] = []
+        runs: list[list[bytes]] = []
         for rec, full in self._filled(so):
             start = rec.watermark
             if full > start:
                 ids = block_ids_of(rec.request.request_id)
+                hashes = rec.request.block_hashes
                 blocks += ids[start:full] if start or full < len(ids) else ids
-                runs.append((rec.request, start, full))
+                runs.append(hashes[start:full] if start or full < len(hashes) else hashes)
                 rec.watermark = full
         return blocks, runs
 

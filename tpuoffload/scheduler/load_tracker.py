@@ -26,7 +26,6 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
 from tpuoffload.scheduler.index import ChunkIndex
-from tpuoffload.scheduler.request_hashes import RequestHashes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -49,9 +48,8 @@ class _Planned:
 
 
 class LoadTracker:
-    def __init__(self, index: ChunkIndex, hashes: RequestHashes, block_size: int, counters: Counter[str]) -> None:
+    def __init__(self, index: ChunkIndex, block_size: int, counters: Counter[str]) -> None:
         self.index = index
-        self.hashes = hashes
         self.block_size = block_size
         self.counters = counters
         self._lookups: dict[str, _Lookup] = {}
@@ -83,8 +81,7 @@ class LoadTracker:
         if memo is not None and memo.local == local and memo.version == version:
             return len(memo.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        stop = min((request.num_tokens - 1) // bs, len(request.block_hashes))
-        slots = self.index.ready_prefix_slots(self.hashes.packed(request, local, stop)) if local < stop else _EMPTY
+        slots = self.index.ready_prefix_slots(request.block_hashes, local, (request.num_tokens - 1) // bs)
         self._lookups[req_id] = _Lookup(local, slots, version)
         return len(slots)
 
@@ -110,8 +107,7 @@ class LoadTracker:
             local, slots = lookup.local, lookup.slots[:num_blocks]
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
-            stop = min(local + num_blocks, len(request.block_hashes))
-            slots = self.index.ready_prefix_slots(self.hashes.packed(request, local, stop)) if local < stop else _EMPTY
+            slots = self.index.ready_prefix_slots(request.block_hashes, local, local + num_blocks)
         ready = len(slots)
         slot_seq, save_ids = self.index.saved_as(slots)
         self._planned[request.request_id] = _Planned(request, LoadRequest(

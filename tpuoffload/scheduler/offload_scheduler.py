@@ -6,7 +6,6 @@ parts that do the work, each with one job:
 * ``RequestLifecycle`` (lifecycle.py): vLLM's view of each request, reconciled in any hook order;
   which blocks are still to be saved (eager) or flushed (lazy).
 * ``LoadTracker`` (load_tracker.py): lookups, loads planned at admission, loads in flight.
-* ``RequestHashes`` (request_hashes.py): each request's block hashes, packed when vLLM adds it.
 * ``SavePlanner`` (save_planner.py): the one place that deduplicates and sizes saves.
 * ``ChunkIndex`` (index.py): content hash -> host slot, LRU eviction, pins, reset.
 * ``CompletionLedger`` (ledger.py): which hosts confirmed which saves; expected-reporter checks.
@@ -32,11 +31,11 @@ from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
 from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch
 from tpuoffload.scheduler.disk_index import DiskIndex, FetchPlanner
+from tpuoffload.scheduler.hash_table import PackedHashes
 from tpuoffload.scheduler.index import ChunkIndex
 from tpuoffload.scheduler.ledger import CompletionLedger
 from tpuoffload.scheduler.lifecycle import RequestLifecycle
 from tpuoffload.scheduler.load_tracker import LoadTracker
-from tpuoffload.scheduler.request_hashes import RequestHashes
 from tpuoffload.scheduler.restart import WarmRestart
 from tpuoffload.scheduler.save_planner import EMPTY, SavePlanner
 from tpuoffload.scheduler.staging import StagingBudget
@@ -84,8 +83,7 @@ class OffloadScheduler:
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
                                  counters=self.counters, with_keys=config.persist_path is not None)
-        self.hashes = RequestHashes()
-        self.loads = LoadTracker(self.index, self.hashes, block_size, self.counters)
+        self.loads = LoadTracker(self.index, block_size, self.counters)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
         self.disk: DiskIndex | None = None
@@ -119,10 +117,6 @@ class OffloadScheduler:
         return self._kv_cache_manager.get_block_ids(req_id)[0]
 
     # ------------------------------------------------------------------ admission
-    def on_new_request(self, request: "Request") -> None:
-        """vLLM added ``request``: its prompt's hashes are packed now, while they are in cache."""
-        self.hashes.add(request)
-
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond the local hit that host RAM can supply, and whether they load
         asynchronously (always, when there are any). No side effect: vLLM asks again every step
@@ -186,7 +180,7 @@ class OffloadScheduler:
                 save: SaveBatch = EMPTY
             else:
                 blocks, runs = self.requests.step_candidates(scheduler_output, block_ids_of)
-                save = plan(blocks, self.hashes.packed_runs(runs), step) if blocks else EMPTY
+                save = plan(blocks, PackedHashes.of_runs(runs), step) if blocks else EMPTY
         finally:
             self.index.unpin(load_slots)
         if self.disk is not None:  # what this plan evicted from host RAM goes to disk first
@@ -214,7 +208,6 @@ class OffloadScheduler:
         dispatched yet (lazy mode): every save already in a plan is dispatched by the workers
         before any later step can reuse the blocks."""
         req_id = request.request_id
-        self.hashes.forget(req_id)
         self.loads.forget(req_id)
         if self.fetches is not None:
             self.fetches.forget(req_id)
@@ -300,7 +293,6 @@ class OffloadScheduler:
         in flight, staging in use, requests held, and what is queued between steps."""
         return {
             "requests": self.requests.num_held(),
-            "requests_hashed": len(self.hashes),
             "awaiting_release": self.requests.num_awaiting_release(),
             "queued_flush_or_release": self.requests.num_pending(),
             "loads_planned": self.loads.num_planned(),
