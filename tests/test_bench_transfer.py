@@ -36,10 +36,28 @@ def test_cpu_run_verifies_bytes(bench, tmp_path, capsys):
     for key in ("raw_save_gibps", "raw_load_gibps", "per_block_save_gibps", "per_block_load_gibps"):
         assert row[key] > 0, key
     for pat in ("contiguous", "scattered"):
-        for key in ("save_gibps", "load_gibps", "save_main_ms", "raw_load_ratio", "raw_save_ratio"):
+        for key in ("save_gibps", "load_gibps", "save_main_ms", "save_main_warm_ms", "raw_load_ratio",
+                    "raw_save_ratio"):
             assert row[f"engine_{pat}_{key}"] > 0, (pat, key)
     # 16 blocks in one run: one copy per call; 16 of 32 slots at random: one copy per slot.
     assert row["engine_contiguous_runs"] == [16] and row["engine_scattered_runs"] == [1]
+    assert row["engine_contiguous_rows_moved"] == row["engine_scattered_rows_moved"] == 16
+    assert len(row["samples_ms"]["contiguous_save"]) == 7
+
+
+def test_step_of_no_power_of_two_blocks_reports_the_rows_moved(bench, monkeypatch, tmp_path):
+    """A 10-block step: the raw path moves 10 blocks; the engine, splitting down to single rows
+    (PIECE_BYTES patched to 1 byte), moves 8 + 2 and reports 10 rows, bytes checked."""
+    from tpuoffload.worker import programs
+
+    monkeypatch.setattr(programs, "PIECE_BYTES", 1)
+    out = tmp_path / "bench.json"
+    argv = ["--expect-platform", "cpu", *TINY, "--no-per-block", "--json", str(out)]
+    argv[argv.index("0.5")] = "0.3125"  # 10 blocks of 32 KiB
+    assert bench.main(argv) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["blocks"] == 10
+    assert row["engine_contiguous_rows_moved"] == row["engine_scattered_rows_moved"] == 10
 
 
 def test_load_that_moves_nothing_fails_the_run(bench, monkeypatch, capsys):

@@ -266,7 +266,7 @@ def test_blocks_split_by_data_parallelism(name, engines):
     ids = [500 + i for i in slots]
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 8
+    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == len(blocks)  # 4 or 8: no padding
 
     caches = random_caches(name, 5)
     before = host(caches)
@@ -553,6 +553,136 @@ def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
     monkeypatch.setattr(te, "slot_run", lambda slots, padded: padded)
     bad, _ = slot_pattern_round_trip(engines, pattern)
     assert bad
+
+
+# ---------------------------------------------------------------- power-of-two pieces
+@pytest.mark.parametrize("n,cap,step,sizes", [
+    (0, 8, 1, []),
+    (1, 64, 1, [1]), (1, 64, 8, [1]),
+    (7, 64, 1, [4, 2, 1]), (7, 64, 2, [7]), (7, 64, 8, [7]),
+    (9, 64, 1, [8, 1]), (9, 64, 2, [8, 1]), (9, 64, 8, [9]),
+    (40, 64, 1, [32, 8]), (40, 32, 1, [32, 8]), (40, 16, 8, [16, 16, 8]),
+    (100, 128, 1, [64, 32, 4]), (100, 128, 8, [64, 32, 4]), (100, 64, 1, [64, 32, 4]),
+    (127, 128, 8, [127]), (300, 128, 8, [128, 128, 32, 12]), (5, 2, 8, [2, 2, 1]),
+])
+def test_piece_sizes_examples(n, cap, step, sizes):
+    assert pm.piece_sizes(n, cap, step) == sizes
+
+
+def test_piece_sizes_pad_less_than_a_step_in_few_power_of_two_pieces():
+    """Every plan: the pieces cover it in order, each a power of two of at most ``cap`` rows but
+    maybe the last; padding them to their buckets adds fewer than ``step`` rows; there are at most
+    ``n // cap + log2(cap / step) + 1`` of them."""
+    for cap in (1, 2, 8, 32, 128):
+        for step in (1, 2, 8, 64):
+            s = min(step, cap)
+            for n in range(0, 3 * cap + 9):
+                sizes = pm.piece_sizes(n, cap, step)
+                assert sum(sizes) == n and all(0 < p <= cap for p in sizes)
+                assert all(p & (p - 1) == 0 for p in sizes[:-1]), sizes
+                assert sum(pm.bucket(p, cap) for p in sizes) - n < s, (n, cap, step, sizes)
+                assert len(sizes) <= n // cap + (cap // s).bit_length(), (n, cap, step, sizes)
+
+
+def test_piece_step_comes_from_the_layout(engines, monkeypatch):
+    """The step is the power of two of rows whose bytes (per device) reach PIECE_BYTES, at most
+    the transfer buffer's rows: the layout alone decides it, the same on every host."""
+    caches = random_caches(BF16, 50)
+    row = sum(p.row_bytes for p in engines(caches)._programs)
+    for piece_bytes, step in ((1, 1), (row, 1), (row + 1, 2), (5 * row, 8), (1 << 40, NUM_SLOTS)):
+        monkeypatch.setattr(pm, "PIECE_BYTES", piece_bytes)
+        assert engines(caches, transfer_buffer_bytes=NUM_SLOTS * row * 4).piece_step == step, piece_bytes
+
+
+PIECE_SLOTS = {  # slots of a plan of n chunks in a store of 256 slots
+    "one run": lambda n: list(range(100, 100 + n)),  # spans every piece boundary
+    "run per piece": lambda n: [i + 2 * k + 1 for k, p in enumerate(pm.piece_sizes(n, 128))  # breaks at each
+                                for i in range(sum(pm.piece_sizes(n, 128)[:k]), sum(pm.piece_sizes(n, 128)[:k + 1]))],
+    "scattered": lambda n: np.random.default_rng(n).permutation(256)[:n].tolist(),
+}
+
+
+@pytest.mark.parametrize("pattern", PIECE_SLOTS)
+@pytest.mark.parametrize("n", [1, 7, 9, 40, 100])
+def test_pieces_round_trip_byte_exact(engines, n, pattern):
+    """A plan that is no power of two moves as its power-of-two pieces (programs.piece_sizes):
+    each save and load program takes one piece, only the last is padded (here not at all: step 1),
+    each piece's slots give its own copy width, whether a run of slots continues across a piece
+    boundary or a new run starts at one. The chunks come back byte-exact; blocks and slots outside
+    the plan keep theirs; a save that overwrites the same slots right away (write-after-write across
+    pieces) wins, and the older save's ids no longer load."""
+    spec = dataclasses.replace(LAYOUTS[BF16], num_blocks=256)
+    rng = np.random.default_rng(n)
+    caches = [jax.device_put(rng.integers(0, 1 << 16, c.shape, np.uint16).view(c.dtype), c.sharding)
+              for c in create_caches(spec)[0]]  # 256 blocks of random bytes
+    src = host(caches)
+    eng = engines(caches, slots=256)
+    eng.piece_step = 1
+    slots = PIECE_SLOTS[pattern](n)
+    sizes = pm.piece_sizes(n, eng.max_chunks_per_transfer)
+    assert sum(sizes) == n
+    sentinel = [s for s in range(256) if s not in slots][:2]
+    save_ok(eng, caches, [250, 251], sentinel, [1, 2])
+    older, newer = list(range(1000, 1000 + n)), list(range(2000, 2000 + n))
+    eng.save(caches, list(range(n, 2 * n)), slots, older)  # overwritten at once by the next save
+    eng.save(caches, list(range(n)), slots, newer)
+    assert eng.wait_idle(30)
+    assert {r.save_id for r in eng.drain_results() if r.ok} == set(older) | set(newer)
+    ops = eng.finish_step().ops
+    saves = ops[1:]
+    assert [op_shape(op)[1] for op in saves] == sizes * 2  # one program per piece, none padded
+    starts = np.cumsum([0] + sizes[:-1])
+    widths = [pm.slot_run(slots[a:a + p], p) for a, p in zip(starts, sizes)]
+    assert [logged_run(op) for op in saves] == [min(w, eng._programs[0].part_rows("save", p))
+                                                for w, p in zip(widths, sizes)] * 2
+    targets = list(range(120, 120 + n))
+    fresh = random_caches(BF16, 51)
+    fresh = [jax.device_put(np.concatenate([np.asarray(c)] * 4), caches[0].sharding) for c in fresh]
+    before = host(fresh)
+    out, failed = eng.load(fresh, targets, slots, newer)
+    assert failed == []
+    loads = eng.finish_step().ops
+    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == sizes
+    after = host(out)
+    for i, t in enumerate(targets):
+        assert np.array_equal(chunk(after, t), chunk(src, i)), (i, t)
+    rest = [x for x in range(256) if x not in targets]
+    for layer in range(len(out)):
+        assert np.array_equal(after[layer][rest], before[layer][rest])
+    out, failed = eng.load(out, [200, 201], sentinel, [1, 2])
+    assert failed == [] and all(np.array_equal(chunk(host(out), t), chunk(src, b)) for t, b in ((200, 250), (201, 251)))
+    out, failed = eng.load(out, targets[:3], slots[:3], older[:3])  # the tags are the newer save's
+    assert failed == targets[:3]
+
+
+class Recorder(FaultInjector):
+    def __init__(self) -> None:
+        self.calls: list[tuple[FaultPoint, int]] = []
+        self._lock = threading.Lock()
+
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        with self._lock:
+            self.calls.append((point, n))
+        return set()
+
+
+def test_a_call_of_several_pieces_completes_once_and_checks_once(engines):
+    """However many pieces a save has, one background completion records all of its slots (one
+    future in flight, chained once); a load's checks (late writes, tags, faults) run once for the
+    whole plan, before its first scatter."""
+    caches = random_caches(BF16, 52)
+    faults = Recorder()
+    eng = engines(caches, faults=faults)
+    eng.piece_step = 1
+    n = 13  # 8 + 4 + 1
+    assert len(eng.pieces(n)) == 3
+    save_ok(eng, caches, list(range(n)), list(range(n)), list(range(100, 100 + n)))
+    assert faults.calls == [(FaultPoint.D2H, n), (FaultPoint.WRITE_SLOTS, n)]
+    assert len(set(eng._last_write.values())) == 1
+    faults.calls.clear()
+    out, failed = eng.load(caches, list(range(20, 20 + n)), list(range(n)), list(range(100, 100 + n)))
+    assert failed == [] and faults.calls == [(FaultPoint.READ_SLOTS, n), (FaultPoint.H2D, n)]
+    assert op_names(eng.finish_step().ops) == ["save"] * 3 + small_load_ops(1) * 3
 
 
 # ---------------------------------------------------------------- write-after-write

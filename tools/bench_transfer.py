@@ -11,16 +11,30 @@ warm-up; raw and engine iterations interleaved so drift hits both alike):
              save = ``engine.save(kv_caches, block_ids, slots, save_ids)`` + ``engine.wait_idle()``
              (the bytes are in host slots); load = ``engine.load(kv_caches, block_ids, slots,
              save_ids)`` until the returned caches are ready. ``main ms`` is the time until
-             ``save()`` / ``load()`` returned on the calling thread. Measured for two slot patterns
-             on one engine of 2n slots: ``contiguous`` (slots n..2n-1 in order, one ascending run
-             ending at the store's last slot, as a fresh scheduler hands them out) and ``scattered``
-             (n of the 2n slots drawn at random, in random order: one copy per slot). ``run`` is
-             the slot-group width the engine dispatched (worker/programs.py).
+             ``save()`` / ``load()`` returned on the calling thread, each dispatched right after
+             the previous byte check, which streamed the checked blocks (128 MiB by default)
+             through the CPU caches: cold-cache figures, the engine's and JAX's code and data
+             fetched from memory. A scratch probe on two H200 machines timed a 512 MiB save's
+             dispatch at 0.39 / 0.63 ms with warm caches, 0.60 / 0.76 right after such a check,
+             0.54 / 0.76 after a plain numpy pass over 256 MiB instead (no ids-buffer fallback,
+             the layout check of new cache arrays +0.03 ms, garbage collection off no change).
+             ``(warm)``: a second save of the same blocks into the same slots, dispatched right
+             after the first one finished (its bytes are what the load then reads). Measured for
+             two slot patterns on one engine of 2n slots: ``contiguous`` (slots n..2n-1 in order,
+             one ascending run ending at the store's last slot, as a fresh scheduler hands them
+             out) and ``scattered`` (n of the 2n slots drawn at random, in random order: one copy
+             per slot). ``run`` is
+             the slot-group width the engine dispatched (worker/programs.py); ``rows`` the rows its
+             save programs moved, padding included, against the blocks asked for.
   raw_unique load only: the raw load with the scatter told its indices are unique (they are), as
              the engine's scatter is (worker/programs.py): the same transfer with XLA's faster
              scatter, the stricter ceiling for loads.
   per-block  the same moves one block at a time (one gather + one device_put per block; one
              device_put + one scatter per block): the floor batching has to beat.
+
+Every sample is in the JSON (``samples_ms``): at 64 MiB single samples of every path, raw included,
+spread by 9-14% (H200, 41 iterations), so a ratio of two medians of 9 moves by several points from
+run to run.
 
 Bytes are verified in the same run: before every timed load the destination blocks are zeroed,
 and after it a sample of them (``--verify-blocks``) must equal the source blocks byte for byte, for
@@ -58,6 +72,7 @@ from functools import partial
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MIB = 1 << 20
+DEFAULT_BUFFER = 256 * MIB  # TransferEngine's transfer_buffer_bytes default
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
 
 
@@ -78,7 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-per-block", action="store_true", help="skip the per-block floor")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--transfer-buffer-mib", type=float, default=None,
-                   help="the engine's transfer_buffer_bytes (default: the step size, one piece per call)")
+                   help="the engine's transfer_buffer_bytes (default: the engine's default or the step "
+                        "rounded up to a power of two of blocks, whichever is larger: no step is split "
+                        "by the buffer, only by the engine's own piecing)")
     a = p.parse_args(argv)
     for name in ("layers", "block_size", "kv_heads", "head_dim"):
         if getattr(a, name) <= 0:
@@ -202,13 +219,14 @@ def main(argv=None) -> int:
 
         times = {k: [] for k in ("raw_save", "raw_load", "raw_unique_load", "pb_save", "pb_load", "settle")}
         for pat in patterns:
-            for k in ("save", "load", "save_main", "load_main"):
+            for k in ("save", "load", "save_main", "save_main_warm", "load_main"):
                 times[f"{pat}_{k}"] = []
-        runs = {}
+        runs, moved = {}, {}
         print(f"--- {label}: {n} blocks x {args.layers} layers of {block_shape} {args.dtype} "
               f"({chunk_bytes / MIB:g} MiB per block), layout {args.layout}", flush=True)
 
-        buffer = int((args.transfer_buffer_mib or size_mib) * 2**20)
+        buffer = int(args.transfer_buffer_mib * 2**20) if args.transfer_buffer_mib else \
+            max(DEFAULT_BUFFER, (1 << (n - 1).bit_length()) * chunk_bytes)
         engine = TransferEngine(caches, 2 * n * chunk_bytes, transfer_buffer_bytes=buffer)
         next_id = iter(range(1, 1 << 62))
 
@@ -225,6 +243,16 @@ def main(argv=None) -> int:
                 failures.append(f"{label} engine {pat}: save did not finish in 300 s")
                 return False
             t_save = time.perf_counter() - t0
+            # The same save again, right after the first finished: its main-thread time with the
+            # CPU caches warm (the first one's follows the previous byte check, which streamed the
+            # checked blocks through them). Untimed otherwise; the load reads these saves.
+            ids = [next(next_id) for _ in range(n)]
+            t0 = time.perf_counter()
+            engine.save(caches, src.tolist(), slots.tolist(), ids)
+            t_main_warm = time.perf_counter() - t0
+            if not engine.wait_idle(300):
+                failures.append(f"{label} engine {pat}: save did not finish in 300 s")
+                return False
             drain = getattr(engine, "drain_results", None)
             if drain is not None:
                 bad_saves = [r for r in drain() if not r.ok]
@@ -242,10 +270,15 @@ def main(argv=None) -> int:
             if hasattr(engine, "finish_step"):
                 ops = engine.finish_step().ops
                 runs[pat] = sorted({int(m) for op in ops for m in re.findall(r"\brun=(\d+)", op)})
+                # Rows one save's programs moved (padding included), from the logged ids shapes;
+                # the round dispatched two saves of the plan.
+                moved[pat] = sum(int(m) for op in ops if op.startswith("save ")
+                                 for m in re.findall(r"shape=\(3, (\d+)\)", op)) // (2 * len(engine.layout.groups))
             if record:
                 times[f"{pat}_save"].append(t_save)
                 times[f"{pat}_load"].append(t_load)
                 times[f"{pat}_save_main"].append(t_main)
+                times[f"{pat}_save_main_warm"].append(t_main_warm)
                 times[f"{pat}_load_main"].append(t_load_main)
             return True
 
@@ -320,8 +353,12 @@ def main(argv=None) -> int:
                 if med[f"{pat}_{op}"]:
                     row[f"engine_{pat}_raw_{op}_ratio"] = med[f"raw_{op}"] / med[f"{pat}_{op}"]
                 row[f"engine_{pat}_{op}_main_ms"] = med[f"{pat}_{op}_main"]
+            row[f"engine_{pat}_save_main_warm_ms"] = med[f"{pat}_save_main_warm"]
             row[f"engine_{pat}_runs"] = runs.get(pat, [])
+            row[f"engine_{pat}_rows_moved"] = moved.get(pat)
         row["settle_after_check_ms"] = med["settle"]
+        row["ids_ring_fallbacks"] = engine._ids.fallbacks
+        row["samples_ms"] = {k: [round(x * 1e3, 4) for x in v] for k, v in times.items()}
         results.append(row)
         del caches
 
@@ -331,7 +368,7 @@ def main(argv=None) -> int:
     print(f"\nmedian of {args.iters} after warm-up; bytes verified on {args.verify_blocks or 'all'} blocks after "
           f"every load; {time.perf_counter() - t_start:.1f} s in all")
     header = (f"{'step':>9} {'path':<17} {'save ms':>9} {'save GiB/s':>10} {'load ms':>9} {'load GiB/s':>10} "
-              f"{'save main ms':>12} {'load main ms':>12}  run")
+              f"{'save main ms':>12} {'(warm)':>7} {'load main ms':>12}  run  rows")
     print(header)
     for r in results:
         step = f"{r['step_mib']:g} MiB"
@@ -341,10 +378,13 @@ def main(argv=None) -> int:
             eng = path.startswith("engine")
             main_s = fmt(r[f"{path}_save_main_ms"], ".3f") if eng else ""
             main_l = fmt(r[f"{path}_load_main_ms"], ".3f") if eng else ""
+            main_w = fmt(r[f"{path}_save_main_warm_ms"], ".3f") if eng else ""
             run = ",".join(map(str, r[f"{path}_runs"])) if eng else ""
+            if eng and r[f"{path}_rows_moved"] is not None:
+                run += f"  {r[f'{path}_rows_moved']}/{r['blocks']}"
             print(f"{step:>9} {path:<17} {fmt(r[f'{path}_save_ms'], '.2f'):>9} {fmt(r[f'{path}_save_gibps'], '.2f'):>10} "
                   f"{fmt(r[f'{path}_load_ms'], '.2f'):>9} {fmt(r[f'{path}_load_gibps'], '.2f'):>10} {main_s:>12} "
-                  f"{main_l:>12}  {run}")
+                  f"{main_w:>7} {main_l:>12}  {run}")
         print(f"{step:>9} {'raw_unique':<17} {'':>9} {'':>10} {fmt(r['raw_unique_load_ms'], '.2f'):>9} "
               f"{fmt(r['raw_unique_load_gibps'], '.2f'):>10}")
         for pat in ("contiguous", "scattered"):

@@ -19,8 +19,10 @@ dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives 
 The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
 They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
-``P`` is padded to a power of two so the programs compile a few times; padding rows repeat the
-last real rows (a save rewrites the same bytes; a load's padding targets no block).
+``P`` is a power of two so the programs compile a few times: the engine splits a plan into
+power-of-two pieces (``piece_sizes``), one program each, and pads only the last, smaller piece, by
+less than a piece step; padding rows repeat the last real rows (a save rewrites the same bytes; a
+load's padding targets no block).
 
 Slot runs: a program moves slots in groups of ``run`` rows (a static power of two), each group ONE
 copy of ``run`` consecutive slots: one dynamic slice of the store, one transfer, one update. This
@@ -73,14 +75,55 @@ SAVE_STATIC_MAX = 0
 # of 512 MiB unsplit 39.2, 2 parts 40.6, 4 parts 42.5; of 2 GiB 41.5, 43.7, 45.1 (raw: 41.1, 44.4).
 # (Those are one copy per slot.) A load that this makes one part, or whose parts would each be one
 # copy (slot runs), runs as two programs instead, reads then scatter (TransferEngine._reads_first).
+# With slot runs (one copy per part), a 512 MiB save in one part took 13.0 ms against 12.2 in 4
+# and 12.6 in 2, and its main-thread dispatch was no shorter (0.69 ms against 0.70), so the value
+# stays (tools/bench_transfer.py --sizes-mib 512 2048 with the constant patched, one run each).
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4
+# The fewest rows a program moves (``bucket`` pads its ids up to this). 1: a 1-chunk step moves one
+# chunk, not 8; it costs only the compiled shapes 1, 2 and 4. Measured on the H200 (32 layers, 8 MiB
+# chunks, tools/bench_transfer.py --iters 9, contiguous slots, % of the raw path, save / load): a
+# 1-chunk step padded to 8 rows 41% / 61%, moved as one row 88-129% / 74-136% (two runs).
+MIN_ROWS = 1
+# A plan is split into power-of-two pieces (``piece_sizes``), one program each per layer group,
+# rather than padded to one power of two. Same measurement: 9 chunks padded to 16 rows 64% / 60%, as
+# 8 + 1 87-96% / 102-109%; 40 chunks padded to 64 66% / 69%, as 32 + 8 98-101% / 106-108%; 100
+# chunks padded to 128 78% / 84%, as 64 + 32 + 4 100-103% / 107-110%. Buckets of 4-7 x 2^k rows (one
+# program, under 25% padding, four times the compiled shapes) reached 98% / 106% at 40 chunks but
+# 89% / 89% at 100 (112 rows). Each piece costs the main thread another dispatch: a save 0.23-0.36
+# ms per piece, a load (reads, then scatter: two programs) 0.55-0.68 ms, so a remainder is split
+# only down to pieces of PIECE_BYTES per device (what the interconnect moves in about that time);
+# a smaller rest is padded (worker/transfer_engine.py turns this into rows: ``piece_step``).
+PIECE_BYTES = 16 << 20
 
 
 def bucket(n: int, cap: int) -> int:
-    """Pad batch sizes to powers of two (>= 8 unless ``cap``, a power of two >= n, is smaller)."""
-    return max(min(8, cap), 1 << (n - 1).bit_length())
+    """Pad batch sizes to powers of two (>= MIN_ROWS unless ``cap``, a power of two >= n, is smaller)."""
+    return max(min(MIN_ROWS, cap), 1 << (n - 1).bit_length())
+
+
+def piece_sizes(n: int, cap: int, step: int = 1) -> list[int]:
+    """Lengths of the consecutive pieces a plan of ``n`` rows moves in, one program per piece (per
+    layer group): pieces of ``cap`` rows (a power of two), then the rest as the binary
+    decomposition of the rest rounded up to a multiple of ``step`` (a power of two: fewer rows are
+    not worth a dispatch), largest first, the last piece holding what is left (step 1: 40 -> 32 +
+    8, 100 -> 64 + 32 + 4; step 8: 7 -> 7 and 9 -> 9, padded to 8 and 16 rows, 100 -> 64 + 32 + 4).
+    Every piece but the last is a power of two and moves no padding; the last is padded to its
+    bucket by fewer than ``step`` rows (MIN_ROWS is 1), where one bucket for the whole rest could
+    pad almost as many rows as it moves. A plan has at most ``n // cap + log2(cap / step) + 1``
+    pieces and every bucket is a power of two (no new shape compiles). A function of its
+    arguments only: every host splits a plan alike."""
+    sizes = [cap] * (n // cap)
+    rest = n % cap
+    step = min(step, cap)
+    padded = -(-rest // step) * step
+    while rest:
+        size = 1 << (padded.bit_length() - 1)
+        sizes.append(min(size, rest))
+        padded -= size
+        rest -= sizes[-1]
+    return sizes
 
 
 def slot_run(slots, padded: int) -> int:

@@ -10,13 +10,16 @@ Threading contract (invariants 1-4):
   in groups of ``run`` consecutive slots, one copy per group; ``run`` is a function of the slots
   alone (programs.slot_run), so it too is the same on every host. Calls from any other thread
   raise RuntimeError before touching JAX.
+* A plan moves in pieces (programs.piece_sizes: powers of two within the transfer buffer, only
+  the last padded), a function of its length and the layout alone.
 * The bytes never pass through a host thread: the programs read and write the store, and the
   runtime orders each program after the one that produced the store version it takes, so writes
   land in issue order and a load sees every earlier write. Background threads only wait for a
-  save program to finish and then record, in the slot table, which chunk each slot holds; those
-  records for one slot are chained, first issued first done.
+  save call's programs (all its pieces) to finish and then record, in the slot table, which chunk
+  each slot holds; those records for one slot are chained, first issued first done.
 * A load waits (bounded by ``load_wait_timeout_s``) for the record of an earlier save to the
-  slots it reads; a save still unconfirmed then is a load error, never a hang.
+  slots it reads; a save still unconfirmed then is a load error, never a hang. It checks the
+  whole plan once, after its first piece's reads are dispatched and before any scatter.
 
 Local trouble never changes what is dispatched (invariant 2): a slot that is late, lost, failed,
 does not hold the expected save id, or lacks the bytes this host needs for the destination block,
@@ -47,7 +50,8 @@ from tpuoffload.layout import CacheLayout, GroupLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
-from tpuoffload.worker.programs import bucket, load_plan_ids, programs_for, save_plan_ids, slot_run
+from tpuoffload.worker import programs as programs_module
+from tpuoffload.worker.programs import bucket, load_plan_ids, piece_sizes, programs_for, save_plan_ids, slot_run
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,11 @@ class TransferEngine:
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
         self._programs = [programs_for(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
+        # Rows whose padding costs less than another program's dispatch (programs.PIECE_BYTES): a
+        # plan's remainder is split into power-of-two pieces no smaller than this. From the layout
+        # only, so the same on every host.
+        row_bytes = sum(p.row_bytes for p in self._programs)  # one chunk, on each device
+        self.piece_step = min(self.max_chunks_per_transfer, _pow2_ceil(-(-programs_module.PIECE_BYTES // row_bytes)))
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
         # Each call's ids, written into preallocated host buffers (worker/ids_ring.py); main thread only.
         self._ids = IdsRing(NamedSharding(self.layout.mesh, PartitionSpec(), memory_kind=host_memory_kind))
@@ -153,24 +162,30 @@ class TransferEngine:
         self._check_owner()
         self._check_caches(kv_caches)
         self._check_plan(block_ids, slots, save_ids, unique="slots")
-        for piece in self._pieces(len(block_ids)):
-            self._save_piece(kv_caches, block_ids[piece], slots[piece], save_ids[piece])
+        if not len(slots):
+            return
+        block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
+        tokens = []
+        for piece in self._pieces(len(slots)):
+            tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
+        self._complete_in_background(tokens, block_ids, slots, [int(s) for s in save_ids])
 
     def pieces(self, n: int) -> list[slice]:
-        """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``."""
+        """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``, a
+        power of two but maybe the last (programs.piece_sizes)."""
         return self._pieces(n)
 
     def _pieces(self, n: int) -> list[slice]:
-        step = self.max_chunks_per_transfer
-        return [slice(i, i + step) for i in range(0, n, step)]
+        out, start = [], 0
+        for size in piece_sizes(n, self.max_chunks_per_transfer, self.piece_step):
+            out.append(slice(start, start + size))
+            start += size
+        return out
 
-    def _save_piece(self, kv_caches, block_ids, slots, save_ids) -> None:
-        n = len(block_ids)
-        block_ids = [int(b) for b in block_ids]
-        slots = [int(s) for s in slots]
-        save_ids = [int(s) for s in save_ids]
+    def _dispatch_save(self, kv_caches, block_ids: list[int], slots: list[int]) -> list[jax.Array]:
+        """One piece's save program per layer group; returns their tokens."""
         cap = self.max_chunks_per_transfer
-        run = slot_run(slots, bucket(n, cap))
+        run = slot_run(slots, bucket(len(slots), cap))
         ids, entry = self._ids.put(save_plan_ids(block_ids, slots, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         tokens = []
@@ -180,8 +195,15 @@ class TransferEngine:
             self.log.record("save", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
+        return tokens
+
+    def _complete_in_background(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
+                                save_ids: list[int], missing: frozenset[int] = frozenset()) -> None:
+        """One background completion for every program of a call (``tokens``), chained after the
+        newest earlier write of each of its slots (write-after-write)."""
+        n = len(slots)
         previous = {self._last_write[s] for s in slots if s in self._last_write}
-        fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous)
+        fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing)
         with self._lock:
             self._inflight[fut] = (time.monotonic(), n, n * self.backend.slot_bytes)
         fut.add_done_callback(self._forget_inflight)
@@ -254,20 +276,33 @@ class TransferEngine:
         self._check_owner()
         self._check_caches(kv_caches)
         self._check_plan(block_ids, slots, save_ids, unique="block_ids")
-        caches, failed = list(kv_caches), []
-        for piece in self._pieces(len(block_ids)):
-            caches, piece_failed = self._load_piece(caches, block_ids[piece], slots[piece], save_ids[piece])
-            failed += piece_failed
-        return caches, failed
-
-    def _load_piece(self, kv_caches, block_ids, slots, save_ids) -> tuple[list[jax.Array], list[int]]:
         n = len(block_ids)
+        if not n:
+            return list(kv_caches), []
         t0 = time.monotonic()
-        block_ids = [int(b) for b in block_ids]
-        slots = [int(s) for s in slots]
-        cap = self.max_chunks_per_transfer
-        run = slot_run(slots, bucket(n, cap))
-        rows = self._read_first(slots) if self._reads_first(n, run) else None
+        block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
+        pieces = self._pieces(n)
+        rows = self._maybe_read_first(slots[pieces[0]])  # before the checks: the copies start now
+        failed = self._load_failures(block_ids, slots, save_ids)
+        caches = list(kv_caches)
+        for k, piece in enumerate(pieces):
+            if k:  # later pieces read after the previous piece's scatter: one piece's rows at a time
+                rows = self._maybe_read_first(slots[piece])
+            valid = [0 if i in failed else 1 for i in range(piece.start, piece.stop)]
+            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid, rows)
+        self._known_caches = tuple(map(weakref.ref, caches))
+        with self._lock:
+            self.counters[C.CHUNKS_LOADED] += n - len(failed)
+            self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
+            self.counters[C.LOAD_ERRORS] += len(failed)
+            self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
+        return caches, [block_ids[i] for i in sorted(failed)]
+
+    def _load_failures(self, block_ids: list[int], slots: list[int], save_ids: Sequence[int]) -> set[int]:
+        """Positions of a load that become placeholders: late writes, injected faults, slots that
+        do not hold the expected chunk; every position if anything here raises. Checked once per
+        load, whatever its pieces."""
+        n = len(slots)
         failed = self._wait_for_writes(slots)
         try:
             failed |= self._faults.hit(FaultPoint.READ_SLOTS, n)
@@ -276,7 +311,19 @@ class TransferEngine:
         except Exception as exc:  # noqa: BLE001 - placeholders keep the dispatch identical
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
-        valid = [0 if i in failed else 1 for i in range(n)]
+        return failed
+
+    def _maybe_read_first(self, slots: list[int]) -> list[jax.Array] | None:
+        """A piece's reads (``_read_first``) when it runs as reads then scatter, else None."""
+        run = slot_run(slots, bucket(len(slots), self.max_chunks_per_transfer))
+        return self._read_first(slots) if self._reads_first(len(slots), run) else None
+
+    def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: list[int], slots: list[int], valid: list[int],
+                       rows: list[jax.Array] | None) -> list[jax.Array]:
+        """One piece's load program per layer group, or its scatter program of ``rows`` already
+        read; returns the new caches."""
+        n, cap = len(slots), self.max_chunks_per_transfer
+        run = slot_run(slots, bucket(n, cap))
         ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new, tokens = list(kv_caches), []
@@ -292,13 +339,7 @@ class TransferEngine:
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
         self._ids.read_by(entry, tokens)
-        self._known_caches = tuple(map(weakref.ref, new))
-        with self._lock:
-            self.counters[C.CHUNKS_LOADED] += n - len(failed)
-            self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
-            self.counters[C.LOAD_ERRORS] += len(failed)
-            self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
-        return new, [block_ids[i] for i in sorted(failed)]
+        return new
 
     def _reads_first(self, n: int, run: int = 1) -> bool:
         """Whether a load of ``n`` chunks whose slots allow copies of ``run`` (programs.slot_run)
@@ -433,13 +474,7 @@ class TransferEngine:
             self.log.record("install", shape=ids.shape, group=i, run=run, slots=str(slots))
             tokens.append(token)
         self._ids.read_by(entry, tokens)
-        previous = {self._last_write[s] for s in slots if s in self._last_write}
-        fut = self._pool.submit(self._complete_save, tokens, [0] * n, slots, save_ids, previous, missing)
-        with self._lock:
-            self._inflight[fut] = (time.monotonic(), n, n * self.backend.slot_bytes)
-        fut.add_done_callback(self._forget_inflight)
-        for s in slots:
-            self._last_write[s] = fut
+        self._complete_in_background(tokens, [0] * n, slots, save_ids, missing)
 
     # ---------------- warm restart (tpuoffload/worker/persistence.py) ----------------
     def stores(self) -> dict[str, jax.Array]:
