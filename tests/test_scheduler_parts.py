@@ -452,8 +452,10 @@ def test_index_randomized_against_model(seed):
                     seen.add(x)
                     keep.append(i)
             want_keys = HashKeys.of([q[i] for i in keep])
-            for batch in (HashKeys.of(q), PackedHashes.of(q)):  # the same answer from keys or packed hashes
-                got_keys, got_keep, got_dup, got_held = idx.select_new(batch)
+            # The same answer from keys, and from packed hashes through the planner's one call (limit 0:
+            # nothing named)
+            for got_keys, got_keep, got_dup, got_held in (idx.select_new(HashKeys.of(q)),
+                                                          idx.select_and_name(PackedHashes.of(q), 0, 0)[:4]):
                 assert (got_keep.tolist(), got_dup, got_held) == (keep, dup, held_)
                 assert got_keys.k1.tolist() == want_keys.k1.tolist() and got_keys.k2.tolist() == want_keys.k2.tolist()
             assert idx.find(HashKeys.of(q)).tolist() == [model.chunks[x].slot if x in model.chunks else -1 for x in q]

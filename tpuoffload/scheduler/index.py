@@ -110,16 +110,12 @@ class ChunkIndex:
             self._k.find_confirmed(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2), out)
         return out
 
-    def select_new(self, keys: "HashKeys | PackedHashes") -> tuple[HashKeys, np.ndarray, int, int]:
-        """Deduplicate a batch of save candidates (invariant 5), in one pass: returns (the keys that
-        are neither held nor being saved nor equal to an earlier key of the batch; their positions,
-        ascending; how many were equal to an earlier key; how many are held or being saved).
-        Packed hashes are split into keys in the same compiled call."""
-        tab = self._table.buckets
-        if type(keys) is PackedHashes:
-            keep, k1, k2, n_dup = self._k.select_new_packed(tab, self._key2, keys.buf, keys.width)
-        else:
-            keep, k1, k2, n_dup = self._k.select_new(tab, self._key2, _u64(keys.k1), _u64(keys.k2))
+    def select_new(self, keys: HashKeys) -> tuple[HashKeys, np.ndarray, int, int]:
+        """Deduplicate a batch of candidates (invariant 5), in one pass: returns (the keys that are
+        neither held nor being saved nor equal to an earlier key of the batch; their positions,
+        ascending; how many were equal to an earlier key; how many are held or being saved). The
+        save planner does the same, and names the new chunks, in ``select_and_name``."""
+        keep, k1, k2, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2))
         return HashKeys(k1, k2), keep, n_dup, len(keys) - len(keep) - n_dup
 
     def select_and_name(self, packed: PackedHashes, limit: int,

@@ -372,7 +372,7 @@ class Kernels:
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
                  "ready_prefix", "run_step", "evict",
-                 "split_keys", "select_new_packed", "plan_saves", "saved_as", "pool_take", "stamp")
+                 "split_keys", "plan_saves", "saved_as", "pool_take", "stamp")
 
 
 @functools.cache
@@ -399,7 +399,6 @@ def kernels() -> Kernels:
     k.delete = jit(numba.int64(tab, ints))(_delete)
     selected = numba.types.Tuple((i64, u64out, u64out, numba.int64))  # keep, k1, k2 (kept), batch duplicates
     k.select_new = jit(selected(tab, key2, keys, keys))(_select_new)
-    k.select_new_packed = jit(selected(tab, key2, packed, numba.int64))(_select_new_packed.py_func)
     k.name = jit(numba.types.UniTuple(numba.int64, 2)(tab, keys, keys, ints, cell, key2, state, save_id,
                                                        numba.int64))(_name.py_func)
     planned = numba.types.Tuple((i64, u64out, u64out, numba.int64, i64, numba.int64, numba.int64))
