@@ -419,6 +419,19 @@ def test_slot_run_examples(slots, padded, run):
     assert pm.slot_run(slots, padded) == run
 
 
+def test_slot_run_of_one_ascending_run_is_the_widest_the_padding_allows():
+    """The fast path (a list that is one ascending run) against the general one, on every length
+    and a few starts, and its negative: a run with one slot changed is not taken for a run."""
+    for n in range(1, 70):
+        for start in (0, 5, 1000 - n):
+            run = list(range(start, start + n))
+            for padded in {pm.bucket(n, 64), pm.bucket(n, 8) if n <= 8 else pm.bucket(n, 64)}:
+                assert pm.slot_run(run, padded) == pm.slot_run(np.array(run), padded)
+            if n > 1:  # a break before the last row: a group width must divide n - 1
+                broken = run[:-1] + [run[-1] + 1]
+                assert pm.slot_run(broken, pm.bucket(n, 64)) <= (n - 1) & -(n - 1)
+
+
 def test_slot_run_is_the_widest_width_whose_padded_plan_is_runs():
     """Against brute force, on random plans made of ascending and descending runs and repeats: the
     padded plan (both ``save_plan_ids`` and ``load_plan_ids``) keeps the real rows, holds
@@ -439,6 +452,7 @@ def test_slot_run_is_the_widest_width_whose_padded_plan_is_runs():
                      and _groups_are_runs(pm.save_plan_ids(blocks, slots, 64, w)[1], w))
         run = pm.slot_run(slots, padded)
         assert run == widest, (slots, run, widest)
+        assert pm.slot_run(np.array(slots), padded) == run  # the numpy path agrees
         save = pm.save_plan_ids(blocks, slots, 64, run)
         load = pm.load_plan_ids(blocks, slots, [1] * n, 99, 64, run)
         for ids in (save, load):

@@ -139,6 +139,8 @@ def slot_run(slots, padded: int) -> int:
     if not n:
         return 1
     run = padded if n == padded else min(padded, n & -n)
+    if type(slots) is list and slots == list(range(slots[0], slots[0] + n)):
+        return run  # one ascending run (the usual plan): no break to look for, no numpy call
     if n > 1 and run > 1:
         s = np.asarray(slots, np.int64)
         breaks = np.flatnonzero(s[1:] != s[:-1] + 1) + 1
@@ -150,8 +152,9 @@ def slot_run(slots, padded: int) -> int:
 def _pad_rows(ids: np.ndarray, n: int, run: int) -> None:
     """Fill rows ``n:`` by repeating the last ``run`` rows (``run`` divides ``n``): each padding
     group is a copy of the last real group, so it holds consecutive slots when that group does."""
-    pad = np.arange(n, ids.shape[1])
-    ids[:, n:] = ids[:, n - run + pad % run]
+    if n < ids.shape[1]:
+        pad = np.arange(n, ids.shape[1])
+        ids[:, n:] = ids[:, n - run + pad % run]
 
 
 def save_plan_ids(block_ids, slots, cap: int, run: int = 1) -> np.ndarray:
