@@ -51,8 +51,8 @@ For the two prefill phases, measurement 1 also prints the whole phase's CPU time
 hits the connectors need fewer steps than (a), each carrying more requests, which a per-step figure
 charges to them.
 
-Measurement 1b repeats measurement 1 with the connectors' scheduler-side hooks wrapped in timers:
-the time spent inside the connector itself, per step (skip with --no-hooks).
+Measurement 1b repeats measurement 1 with the connectors' scheduler-side hooks wrapped in timers
+(perf_counter_ns): the time spent inside the connector itself, per step (skip with --no-hooks).
 
 Measurement 2: the same workload for the no-connector scheduler and TPUOffloadConnector with its
 host index pre-filled with N READY chunks of random hashes (allocated, registered in the ledger,
@@ -279,9 +279,12 @@ SCHEDULER_HOOKS = (
 
 
 def install_hook_timers(sim: Sim) -> None:
-    """Wrap the connector's scheduler-side hooks with CPU-time timers (thread_time_ns: about 1 us
-    of overhead per hook call, counted in). take_events is drained inside the timer (it may be a
-    generator)."""
+    """Wrap the connector's scheduler-side hooks with timers (perf_counter_ns: about 0.1 us per
+    call; thread_time_ns, a system call on some VMs, cost 0.6 us per call on the 2-core machine, a
+    few µs cold, and with two per hook call it inflated both connectors' hook time by tens of µs per
+    step). The timed phases run with the collector off, so the wall time inside a hook is its CPU
+    time unless the process is descheduled; medians per step discard such steps. take_events is
+    drained inside the timer (it may be a generator)."""
     conn = sim.sched.connector
     acc = [0]
     busy = [False]
@@ -294,12 +297,12 @@ def install_hook_timers(sim: Sim) -> None:
             if busy[0]:  # a hook calling another hook: count once
                 return _orig(*a, **k)
             busy[0] = True
-            t = time.thread_time_ns()
+            t = time.perf_counter_ns()
             try:
                 out = _orig(*a, **k)
                 return list(out) if _drain else out
             finally:
-                acc[0] += time.thread_time_ns() - t
+                acc[0] += time.perf_counter_ns() - t
                 busy[0] = False
 
         setattr(conn, name, wrapped)
@@ -653,8 +656,8 @@ def main(argv=None) -> int:
             install_hook_timers(s)
         run_workload(sims, wl, args, log)
         print("=" * 100)
-        print("1b. CPU time inside the connector's scheduler-side hooks per step, in microseconds (a second")
-        print("    run with every hook wrapped in a timer, ~1 us per call counted in). It leaves out vLLM's own")
+        print("1b. Time inside the connector's scheduler-side hooks per step, in microseconds (a second run")
+        print("    with every hook wrapped in a perf_counter timer, ~0.2 us per call counted in). It leaves out vLLM's own")
         print("    per-connector work, so it is a lower bound of the added cost, but not a difference of noisy totals")
         print("=" * 100)
         print_hook_table(sims[1:], PHASES, ratio)
