@@ -230,29 +230,34 @@ def main(argv=None) -> int:
         engine = TransferEngine(caches, 2 * n * chunk_bytes, transfer_buffer_bytes=buffer)
         next_id = iter(range(1, 1 << 62))
 
+        def timed_save(pat: str) -> tuple[list[int], float, float] | None:
+            """One save of the step's blocks into the slots of ``pat``: (its save ids, main-thread
+            seconds, seconds until every host slot was written); None if it never finished."""
+            ids = [next(next_id) for _ in range(n)]
+            t0 = time.perf_counter()
+            engine.save(caches, src.tolist(), patterns[pat].tolist(), ids)
+            t_main = time.perf_counter() - t0
+            if not engine.wait_idle(300):
+                failures.append(f"{label} engine {pat}: save did not finish in 300 s")
+                return None
+            return ids, t_main, time.perf_counter() - t0
+
         def engine_round(pat: str, record: bool) -> bool:
             """One save and one load through the public API with the slots of ``pat``; False if the
             save never finished."""
             nonlocal caches
             slots = patterns[pat]
-            ids = [next(next_id) for _ in range(n)]
-            t0 = time.perf_counter()
-            engine.save(caches, src.tolist(), slots.tolist(), ids)
-            t_main = time.perf_counter() - t0
-            if not engine.wait_idle(300):
-                failures.append(f"{label} engine {pat}: save did not finish in 300 s")
+            first = timed_save(pat)
+            if first is None:
                 return False
-            t_save = time.perf_counter() - t0
+            _, t_main, t_save = first
             # The same save again, right after the first finished: its main-thread time with the
             # CPU caches warm (the first one's follows the previous byte check, which streamed the
             # checked blocks through them). Untimed otherwise; the load reads these saves.
-            ids = [next(next_id) for _ in range(n)]
-            t0 = time.perf_counter()
-            engine.save(caches, src.tolist(), slots.tolist(), ids)
-            t_main_warm = time.perf_counter() - t0
-            if not engine.wait_idle(300):
-                failures.append(f"{label} engine {pat}: save did not finish in 300 s")
+            second = timed_save(pat)
+            if second is None:
                 return False
+            ids, t_main_warm, _ = second
             drain = getattr(engine, "drain_results", None)
             if drain is not None:
                 bad_saves = [r for r in drain() if not r.ok]

@@ -149,12 +149,14 @@ def slot_run(slots, padded: int) -> int:
     return run
 
 
-def _pad_rows(ids: np.ndarray, n: int, run: int) -> None:
-    """Fill rows ``n:`` by repeating the last ``run`` rows (``run`` divides ``n``): each padding
-    group is a copy of the last real group, so it holds consecutive slots when that group does."""
-    if n < ids.shape[1]:
-        pad = np.arange(n, ids.shape[1])
-        ids[:, n:] = ids[:, n - run + pad % run]
+def pad_rows(ids: np.ndarray, n: int, run: int) -> None:
+    """Fill rows ``n:`` (along the last axis) by repeating the last ``run`` rows (``run`` divides
+    ``n``): each padding group is a copy of the last real group, so it holds consecutive slots when
+    that group does. Also what pads the payloads of an install (their transpose), so padding rows
+    rewrite the very slots their ids name with those slots' own bytes."""
+    if n < ids.shape[-1]:
+        pad = np.arange(n, ids.shape[-1])
+        ids[..., n:] = ids[..., n - run + pad % run]
 
 
 def save_plan_ids(block_ids, slots, cap: int, run: int = 1) -> np.ndarray:
@@ -163,7 +165,7 @@ def save_plan_ids(block_ids, slots, cap: int, run: int = 1) -> np.ndarray:
     n = len(block_ids)
     ids = np.ones((3, bucket(n, cap)), np.int32)
     ids[0, :n], ids[1, :n] = block_ids, slots
-    _pad_rows(ids, n, run)
+    pad_rows(ids, n, run)
     return ids
 
 
@@ -173,7 +175,7 @@ def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int, run: int =
     n = len(block_ids)
     ids = np.zeros((3, bucket(n, cap)), np.int32)
     ids[0, :n], ids[1, :n], ids[2, :n] = block_ids, slots, valid
-    _pad_rows(ids, n, run)
+    pad_rows(ids, n, run)
     ids[0, n:], ids[2, n:] = num_blocks, 0
     return ids
 

@@ -51,7 +51,8 @@ from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
 from tpuoffload.worker import programs as programs_module
-from tpuoffload.worker.programs import bucket, load_plan_ids, piece_sizes, programs_for, save_plan_ids, slot_run
+from tpuoffload.worker.programs import (bucket, load_plan_ids, pad_rows, piece_sizes, programs_for, save_plan_ids,
+                                        slot_run)
 
 logger = logging.getLogger(__name__)
 
@@ -281,15 +282,17 @@ class TransferEngine:
             return list(kv_caches), []
         t0 = time.monotonic()
         block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
+        cap = self.max_chunks_per_transfer
         pieces = self._pieces(n)
-        rows = self._maybe_read_first(slots[pieces[0]])  # before the checks: the copies start now
+        runs = [slot_run(slots[p], bucket(p.stop - p.start, cap)) for p in pieces]  # once per piece
+        rows = self._maybe_read_first(slots[pieces[0]], runs[0])  # before the checks: the copies start now
         failed = self._load_failures(block_ids, slots, save_ids)
         caches = list(kv_caches)
         for k, piece in enumerate(pieces):
             if k:  # later pieces read after the previous piece's scatter: one piece's rows at a time
-                rows = self._maybe_read_first(slots[piece])
+                rows = self._maybe_read_first(slots[piece], runs[k])
             valid = [0 if i in failed else 1 for i in range(piece.start, piece.stop)]
-            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid, rows)
+            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid, rows, runs[k])
         self._known_caches = tuple(map(weakref.ref, caches))
         with self._lock:
             self.counters[C.CHUNKS_LOADED] += n - len(failed)
@@ -313,17 +316,16 @@ class TransferEngine:
             failed = set(range(n))
         return failed
 
-    def _maybe_read_first(self, slots: list[int]) -> list[jax.Array] | None:
-        """A piece's reads (``_read_first``) when it runs as reads then scatter, else None."""
-        run = slot_run(slots, bucket(len(slots), self.max_chunks_per_transfer))
-        return self._read_first(slots) if self._reads_first(len(slots), run) else None
+    def _maybe_read_first(self, slots: list[int], run: int) -> list[jax.Array] | None:
+        """A piece's reads (``_read_first``) when it runs as reads then scatter, else None
+        (``run``: the piece's ``slot_run``)."""
+        return self._read_first(slots, run) if self._reads_first(len(slots), run) else None
 
     def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: list[int], slots: list[int], valid: list[int],
-                       rows: list[jax.Array] | None) -> list[jax.Array]:
+                       rows: list[jax.Array] | None, run: int) -> list[jax.Array]:
         """One piece's load program per layer group, or its scatter program of ``rows`` already
-        read; returns the new caches."""
-        n, cap = len(slots), self.max_chunks_per_transfer
-        run = slot_run(slots, bucket(n, cap))
+        read; returns the new caches (``run``: the piece's ``slot_run``)."""
+        cap = self.max_chunks_per_transfer
         ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
         blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new, tokens = list(kv_caches), []
@@ -355,17 +357,17 @@ class TransferEngine:
         padded = bucket(n, self.max_chunks_per_transfer)
         return all(p.load_parts(padded) == 1 or run >= p.part_rows("load", padded) for p in self._programs)
 
-    def _read_first(self, slots: list[int]) -> list[jax.Array]:
+    def _read_first(self, slots: list[int], run: int) -> list[jax.Array]:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
         version each takes orders it after every earlier save's writes; the checks only decide
         which rows count. The copies run while this thread checks and dispatches the scatter."""
-        return self._read_programs("load.read", slots, [1] * len(slots), self.max_chunks_per_transfer)
+        return self._read_programs("load.read", slots, [1] * len(slots), self.max_chunks_per_transfer, run)
 
-    def _read_programs(self, op: str, slots: list[int], valid: list[int], cap: int) -> list[jax.Array]:
+    def _read_programs(self, op: str, slots: list[int], valid: list[int], cap: int, run: int) -> list[jax.Array]:
         """One read program per layer group: ``slots`` copied into device rows (zeros where not
-        ``valid``); the stores are read, not donated."""
+        ``valid``), ``run`` (``slot_run`` of the slots padded to ``bucket(len(slots), cap)``) slots
+        per copy; the stores are read, not donated."""
         n = len(slots)
-        run = slot_run(slots, bucket(n, cap))
         ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * n, slots, valid, self.num_blocks, cap, run))
         rows, tokens = [], []
         for i, prog in enumerate(self._programs):
@@ -426,7 +428,8 @@ class TransferEngine:
         late = self._wait_for_writes(slots)
         ok, _ = self.backend.lookup(slots, save_ids)
         valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
-        rows = self._read_programs("read", slots, valid, _pow2_ceil(len(slots)))
+        cap = _pow2_ceil(len(slots))
+        rows = self._read_programs("read", slots, valid, cap, slot_run(slots, bucket(len(slots), cap)))
         return rows, [bool(v) for v in valid]
 
     def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
@@ -456,8 +459,7 @@ class TransferEngine:
             if i not in missing:
                 host[i] = p
         run = slot_run(slots, cap)
-        pad = np.arange(n, cap)
-        host[n:] = host[n - run + pad % run]  # padding rows rewrite the last slots with their own bytes
+        pad_rows(host.T, n, run)  # as the ids are padded: padding rows rewrite the last slots with their own bytes
         ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap, run))
         offset, tokens = 0, []
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
