@@ -134,6 +134,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                      "update_connector_output", "request_finished"):
             setattr(self, name, getattr(self.scheduler, name))
+        self.get_kv_connector_stats = self.scheduler.take_stats  # once per step
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self.scheduler.bind_kv_cache_manager(kv_cache_manager)

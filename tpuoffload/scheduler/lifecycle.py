@@ -83,9 +83,9 @@ class RequestLifecycle:
         """vLLM allocated blocks for ``request`` (a new admission or a resumption)."""
         rec = self._records.get(request.request_id)
         if rec is None:
-            rec = self._records[request.request_id] = RequestRecord(request, preemptions=_preemptions(request))
+            rec = self._records[request.request_id] = RequestRecord(request, preemptions=request.num_preemptions)
             self._saving.add(request.request_id)
-        else:
+        elif request.num_preemptions != rec.preemptions:
             self._catch_up(rec)
         return rec
 
@@ -94,14 +94,15 @@ class RequestLifecycle:
         it, e.g. by a reset); some may already be admitted again, or finished."""
         for req_id in req_ids:
             rec = self._records.get(req_id)
-            if rec is not None:
+            if rec is not None and rec.request.num_preemptions != rec.preemptions:
                 self._catch_up(rec)
 
     def _catch_up(self, rec: RequestRecord) -> None:
         """Apply a preemption vLLM made that this half has not applied yet (exactly once): lazy
         mode flushes what the request computed before it (vLLM freed those blocks, but nothing
-        overwrites them before the next plan's flush is gathered)."""
-        n = _preemptions(rec.request)
+        overwrites them before the next plan's flush is gathered). Callers check first that
+        ``num_preemptions`` moved (most calls find it unchanged: a check is cheaper than a call)."""
+        n = rec.request.num_preemptions
         if n <= rec.preemptions:
             return
         rec.preemptions = n
@@ -118,7 +119,8 @@ class RequestLifecycle:
         rec = self._records.get(req_id)
         if rec is None:
             return False
-        self._catch_up(rec)
+        if request.num_preemptions != rec.preemptions:
+            self._catch_up(rec)
         delay = False
         if self.lazy and len(rec.computed_block_ids) > rec.watermark:
             if load_in_flight:
@@ -195,7 +197,7 @@ class RequestLifecycle:
         so far count as handled."""
         self._flush_blocks, self._flush_hashes = [], []
         for rec in self._records.values():
-            n = _preemptions(rec.request)
+            n = rec.request.num_preemptions
             if n > rec.preemptions:
                 rec.preemptions = n
                 rec.computed_block_ids = []
@@ -212,11 +214,6 @@ class RequestLifecycle:
             self._flush_hashes += rec.request.block_hashes[rec.watermark:full]
             rec.watermark = full
 
-    def _save_limit(self, request: "Request") -> int:
-        if self.save_decode_blocks:
-            return 1 << 62
-        return request.num_prompt_tokens // self.block_size
-
     def _filled(self, so: "SchedulerOutput"):
         """(record, full) for each scheduled request that may still have blocks to save, ``full``
         being its full blocks once this step's forward ran (capped by the save limit and by the
@@ -224,22 +221,19 @@ class RequestLifecycle:
         scheduled = so.num_scheduled_tokens
         done = []
         bs = self.block_size
+        no_limit = 1 << 62 if self.save_decode_blocks else 0  # else: prompt blocks only
         for req_id in self._saving:
             n_sched = scheduled.get(req_id)
             if n_sched is None:
                 continue
             rec = self._records[req_id]
             req = rec.request
-            if _preemptions(req) != rec.preemptions:  # a preemption no hook reported: apply it first
+            if req.num_preemptions != rec.preemptions:  # a preemption no hook reported: apply it first
                 self._catch_up(rec)
-            limit = self._save_limit(req)
+            limit = no_limit or req.num_prompt_tokens // bs
             full = min((req.num_computed_tokens + n_sched) // bs, limit, len(req.block_hashes))
             yield rec, full
             if full >= limit:
                 done.append(req_id)
         self._saving.difference_update(done)
 
-
-
-def _preemptions(request: "Request") -> int:
-    return getattr(request, "num_preemptions", 0)

@@ -40,6 +40,11 @@ class _Lookup:
     version: int  # index version when looked up: the slots are exact while it is unchanged
 
 
+#: The memo of a lookup whose first block missed (version -1: never taken for exact; a plan
+#: with it looks again, from block 0, as with no memo).
+_MISS = _Lookup(0, _EMPTY, -1)
+
+
 @dataclass(slots=True)
 class _Planned:
     request: "Request"
@@ -63,9 +68,6 @@ class LoadTracker:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def in_flight(self, req_id: str) -> bool:
-        return req_id in self._in_flight
-
     # ------------------------------------------------------------------ lookups
     def lookup(self, request: "Request", num_computed_tokens: int) -> int:
         """Blocks beyond the local hit that host RAM holds READY; no effect on the index. The
@@ -76,23 +78,28 @@ class LoadTracker:
         bs = self.block_size
         local = num_computed_tokens // bs
         req_id = request.request_id
-        version = self.index.version
         memo = self._lookups.get(req_id)
-        if memo is not None and memo.local == local and memo.version == version:
+        if memo is not None and memo.local == local and memo.version == self.index.version:
             return len(memo.slots)
+        hashes = request.block_hashes
+        if local >= len(hashes) or not self.index.is_ready(hashes[local]):
+            self._lookups[req_id] = _MISS  # the usual answer: one probe, nothing worth memoising
+            return 0
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        slots = self.index.ready_prefix_slots(request.block_hashes, local, (request.num_tokens - 1) // bs)
-        self._lookups[req_id] = _Lookup(local, slots, version)
+        slots = self.index.ready_prefix_slots(hashes, local, (request.num_tokens - 1) // bs)
+        self._lookups[req_id] = _Lookup(local, slots, self.index.version)
         return len(slots)
 
     def take_lookup(self, req_id: str) -> _Lookup | None:
         return self._lookups.pop(req_id, None)
 
-    def forget(self, req_id: str) -> None:
-        """The request finished: drop its lookup and any load not emitted yet."""
+    def forget(self, req_id: str) -> bool:
+        """The request finished: drop its lookup and any load not emitted yet. Returns whether a
+        load of it is still in flight (vLLM holds its blocks until that is reported)."""
         self._lookups.pop(req_id, None)
         if self._planned.pop(req_id, None) is not None:
             self.counters[C.LOADS_CANCELLED] += 1
+        return req_id in self._in_flight
 
     def clear_lookups(self) -> None:
         self._lookups.clear()

@@ -208,10 +208,10 @@ class OffloadScheduler:
         dispatched yet (lazy mode): every save already in a plan is dispatched by the workers
         before any later step can reuse the blocks."""
         req_id = request.request_id
-        self.loads.forget(req_id)
+        load_in_flight = self.loads.forget(req_id)
         if self.fetches is not None:
             self.fetches.forget(req_id)
-        return self.requests.finish(request, block_ids, self.loads.in_flight(req_id)), None
+        return self.requests.finish(request, block_ids, load_in_flight), None
 
     # ------------------------------------------------------------------ reports from workers
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
