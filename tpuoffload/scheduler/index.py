@@ -165,21 +165,21 @@ class ChunkIndex:
         first that is not). Does not touch the LRU order."""
         return self.ready_prefix_slots(hashes, start, stop).tolist()
 
-    def is_ready(self, chunk_hash: ChunkHash) -> bool:
-        """Whether the chunk is READY (loadable), in plain Python: about a microsecond, for the
-        first block of a lookup (a miss there is the usual answer)."""
+    def ready_slot(self, chunk_hash: ChunkHash) -> int:
+        """The slot of the chunk if it is READY (loadable), else -1; in plain Python: about a
+        microsecond, for the first block of a lookup (a miss there is the usual answer)."""
         slot, k2 = self._table.find_hash(chunk_hash)
-        return slot >= 0 and int(self._key2[slot]) == k2 and self._state_np[slot] == READY
+        return slot if slot >= 0 and int(self._key2[slot]) == k2 and self._state_np[slot] == READY else -1
 
     def ready_prefix_slots(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> np.ndarray:
         """``ready_prefix`` as an int64 array. The first hash is looked up in plain Python
-        (``is_ready``); after a hit, the rest in one compiled loop."""
+        (``ready_slot``); after a hit, the rest in one compiled loop."""
         if stop is None or stop > len(hashes):
             stop = len(hashes)
         if start >= stop:
             return _NO_SLOTS
-        first, k2 = self._table.find_hash(hashes[start])
-        if first < 0 or int(self._key2[first]) != k2 or self._state_np[first] != READY:
+        first = self.ready_slot(hashes[start])
+        if first < 0:
             return _NO_SLOTS
         if stop - start == 1:
             return np.array([first], dtype=np.int64)

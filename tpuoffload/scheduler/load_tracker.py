@@ -82,7 +82,7 @@ class LoadTracker:
         if memo is not None and memo.local == local and memo.version == self.index.version:
             return len(memo.slots)
         hashes = request.block_hashes
-        if local >= len(hashes) or not self.index.is_ready(hashes[local]):
+        if local >= len(hashes) or self.index.ready_slot(hashes[local]) < 0:
             self._lookups[req_id] = _MISS  # the usual answer: one probe, nothing worth memoising
             return 0
         # Leave at least one token to compute: vLLM needs a token to sample from.
