@@ -41,7 +41,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--cold-mib", type=int, default=128)
-    ap.add_argument("--only", choices=("split", "programs"), default="split")
+    ap.add_argument("--only", choices=("split", "programs", "compare"), default="split")
+    ap.add_argument("--baseline-package", default=None,
+                    help="compare: a copy of an earlier tpuoffload under this name (imports renamed)")
     a = ap.parse_args()
     if jax.default_backend() != a.expect_platform:
         print(f"platform is {jax.default_backend()}, expected {a.expect_platform}", file=sys.stderr)
@@ -66,7 +68,8 @@ def main() -> int:
         prog = eng._programs[0]
         trivial = jax.jit(lambda cs, store, ids: ids[0, 0] + 0)
         t: dict[str, list[float]] = defaultdict(list)
-        wrap_engine(eng, te, t)
+        if a.only != "compare":
+            wrap_engine(eng, te, t)
         next_id = iter(range(1, 1 << 62))
 
         def ids_for():
@@ -123,6 +126,8 @@ def main() -> int:
             return {f"{key} save()": t1 - t0, f"{key} total": t2 - t0}
 
         res: dict[str, list[float]] = defaultdict(list)
+        if a.only == "compare":
+            compare(a, n, chunk, caches, src, slots, raw, scratch, res)
         if a.only == "programs":
             probe_programs(eng, te, caches, src, slots, raw, a.iters, res)
         for it in range(a.iters + 2 if a.only == "split" else 0):
@@ -140,8 +145,60 @@ def main() -> int:
         eng.close()
         print(f"--- {n} chunks ({n * chunk >> 20} MiB), median of {a.iters} (ms)")
         for k, v in res.items():
-            print(f"  {k:28s} {statistics.median(v) * 1e3:8.3f}   (min {min(v) * 1e3:.3f}, max {max(v) * 1e3:.3f})")
+            if k.endswith("per iteration"):
+                print(f"  {k:28s} {statistics.median(v):8.1%}   (min {min(v):.1%}, max {max(v):.1%})")
+            else:
+                print(f"  {k:28s} {statistics.median(v) * 1e3:8.3f}   (min {min(v) * 1e3:.3f}, max {max(v) * 1e3:.3f})")
     return 0
+
+
+def compare(a, n, chunk, caches, src, slots, raw, scratch, res) -> None:
+    """Saves of this tree's engine against --baseline-package's, interleaved with raw saves (their
+    order rotating every iteration): each right after a numpy pass over --cold-mib (cold CPU caches,
+    as the benchmark's byte check leaves them), then once more right after (warm)."""
+    import importlib
+    from tpuoffload.worker import transfer_engine as te
+
+    engines = {"new": te.TransferEngine(caches, 2 * n * chunk, transfer_buffer_bytes=1 << 40)}
+    if a.baseline_package:
+        base = importlib.import_module(a.baseline_package + ".worker.transfer_engine")
+        engines["base"] = base.TransferEngine(caches, 2 * n * chunk, transfer_buffer_bytes=1 << 40)
+    next_id = iter(range(1, 1 << 62))
+
+    def engine_save(eng):
+        t0 = time.perf_counter()
+        eng.save(caches, src, slots, [next(next_id) for _ in range(n)])
+        t1 = time.perf_counter()
+        eng.wait_idle()
+        return t1 - t0, time.perf_counter() - t0
+
+    def raw_save():
+        r = raw()
+        return r["raw gather dispatch"] + r["raw put dispatch"], r["raw total"]
+
+    paths = {"raw": raw_save, **{name: (lambda e=e: engine_save(e)) for name, e in engines.items()}}
+    names = list(paths)
+    for it in range(a.iters + 2):
+        order = names[it % len(names):] + names[:it % len(names)]
+        for name in order:
+            for e in engines.values():
+                jax.block_until_ready(e._stores)
+            scratch.sum()
+            cold = paths[name]()
+            warm = paths[name]()
+            if it >= 2:
+                for label, (main, total) in (("cold", cold), ("warm", warm)):
+                    res[f"{name} {label}: main"].append(main)
+                    res[f"{name} {label}: total"].append(total)
+        for e in engines.values():
+            e.finish_step()
+            e.drain_results()
+    for e in engines.values():
+        e.close()
+    for label in ("cold", "warm"):
+        for name in names[1:]:
+            ratio = [r / e for r, e in zip(res[f"raw {label}: total"], res[f"{name} {label}: total"])]
+            res[f"{name} {label}: raw/engine per iteration"] = ratio
 
 
 def probe_programs(eng, te, caches, src, slots, raw, iters, res) -> None:
