@@ -14,8 +14,21 @@ bf16 blocks (8 MiB chunks), slots in one ascending run, per step size (--blocks)
              ``wait_idle()`` (``idle``: the background completion's handoff), and the background
              thread's own finish time (``bg done``); and a plain ``save()`` + ``wait_idle()``.
   cold       the same engine save right after a numpy pass over --cold-mib (CPU caches cold).
+  (That is --only split, the default.)
+
+  --only programs: the save program alone against variants (ids already on the device; rows moved
+             to a fresh host array instead of into the store) and the raw path, until ready.
+  --only compare: this tree's engine against an earlier one, imported as --baseline-package (a copy
+             of its ``tpuoffload`` directory under another name, its ``tpuoffload`` imports renamed),
+             interleaved with raw saves, cold and warm (``compare``).
+  --only jit: JAX's own cost of one jitted call against the number of cache arrays it takes.
 
     python tools/probe_save_latency.py --expect-platform gpu --blocks 8 64 --iters 15
+    python tools/probe_save_latency.py --expect-platform gpu --only jit
+    git archive <commit> tpuoffload | tar x -C base && mv base/tpuoffload base/tpuoffload_base && \
+      sed -i -E 's/(from|import) tpuoffload([. ])/\1 tpuoffload_base\2/g' $(find base -name '*.py')
+    PYTHONPATH=.:base python tools/probe_save_latency.py --expect-platform gpu --only compare \
+      --baseline-package tpuoffload_base --iters 41
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--cold-mib", type=int, default=128)
-    ap.add_argument("--only", choices=("split", "programs", "compare"), default="split")
+    ap.add_argument("--only", choices=("split", "programs", "compare", "jit"), default="split")
     ap.add_argument("--baseline-package", default=None,
                     help="compare: a copy of an earlier tpuoffload under this name (imports renamed)")
     a = ap.parse_args()
@@ -58,6 +71,9 @@ def main() -> int:
     devsh = NamedSharding(mesh, P())
     gather = jax.jit(lambda cs, ids: jnp.stack([c[ids] for c in cs], axis=1), out_shardings=devsh)
     scratch = np.ones(a.cold_mib << 18, np.float32)
+    if a.only == "jit":
+        probe_jit(a, sh, scratch)
+        return 0
     for n in a.blocks:
         caches = [jax.jit(lambda: jnp.ones((2 * n, *BLOCK), jnp.bfloat16), out_shardings=sh)()
                   for _ in range(a.layers)]
@@ -150,6 +166,31 @@ def main() -> int:
             else:
                 print(f"  {k:28s} {statistics.median(v) * 1e3:8.3f}   (min {min(v) * 1e3:.3f}, max {max(v) * 1e3:.3f})")
     return 0
+
+
+def probe_jit(a, sh, scratch) -> None:
+    """JAX's own cost of calling a jitted function that only reads a small ids array, against how
+    many cache arrays it also takes (as a save program takes every layer): warm (called in a tight
+    loop) and cold (right after a numpy pass over --cold-mib), as ``jax.jit`` and as the compiled
+    executable ``.lower(...).compile()`` returns."""
+    ids = jax.device_put(np.ones((3, 64), np.int32), jax.sharding.NamedSharding(sh.mesh, P()))
+    for k in (1, 2, 8, 32, 64):
+        cs = tuple(jax.jit(lambda: jnp.ones((16, *BLOCK), jnp.bfloat16), out_shardings=sh)() for _ in range(k))
+        f = jax.jit(lambda cs, ids, run=1: ids[0, 0] + run, static_argnames="run")
+        compiled = f.lower(cs, ids, run=2).compile()
+        for name, call in (("jit", lambda: f(cs, ids, run=2)), ("compiled", lambda: compiled(cs, ids))):
+            warm, cold = [], []
+            for it in range(a.iters * 4 + 5):
+                if it % 4 == 0:
+                    scratch.sum()
+                t0 = time.perf_counter()
+                out = call()
+                dt = time.perf_counter() - t0
+                out.block_until_ready()
+                if it >= 5:
+                    (cold if it % 4 == 0 else warm).append(dt)
+            print(f"  {k:3d} arrays, {name:8s}: warm {statistics.median(warm) * 1e3:.3f} ms, "
+                  f"cold {statistics.median(cold) * 1e3:.3f} ms", flush=True)
 
 
 def compare(a, n, chunk, caches, src, slots, raw, scratch, res) -> None:
