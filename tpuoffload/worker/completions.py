@@ -1,11 +1,10 @@
 """The threads that complete saves in the background (worker/transfer_engine.py), and their handles.
 
 The engine's main thread hands each save call's completion (wait for its programs, record its
-slots) to one of a few threads. With ``concurrent.futures.ThreadPoolExecutor`` (submit, a done
-callback, and the engine's bookkeeping around them) that handoff took the main thread 0.038 / 0.057
-ms per 64 / 512 MiB save on an H200 host, with this pool 0.022 / 0.026 (tools/probe_save_latency.py
---only split), more with cold CPU caches; here a submit is one lock made and taken plus one
-``queue.SimpleQueue.put``. A handle (``Done``) is a lock held until its completion
+slots) to one of a few threads. ``concurrent.futures.ThreadPoolExecutor.submit`` cost that thread
+0.04-0.06 ms per save on an H200 host (tools/probe_save_latency.py), more with cold CPU caches
+(right after a large transfer or the benchmark's byte check); here a submit is one lock made and
+taken plus one ``queue.SimpleQueue.put``. A handle (``Done``) is a lock held until its completion
 ran: ``done()`` asks whether it is free, waiting takes it (with a timeout) and frees it again.
 
 Completions run in submission order of their start (one FIFO queue); each may still wait for
