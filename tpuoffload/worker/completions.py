@@ -14,7 +14,6 @@ never waits for work stuck behind it in the queue.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
@@ -83,8 +82,7 @@ def _stop(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
 
 class CompletionPool:
     """``threads`` daemon threads serving one FIFO queue of completions; stopped by ``shutdown``,
-    or when the pool is collected; at interpreter exit a live pool finishes what was submitted
-    before the interpreter tears down (as ``ThreadPoolExecutor`` joins its threads)."""
+    or when the pool is collected or the interpreter exits."""
 
     def __init__(self, threads: int, name: str) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,7 +91,6 @@ class CompletionPool:
         for t in self._threads:
             t.start()
         self._stop = weakref.finalize(self, _stop, self._tasks, self._threads)
-        _LIVE.add(self)
 
     def submit(self, fn: Callable, *args) -> Done:
         done = Done()
@@ -105,14 +102,4 @@ class CompletionPool:
         self._stop()
         if wait:
             for t in self._threads:
-                if t is not threading.current_thread():  # shut down from one of its own completions
-                    t.join()
-
-
-_LIVE: weakref.WeakSet[CompletionPool] = weakref.WeakSet()
-
-
-@atexit.register
-def _join_at_exit() -> None:
-    for pool in list(_LIVE):
-        pool.shutdown(wait=True)
+                t.join()
