@@ -17,6 +17,7 @@ import threading
 import time
 import types
 from collections import Counter
+from concurrent import futures
 from functools import cache
 
 import jax
@@ -710,9 +711,9 @@ def test_a_completion_that_finishes_at_once_leaves_no_inflight_entry(engines):
 
     class WaitsForTheWork:
         def submit(self, fn, *args):
-            done = pool.submit(fn, *args)
-            done.wait(0.3)
-            return done
+            fut = pool.submit(fn, *args)
+            futures.wait([fut], timeout=0.3)
+            return fut
 
         def shutdown(self, wait=True):
             pool.shutdown(wait)

@@ -37,6 +37,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass
 
 import jax
@@ -46,7 +47,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpuoffload import counters as C
 from tpuoffload.backend import HostBackend
 from tpuoffload.layout import CacheLayout, GroupLayout
-from tpuoffload.worker.completions import CompletionPool, Done, wait_all
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
@@ -116,15 +116,15 @@ class TransferEngine:
         self._whole = [g.layers == tuple(range(self.layout.num_layers)) for g in self.layout.groups]
         self._save_runs: dict[int, tuple[int, ...]] = {}  # padded rows -> each save program's widest run
 
-        self._pool = CompletionPool(save_threads, "tpuoffload-save")
-        self._last_write: dict[int, Done] = {}  # slot -> newest write; main thread only
+        self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
+        self._last_write: dict[int, futures.Future] = {}  # slot -> newest write; main thread only
         # (save ids, positions that failed) of each finished completion; SaveResults are built when
         # drained, on the caller's thread, not on the completion's path to wait_idle.
         self._results: list[tuple[list[int], set[int]]] = []
         self._calls = 0  # completions submitted; main thread only
-        # call number -> (t0, chunks, bytes, handle); a completion removes its own entry, under the
-        # lock, once it published its results.
-        self._inflight: dict[int, tuple[float, int, int, Done]] = {}
+        # call number -> (t0, chunks, bytes, future); a completion removes its own entry, under the
+        # lock, in the same critical section that publishes its results.
+        self._inflight: dict[int, tuple[float, int, int, futures.Future]] = {}
         self._lock = threading.Lock()  # guards _results, _inflight and counters
         self.counters: Counter[str] = Counter()  # chunks/bytes saved and loaded, failures, seconds
 
@@ -222,19 +222,19 @@ class TransferEngine:
     def _complete_in_background(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
                                 save_ids: list[int], missing: frozenset[int] = frozenset()) -> None:
         """One background completion for every program of a call (``tokens``), chained after the
-        newest earlier write of each of its slots (write-after-write); worker/completions.py."""
+        newest earlier write of each of its slots (write-after-write)."""
         n = len(slots)
         previous = set(map(self._last_write.get, slots))
         previous.discard(None)
         call, self._calls = self._calls, self._calls + 1
         with self._lock:  # the completion removes its entry under this lock: never before it is in
-            done = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing, call)
-            self._inflight[call] = (time.monotonic(), n, n * self.backend.slot_bytes, done)
+            fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing, call)
+            self._inflight[call] = (time.monotonic(), n, n * self.backend.slot_bytes, fut)
         for s in slots:
-            self._last_write[s] = done
+            self._last_write[s] = fut
 
     def _complete_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                       save_ids: list[int], previous: set[Done], missing: frozenset[int] = frozenset(),
+                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int] = frozenset(),
                        call: int | None = None) -> None:
         try:
             self._record_save(tokens, block_ids, slots, save_ids, previous, missing)
@@ -243,9 +243,9 @@ class TransferEngine:
                 self._inflight.pop(call, None)
 
     def _record_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                     save_ids: list[int], previous: set[Done], missing: frozenset[int]) -> None:
+                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int]) -> None:
         """Once the programs finished (``tokens``), record the slots' chunks and the results."""
-        wait_all(previous)  # records for the same slot land in issue order
+        futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
         failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
         t0 = time.monotonic()
@@ -296,7 +296,8 @@ class TransferEngine:
         """Wait for every background write issued so far; True if all finished in time."""
         with self._lock:
             pending = [v[3] for v in self._inflight.values()]
-        return not wait_all(pending, timeout)
+        _, not_done = futures.wait(pending, timeout=timeout)
+        return not not_done
 
     # ---------------- loads ----------------
     def load(self, kv_caches: Sequence[jax.Array], block_ids: Sequence[int], slots: Sequence[int],
@@ -427,7 +428,7 @@ class TransferEngine:
         pending = [fut for fut in pending if not fut.done()]
         if not pending:
             return set()
-        late_writes = wait_all(pending, self._load_wait_timeout_s)
+        _, late_writes = futures.wait(pending, timeout=self._load_wait_timeout_s)
         return {i for i, s in enumerate(slots) if writes.get(s) in late_writes}
 
     # ---------------- the disk tier (tpuoffload/worker/disk_stage.py) ----------------
