@@ -17,6 +17,7 @@ import threading
 import time
 import types
 from collections import Counter
+from concurrent import futures
 from functools import cache
 
 import jax
@@ -697,6 +698,29 @@ def test_a_call_of_several_pieces_completes_once_and_checks_once(engines):
     out, failed = eng.load(caches, list(range(20, 20 + n)), list(range(n)), list(range(100, 100 + n)))
     assert failed == [] and faults.calls == [(FaultPoint.READ_SLOTS, n), (FaultPoint.H2D, n)]
     assert op_names(eng.finish_step().ops) == ["save"] * 3 + small_load_ops(1) * 3
+
+
+def test_a_completion_that_finishes_at_once_leaves_no_inflight_entry(engines):
+    """A save's completion removes its own in-flight entry when done; the engine inserts that
+    entry under the lock the completion takes, so even a completion that finishes before the
+    entry could be written (here the pool's submit waits for it, up to 0.3 s) cannot run first
+    and leave the entry behind for good (inflight() would report it forever)."""
+    caches = random_caches(BF16, 53)
+    eng = engines(caches)
+    pool = eng._pool
+
+    class WaitsForTheWork:
+        def submit(self, fn, *args):
+            fut = pool.submit(fn, *args)
+            futures.wait([fut], timeout=0.3)
+            return fut
+
+        def shutdown(self, wait=True):
+            pool.shutdown(wait)
+
+    eng._pool = WaitsForTheWork()
+    save_ok(eng, caches, [1, 2], [3, 4], [10, 11])
+    assert eng.inflight() == (0, 0, None)
 
 
 # ---------------------------------------------------------------- write-after-write

@@ -17,7 +17,9 @@ warm-up; raw and engine iterations interleaved so drift hits both alike):
              fetched from memory. A scratch probe on two H200 machines timed a 512 MiB save's
              dispatch at 0.39 / 0.63 ms with warm caches, 0.60 / 0.76 right after such a check,
              0.54 / 0.76 after a plain numpy pass over 256 MiB instead (no ids-buffer fallback,
-             the layout check of new cache arrays +0.03 ms, garbage collection off no change).
+             the layout check of new cache arrays +0.03 ms, garbage collection off no change);
+             tools/probe_save_latency.py splits that time and compares it with the raw path's own
+             dispatches in the same state.
              ``(warm)``: a second save of the same blocks into the same slots, dispatched right
              after the first one finished (its bytes are what the load then reads). Measured for
              two slot patterns on one engine of 2n slots: ``contiguous`` (slots n..2n-1 in order,

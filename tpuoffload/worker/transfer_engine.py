@@ -112,10 +112,19 @@ class TransferEngine:
         self._known_caches: tuple[weakref.ref, ...] = ()
         self.log = DispatchLog()
 
+        # Layer groups whose layers are all the cache's, in order, take ``tuple(kv_caches)`` as is.
+        self._whole = [g.layers == tuple(range(self.layout.num_layers)) for g in self.layout.groups]
+        self._save_runs: dict[int, tuple[int, ...]] = {}  # padded rows -> each save program's widest run
+
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
         self._last_write: dict[int, futures.Future] = {}  # slot -> newest write; main thread only
-        self._results: list[SaveResult] = []
-        self._inflight: dict[futures.Future, tuple[float, int, int]] = {}  # fut -> (t0, chunks, bytes)
+        # (save ids, positions that failed) of each finished completion; SaveResults are built when
+        # drained, on the caller's thread, not on the completion's path to wait_idle.
+        self._results: list[tuple[list[int], set[int]]] = []
+        self._calls = 0  # completions submitted; main thread only
+        # call number -> (t0, chunks, bytes, future); a completion removes its own entry, under the
+        # lock, in the same critical section that publishes its results.
+        self._inflight: dict[int, tuple[float, int, int, futures.Future]] = {}
         self._lock = threading.Lock()  # guards _results, _inflight and counters
         self.counters: Counter[str] = Counter()  # chunks/bytes saved and loaded, failures, seconds
 
@@ -165,11 +174,15 @@ class TransferEngine:
         self._check_plan(block_ids, slots, save_ids, unique="slots")
         if not len(slots):
             return
-        block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
-        tokens = []
-        for piece in self._pieces(len(slots)):
-            tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
-        self._complete_in_background(tokens, block_ids, slots, [int(s) for s in save_ids])
+        block_ids, slots = list(map(int, block_ids)), list(map(int, slots))
+        pieces = self._pieces(len(slots))
+        if len(pieces) == 1:  # the usual plan: no slicing
+            tokens = self._dispatch_save(kv_caches, block_ids, slots)
+        else:
+            tokens = []
+            for piece in pieces:
+                tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
+        self._complete_in_background(tokens, block_ids, slots, list(map(int, save_ids)))
 
     def pieces(self, n: int) -> list[slice]:
         """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``, a
@@ -188,31 +201,50 @@ class TransferEngine:
         cap = self.max_chunks_per_transfer
         run = slot_run(slots, bucket(len(slots), cap))
         ids, entry = self._ids.put(save_plan_ids(block_ids, slots, cap, run))
-        blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
+        runs = [min(run, r) for r in self._save_run_caps(ids.shape[1])]
         tokens = []
         for i, prog in enumerate(self._programs):
-            r = min(run, prog.part_rows("save", ids.shape[1]))
-            self._stores[i], token = prog.save(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
-            self.log.record("save", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
+            caches = tuple(kv_caches) if self._whole[i] else self._group_caches(kv_caches, prog.group)
+            self._stores[i], token = prog.save(caches, self._stores[i], ids, run=runs[i])
             tokens.append(token)
         self._ids.read_by(entry, tokens)
+        for i, r in enumerate(runs):  # logged after the dispatch (formatted at finish_step)
+            self.log.record("save", shape=ids.shape, group=i, run=r, blocks=block_ids, slots=slots)
         return tokens
+
+    def _save_run_caps(self, padded: int) -> tuple[int, ...]:
+        """Each save program's widest ``run`` on ``padded`` rows (GroupPrograms.part_rows), cached."""
+        caps = self._save_runs.get(padded)
+        if caps is None:
+            caps = self._save_runs[padded] = tuple(p.part_rows("save", padded) for p in self._programs)
+        return caps
 
     def _complete_in_background(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
                                 save_ids: list[int], missing: frozenset[int] = frozenset()) -> None:
         """One background completion for every program of a call (``tokens``), chained after the
         newest earlier write of each of its slots (write-after-write)."""
         n = len(slots)
-        previous = {self._last_write[s] for s in slots if s in self._last_write}
-        fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing)
-        with self._lock:
-            self._inflight[fut] = (time.monotonic(), n, n * self.backend.slot_bytes)
-        fut.add_done_callback(self._forget_inflight)
+        previous = set(map(self._last_write.get, slots))
+        previous.discard(None)
+        call, self._calls = self._calls, self._calls + 1
+        with self._lock:  # the completion removes its entry under this lock: never before it is in
+            fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing, call)
+            self._inflight[call] = (time.monotonic(), n, n * self.backend.slot_bytes, fut)
         for s in slots:
             self._last_write[s] = fut
 
     def _complete_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int] = frozenset()) -> None:
+                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int] = frozenset(),
+                       call: int | None = None) -> None:
+        try:
+            self._record_save(tokens, block_ids, slots, save_ids, previous, missing)
+        finally:
+            with self._lock:
+                self._inflight.pop(call, None)
+
+    def _record_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
+                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int]) -> None:
+        """Once the programs finished (``tokens``), record the slots' chunks and the results."""
         futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
         failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
@@ -222,24 +254,23 @@ class TransferEngine:
             failed |= self._faults.hit(FaultPoint.D2H, n)
             jax.block_until_ready(tokens)  # the program, hence its writes into the store, finished
             failed |= self._faults.hit(FaultPoint.WRITE_SLOTS, n)
-            ok = [i for i in range(n) if i not in failed]
-            self.backend.commit([slots[i] for i in ok], [save_ids[i] for i in ok], [block_ids[i] for i in ok])
+            if failed:
+                ok = [i for i in range(n) if i not in failed]
+                self.backend.commit([slots[i] for i in ok], [save_ids[i] for i in ok], [block_ids[i] for i in ok])
+            else:
+                self.backend.commit(slots, save_ids, block_ids)
         except Exception as exc:  # noqa: BLE001 - any failure makes the whole batch unloadable
             logger.warning("tpuoffload: save of %d chunks failed on this host: %s", n, exc)
             failed = set(range(n))
             self.backend.invalidate(slots)
         with self._lock:
-            self._results.extend(SaveResult(s, i not in failed) for i, s in enumerate(save_ids))
+            self._results.append((save_ids, failed))
             done = n - len(failed)
             self.counters[C.CHUNKS_SAVED] += done
             self.counters[C.BYTES_SAVED] += done * self.backend.slot_bytes
             self.counters[C.SAVE_FAILURES] += len(failed)
             if done:
                 self.counters[C.SAVE_SECONDS] += time.monotonic() - t0
-
-    def _forget_inflight(self, fut: futures.Future) -> None:
-        with self._lock:
-            self._inflight.pop(fut, None)
 
     def take_counters(self) -> Counter[str]:
         """Counters accumulated since the last call (thread-safe)."""
@@ -250,8 +281,8 @@ class TransferEngine:
     def drain_results(self) -> list[SaveResult]:
         """Save outcomes completed since the last call (thread-safe)."""
         with self._lock:
-            out, self._results = self._results, []
-        return out
+            done, self._results = self._results, []
+        return [SaveResult(s, i not in failed) for save_ids, failed in done for i, s in enumerate(save_ids)]
 
     def inflight(self) -> tuple[int, int, float | None]:
         """(chunks in flight, staging bytes held by them, start time of the oldest or None)."""
@@ -264,7 +295,7 @@ class TransferEngine:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait for every background write issued so far; True if all finished in time."""
         with self._lock:
-            pending = list(self._inflight)
+            pending = [v[3] for v in self._inflight.values()]
         _, not_done = futures.wait(pending, timeout=timeout)
         return not not_done
 
@@ -327,16 +358,15 @@ class TransferEngine:
         read; returns the new caches (``run``: the piece's ``slot_run``)."""
         cap = self.max_chunks_per_transfer
         ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
-        blocks_text, slots_text = str(block_ids), str(slots)  # formatted once, logged per group
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
                 r = min(run, prog.part_rows("load", ids.shape[1]))
                 out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
-                self.log.record("load", shape=ids.shape, group=i, run=r, blocks=blocks_text, slots=slots_text)
+                self.log.record("load", shape=ids.shape, group=i, run=r, blocks=block_ids, slots=slots)
             else:
                 out, token = prog.scatter(self._group_caches(kv_caches, prog.group), rows[i], ids)
-                self.log.record("load", shape=ids.shape, group=i, blocks=blocks_text, slots=slots_text)
+                self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
             tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
@@ -372,7 +402,7 @@ class TransferEngine:
         rows, tokens = [], []
         for i, prog in enumerate(self._programs):
             group_rows, token = prog.read(self._stores[i], ids, run=run)
-            self.log.record(op, shape=ids.shape, group=i, run=run, slots=str(slots))
+            self.log.record(op, shape=ids.shape, group=i, run=run, slots=slots)
             rows.append(group_rows)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
@@ -473,7 +503,7 @@ class TransferEngine:
             shape = (prog.group.num_shards, cap, *prog.store_shape[2:])
             rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
             self._stores[i], token = prog.install(rows, self._stores[i], ids, run=run)
-            self.log.record("install", shape=ids.shape, group=i, run=run, slots=str(slots))
+            self.log.record("install", shape=ids.shape, group=i, run=run, slots=slots)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         self._complete_in_background(tokens, [0] * n, slots, save_ids, missing)
