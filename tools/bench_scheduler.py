@@ -11,6 +11,11 @@ caches that one left):
   (c) tpuoffload  tpuoffload.connector.TPUOffloadConnector
   (d) null        a connector whose hooks do nothing (tpuoffload.sim.vllm_setup.NullConnector): what
                   vLLM itself adds for having a KV connector, a floor for (b) and (c)
+  (e) same hits   a connector that only finds hits (tpuoffload.sim.vllm_setup.SameHitsConnector:
+                  the prompt hashes of finished requests in a set, loads acknowledged at once,
+                  nothing saved or moved): with hits, vLLM's own steps change (a request waits a
+                  step for its load; each step then carries more requests than (a)'s), and (e)
+                  pays exactly that, so (b) and (c) "net of (e)" is what the connector itself adds
 
 Timed per step: ``scheduler.schedule()`` + ``scheduler.update_from_output()``, in wall-clock time
 (perf_counter_ns) and in this thread's CPU time (thread_time_ns: immune to the process being
@@ -122,7 +127,7 @@ def parse_args(argv=None):
 @dataclass
 class Sim:
     name: str
-    kind: str  # "none" | "offloading" | "tpu" | "null"
+    kind: str  # "none" | "offloading" | "tpu" | "null" | "hits"
     sched: object = None
     hosts: int = 1
     fill: int = 0
@@ -152,6 +157,8 @@ class Sim:
             from vllm.v1.outputs import KVConnectorOutput
 
             kv_out = KVConnectorOutput()
+        elif self.kind == "hits":
+            kv_out = self._ack_hits(so.kv_connector_metadata)
         elif self.kind == "tpu":
             kv_out = self._ack_tpu(so.kv_connector_metadata)
         elif self.kind == "offloading":
@@ -188,6 +195,13 @@ class Sim:
             invalid_block_ids=invalid,
             kv_connector_worker_meta=report,
         )
+
+    def _ack_hits(self, meta):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        self.acked["loads"] += len(meta.loads)
+        self.acked["load_blocks"] += sum(n for _, n in meta.loads)
+        return KVConnectorOutput(finished_recving={r for r, _ in meta.loads} or None)
 
     def _ack_offloading(self, meta):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -243,9 +257,9 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
                   "tensor_parallel_size": args.hosts}
         if kind == "none":
             sched = make_scheduler(connector_module_path=None, connector_class="", **common)
-        elif kind == "null":
-            sched = make_scheduler(connector_module_path="tpuoffload.sim.vllm_setup", connector_class="NullConnector",
-                                   **common)
+        elif kind in ("null", "hits"):
+            cls = "NullConnector" if kind == "null" else "SameHitsConnector"
+            sched = make_scheduler(connector_module_path="tpuoffload.sim.vllm_setup", connector_class=cls, **common)
         elif kind == "offloading":
             # CPUOffloadingSpec: cpu_bytes_to_use is the total over all workers (each chunk holds
             # every worker's shard); one block per chunk (blocks_per_chunk=1, the default) like
@@ -538,7 +552,9 @@ def print_per_request(sims, phase: str, requests: int, base_name: str, out=print
     out(f"{'':<13} whole phase, CPU time per request: {base_name} {base:.0f} us; added: " + ", ".join(parts))
 
 
-def print_table(sims, phases, base_name, ratio_pair=None, out=print) -> None:
+def print_table(sims, phases, base_name, ratio_pair=None, net_of=None, out=print) -> None:
+    """Per phase and config: step time, and what it adds over ``base_name``; for ``ratio_pair``
+    (num, den) the ratio of what they add, also net of config ``net_of`` (CPU medians)."""
     hdr = (f"{'phase':<13} {'config':<24} {'steps':>5} | {'median':>7} {'p90':>7} {'mean':>7} | "
            f"{'median':>7} {'p90':>7} | {'added':>7} {'added':>7} {'added':>7}")
     out(f"{'':<13} {'':<24} {'':>5} | {'wall clock (perf_counter)':^23} | {'CPU time':^15} | "
@@ -563,6 +579,11 @@ def print_table(sims, phases, base_name, ratio_pair=None, out=print) -> None:
             r = [_ratio(num[k][m] - base[k][m], den[k][m] - base[k][m])
                  for k, m in (("wall", "med"), ("wall", "mean"), ("cpu", "med"))]
             out(f"{'':<13} added cost (c) / (b): wall median {r[0]}, wall mean {r[1]}, CPU median {r[2]}")
+            if net_of is not None:  # its steps without the time inside its own hooks: vLLM's part
+                ref = st[net_of]["cpu"]["med"] - st[net_of]["hook"]["med"]
+                a, b = num["cpu"]["med"] - ref, den["cpu"]["med"] - ref
+                out(f"{'':<13} net of vLLM's own work in {net_of} (its CPU median less its hooks' "
+                    f"{st[net_of]['hook']['med']:.0f} us): (c) adds {a:+.0f} us, (b) {b:+.0f} us, (c) / (b) {_ratio(a, b)}")
         out("")
 
 
@@ -584,6 +605,9 @@ def print_hook_table(sims, phases, ratio_pair, out=print) -> None:
 def print_work(sims, out=print) -> None:
     for s in sims:
         if s.kind in ("none", "null"):
+            continue
+        if s.kind == "hits":
+            out(f"  {s.name:<24} loads {s.acked['loads']} ({s.acked['load_blocks']} blocks)")
             continue
         out(f"  {s.name:<24} saved blocks {s.acked['saves']}, loads {s.acked['loads']} "
             f"({s.acked['load_blocks']} blocks); end state: {held(s)}")
@@ -614,12 +638,14 @@ def main(argv=None) -> int:
     main_specs = [("(a) none", "none", 0, 0),
                   ("(b) OffloadingConnector", "offloading", args.cpu_chunks, 0),
                   ("(c) TPUOffloadConnector", "tpu", args.cpu_chunks, 0),
-                  ("(d) null connector", "null", 0, 0)]
+                  ("(d) null connector", "null", 0, 0),
+                  ("(e) same hits", "hits", 0, 0)]
     ratio = ("(c) TPUOffloadConnector", "(b) OffloadingConnector")
 
     # ---- measurement 1: none vs OffloadingConnector vs TPUOffloadConnector ----
     log("measurement 1: building schedulers")
     sims = build_sims(args, main_specs, wl.num_blocks, wl.max_model_len)
+    install_hook_timers(sims[4])  # (e)'s own hook time is taken out of its steps below
     prof = _install_profiler(sims[2]) if args.profile else None
     run_workload(sims, wl, args, log)
     if prof is not None:
@@ -637,7 +663,7 @@ def main(argv=None) -> int:
     for ph in PHASES:
         print(f"  {ph:<13} {PHASE_NOTES[ph]}")
     print()
-    print_table(sims, PHASES, "(a) none", ratio_pair=ratio)
+    print_table(sims, PHASES, "(a) none", ratio_pair=ratio, net_of="(e) same hits")
     for ph in ("prefill cold", "prefill+hits"):
         print_per_request(sims, ph, args.requests * args.rounds, "(a) none")
     print()

@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -45,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
@@ -422,6 +424,52 @@ class NullConnector(KVConnectorBase_V1):
         pass
 
     def build_connector_meta(self, scheduler_output):
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
         return KVConnectorMetadata()
+
+
+# --------------------------------------------------------------------------
+# a connector that only finds hits (separates vLLM's cost of loads from a connector's)
+# --------------------------------------------------------------------------
+@dataclass
+class SameHitsMetadata(KVConnectorMetadata):
+    loads: tuple[tuple[str, int], ...] = ()  # (request id, blocks it loads)
+
+
+class SameHitsConnector(NullConnector):
+    """Load with connector_module_path="tpuoffload.sim.vllm_setup",
+    connector_class="SameHitsConnector": it remembers the prompt block hashes of every finished
+    request (one list per first block) and answers lookups from them, leaving one token to compute
+    and loading asynchronously, like the real connectors; it saves and moves nothing. With hits,
+    vLLM's own steps change (a request waits a step for its load, and each step then carries more
+    requests than without a connector): this connector pays that and little else, so
+    tools/bench_scheduler.py can tell vLLM's cost of loads from the connector's own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._block_size = self._vllm_config.cache_config.block_size
+        self._prompts: dict = {}  # first block hash -> the prompt block hashes of a finished request
+        self._loads: list[tuple[str, int]] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hashes = request.block_hashes
+        held = self._prompts.get(hashes[0]) if hashes else None
+        start = n = num_computed_tokens // self._block_size
+        if held is not None:  # block hashes are chained: equal hashes, equal prefixes
+            stop = min(len(hashes), len(held), (request.num_tokens - 1) // self._block_size)
+            while n < stop and hashes[n] == held[n]:
+                n += 1
+        return (n - start) * self._block_size, n > start
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        if num_external_tokens:
+            self._loads.append((request.request_id, num_external_tokens // self._block_size))
+
+    def build_connector_meta(self, scheduler_output):
+        meta, self._loads = SameHitsMetadata(tuple(self._loads)), []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        hashes = request.block_hashes[:request.num_prompt_tokens // self._block_size]
+        if hashes:
+            self._prompts[hashes[0]] = hashes
+        return False, None
