@@ -261,11 +261,16 @@ def test_index_ready_prefix_has_no_side_effects():
     assert idx.ready_prefix([h(9), h(1), h(2), h(3)], 1, 3) == idx.ready_prefix([h(1), h(2)])
     assert len(idx.ready_prefix([h(9), h(1), h(2), h(3)], 1)) == 3
     assert idx.ready_prefix([h(1), h(2)], 2) == [] and idx.ready_prefix([h(1), h(2)], 1, 1) == []
-    # The array form, as LoadTracker uses it (a miss included) and ships it.
-    for hashes in ([h(1), h(2), h(9)], [h(9), h(1)], [h(3)]):
-        got = idx.ready_prefix_slots(hashes)
-        assert got.dtype == np.int64 and got.tolist() == idx.ready_prefix(hashes)
-        assert list(compact_ints(got)) == got.tolist()
+    # The form LoadTracker uses (a miss included) and ships: slots, their save ids, and every
+    # prefix listed as compact_ints would list it (a run as a range).
+    for hashes in ([h(1), h(2), h(9)], [h(9), h(1)], [h(3)], [h(1), h(2), h(3)], [h(3), h(2), h(1)]):
+        got = idx.ready_prefix_saved(hashes)
+        assert got.slots.dtype == np.int64 and got.slots.tolist() == idx.ready_prefix(hashes)
+        assert got.save_ids.tolist() == [idx.save_id_of(s) for s in got.slots.tolist()]
+        for k in range(len(got.slots) + 1):
+            slots, ids = got.listed(k)
+            assert list(slots) == got.slots[:k].tolist() and list(ids) == got.save_ids[:k].tolist()
+            assert (type(slots), type(ids)) == (type(compact_ints(got.slots[:k])), type(compact_ints(got.save_ids[:k])))
 
 
 def test_index_discard_pinned_keeps_slot_until_last_unpin():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,12 +35,27 @@ from tpuoffload.scheduler.recency import RecencyLog
 from tpuoffload.scheduler.slot_pool import SlotPool
 
 ChunkHash = bytes
-_NO_SLOTS = np.zeros(0, dtype=np.int64)  # shared: empty, so nothing can be written into it
-
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
-_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY = np.zeros(0, dtype=np.int64)  # shared: empty, so nothing can be written into it
 _SLOT = np.dtype([("key2", np.uint64), ("cell", np.int64), ("save_id", np.int64), ("pins", np.int32),
                   ("state", np.uint8)], align=True)  # 32 bytes
+
+
+class SavedPrefix(NamedTuple):
+    """The READY chunks a lookup found (``ChunkIndex.ready_prefix_saved``), as a load lists them."""
+
+    slots: np.ndarray
+    save_ids: np.ndarray  # of each slot
+    slot_step: int = 0  # 1 or -1 when the slots ascend or descend by one (kernels._run_step), else 0
+    id_step: int = 0  # the same for the save ids
+
+    def listed(self, k: int) -> tuple[Sequence[int], Sequence[int]]:
+        """The first ``k`` slots and save ids as a load sends them (``compact_ints``; a prefix of
+        a run is a run)."""
+        return compact_ints(self.slots[:k], self.slot_step), compact_ints(self.save_ids[:k], self.id_step)
+
+
+_NO_PREFIX = SavedPrefix(_EMPTY, _EMPTY)
 
 
 class ChunkIndex:
@@ -148,13 +164,6 @@ class ChunkIndex:
     def save_ids(self, slots: np.ndarray) -> np.ndarray:
         return self._save_id[slots]
 
-    def saved_as(self, slots: np.ndarray) -> tuple[Sequence[int], Sequence[int]]:
-        """(``slots``, their save ids), each as ``compact_ints`` lists it (what a load sends), in
-        one compiled call."""
-        slots = _i64(slots)
-        ids, slot_step, id_step = self._k.saved_as(self._save_id, slots)
-        return compact_ints(slots, slot_step), compact_ints(ids, id_step)
-
     def lru_order(self) -> list[int]:
         """Slots of the eviction candidates, least recently used first. O(num_slots): for reports
         and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
@@ -163,7 +172,7 @@ class ChunkIndex:
     def ready_prefix(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> list[int]:
         """Slots of the leading hashes of ``hashes[start:stop]`` that are READY (stops at the
         first that is not). Does not touch the LRU order."""
-        return self.ready_prefix_slots(hashes, start, stop).tolist()
+        return self.ready_prefix_saved(hashes, start, stop).slots.tolist()
 
     def ready_slot(self, chunk_hash: ChunkHash) -> int:
         """The slot of the chunk if it is READY (loadable), else -1; in plain Python: about a
@@ -171,20 +180,20 @@ class ChunkIndex:
         slot, k2 = self._table.find_hash(chunk_hash)
         return slot if slot >= 0 and int(self._key2[slot]) == k2 and self._state_np[slot] == READY else -1
 
-    def ready_prefix_slots(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> np.ndarray:
-        """``ready_prefix`` as an int64 array. The first hash is looked up in plain Python
-        (``ready_slot``); after a hit, the rest in one compiled loop."""
+    def ready_prefix_saved(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> "SavedPrefix":
+        """``ready_prefix`` as a load lists it: the slots, their save ids, and whether each is a
+        run. The first hash is looked up in plain Python (``ready_slot``); after a hit, the rest,
+        the save ids and the run steps in one compiled call."""
         if stop is None or stop > len(hashes):
             stop = len(hashes)
-        if start >= stop:
-            return _NO_SLOTS
-        first = self.ready_slot(hashes[start])
+        first = self.ready_slot(hashes[start]) if start < stop else -1
         if first < 0:
-            return _NO_SLOTS
+            return _NO_PREFIX
         if stop - start == 1:
-            return np.array([first], dtype=np.int64)
+            return SavedPrefix(np.array([first], dtype=np.int64), np.array([self._save_id[first]], dtype=np.int64))
         packed = PackedHashes.of(hashes[start:stop])
-        return self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, packed.buf, packed.width)
+        return SavedPrefix(*self._k.ready_prefix(self._table.buckets, self._key2, self._state_np, self._save_id,
+                                                 packed.buf, packed.width))
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int) -> np.ndarray:

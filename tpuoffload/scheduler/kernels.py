@@ -286,20 +286,27 @@ def _unpin(pins, slots, released):
     return k
 
 
-def _ready_prefix(tab, key2, state, buf, width):
-    """The slots of the leading hashes (``width`` bytes each, end to end in ``buf``) that name READY
-    chunks, stopping at the first that does not. Keys are split here, in the same call (each call of
-    a compiled function costs microseconds on a cold cache)."""
+def _ready_prefix(tab, key2, state, save_id, buf, width):
+    """The leading hashes (``width`` bytes each, end to end in ``buf``) that name READY chunks,
+    stopping at the first that does not, as a load lists them: (their slots, the slots' save ids,
+    ``_run_step`` of each). Keys are split here, in the same call (each call of a compiled function
+    costs microseconds on a cold cache)."""
     k1, k2 = _split_keys(buf, width)
     out = np.empty(k1.shape[0], dtype=np.int64)
     if k1.shape[0]:
         out[0] = np.int64(_touch_homes(tab, k1) >> np.uint64(1))  # prefetch (overwritten below)
+    n = k1.shape[0]
     for i in range(k1.shape[0]):
         s = _probe(tab, k1[i])
         if s < 0 or key2[s] != k2[i] or state[s] != READY:
-            return out[:i]
+            n = i
+            break
         out[i] = s
-    return out
+    slots = out[:n]
+    ids = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        ids[i] = save_id[slots[i]]
+    return slots, ids, _run_step(slots), _run_step(ids)
 
 
 @numba.njit(inline="always")
@@ -334,15 +341,6 @@ def _split_keys(buf, width):
     return k1, k2
 
 
-def _saved_as(save_id, slots):
-    """(the save id of each slot, ``_run_step`` of the slots, ``_run_step`` of the ids): what a load
-    lists, in one call."""
-    ids = np.empty(slots.shape[0], dtype=np.int64)
-    for i in range(slots.shape[0]):
-        ids[i] = save_id[slots[i]]
-    return ids, _run_step(slots), _run_step(ids)
-
-
 @numba.njit(inline="always")
 def _pool_take(stack, allocated, top, k):
     """SlotPool: the ``k`` slots below ``top`` of the free stack, top first, marked allocated."""
@@ -372,7 +370,7 @@ class Kernels:
 
     __slots__ = ("find", "find_confirmed", "insert", "delete", "select_new", "name", "mark_ready", "pin", "unpin",
                  "ready_prefix", "run_step", "evict",
-                 "split_keys", "plan_saves", "saved_as", "pool_take", "stamp")
+                 "split_keys", "plan_saves", "pool_take", "stamp")
 
 
 @functools.cache
@@ -407,9 +405,9 @@ def kernels() -> Kernels:
     k.mark_ready = jit(numba.boolean(state, save_id, ints, ints))(_mark_ready)
     k.pin = jit(numba.boolean(pins, state, ints))(_pin)
     k.unpin = jit(numba.int64(pins, ints, i64))(_unpin)
-    k.ready_prefix = jit(i64(tab, key2, state, packed, numba.int64))(_ready_prefix)
+    k.ready_prefix = jit(numba.types.Tuple((i64, i64, numba.int64, numba.int64))(
+        tab, key2, state, save_id, packed, numba.int64))(_ready_prefix)
     k.run_step = jit(numba.int64(ints))(_run_step.py_func)
-    k.saved_as = jit(numba.types.Tuple((i64, numba.int64, numba.int64))(save_id, ints))(_saved_as)
     k.evict = jit(numba.int64(tab, cell, state, save_id, ints))(_evict)
     k.pool_take = jit(i64(i64, numba.boolean[::1], numba.int64, numba.int64))(_pool_take.py_func)
     k.stamp = jit(numba.types.UniTuple(i64, 2)(i64, ints, numba.int64))(_stamp)

@@ -25,7 +25,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
-from tpuoffload.scheduler.index import ChunkIndex
+from tpuoffload.scheduler.index import ChunkIndex, SavedPrefix
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -36,13 +36,13 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 @dataclass(slots=True)
 class _Lookup:
     local: int  # blocks vLLM's own prefix cache covers
-    slots: np.ndarray  # host slots of the READY blocks right after them
-    version: int  # index version when looked up: the slots are exact while it is unchanged
+    found: SavedPrefix  # the READY blocks right after them: host slots and save ids
+    version: int  # index version when looked up: ``found`` is exact while it is unchanged
 
 
 #: The memo of a lookup whose first block missed (version -1: never taken for exact; a plan
 #: with it looks again, from block 0, as with no memo).
-_MISS = _Lookup(0, _EMPTY, -1)
+_MISS = _Lookup(0, SavedPrefix(_EMPTY, _EMPTY), -1)
 
 
 @dataclass(slots=True)
@@ -80,15 +80,15 @@ class LoadTracker:
         req_id = request.request_id
         memo = self._lookups.get(req_id)
         if memo is not None and memo.local == local and memo.version == self.index.version:
-            return len(memo.slots)
+            return len(memo.found.slots)
         hashes = request.block_hashes
         if local >= len(hashes) or self.index.ready_slot(hashes[local]) < 0:
             self._lookups[req_id] = _MISS  # the usual answer: one probe, nothing worth memoising
             return 0
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        slots = self.index.ready_prefix_slots(hashes, local, (request.num_tokens - 1) // bs)
-        self._lookups[req_id] = _Lookup(local, slots, self.index.version)
-        return len(slots)
+        found = self.index.ready_prefix_saved(hashes, local, (request.num_tokens - 1) // bs)
+        self._lookups[req_id] = _Lookup(local, found, self.index.version)
+        return len(found.slots)
 
     def take_lookup(self, req_id: str) -> _Lookup | None:
         return self._lookups.pop(req_id, None)
@@ -111,12 +111,13 @@ class LoadTracker:
         are listed as unavailable: the workers report them as load errors and vLLM recomputes
         (invariant 11: a missing load is explicit)."""
         if lookup is not None and lookup.version == self.index.version:
-            local, slots = lookup.local, lookup.slots[:num_blocks]
+            local, found = lookup.local, lookup.found
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
-            slots = self.index.ready_prefix_slots(request.block_hashes, local, local + num_blocks)
+            found = self.index.ready_prefix_saved(request.block_hashes, local, local + num_blocks)
+        slots = found.slots[:num_blocks]
         ready = len(slots)
-        slot_seq, save_ids = self.index.saved_as(slots)
+        slot_seq, save_ids = found.listed(ready)
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
             block_ids=tuple(block_ids[local:local + ready]),

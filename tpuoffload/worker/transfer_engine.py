@@ -237,14 +237,16 @@ class TransferEngine:
                        save_ids: list[int], previous: set[futures.Future], missing: frozenset[int] = frozenset(),
                        call: int | None = None) -> None:
         try:
-            self._record_save(tokens, block_ids, slots, save_ids, previous, missing)
-        finally:
+            self._record_save(tokens, block_ids, slots, save_ids, previous, missing, call)
+        finally:  # (already gone, unless _record_save raised before publishing)
             with self._lock:
                 self._inflight.pop(call, None)
 
     def _record_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int]) -> None:
-        """Once the programs finished (``tokens``), record the slots' chunks and the results."""
+                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int],
+                     call: int | None) -> None:
+        """Once the programs finished (``tokens``), record the slots' chunks and publish the
+        results, leaving the in-flight table in the same critical section."""
         futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
         failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
@@ -265,6 +267,7 @@ class TransferEngine:
             self.backend.invalidate(slots)
         with self._lock:
             self._results.append((save_ids, failed))
+            self._inflight.pop(call, None)
             done = n - len(failed)
             self.counters[C.CHUNKS_SAVED] += done
             self.counters[C.BYTES_SAVED] += done * self.backend.slot_bytes
