@@ -215,7 +215,7 @@ def compact_ints(values: np.ndarray, run_step: int | None = None) -> Sequence[in
     case for slots: a fresh pool hands them out ascending, and the LRU victims of one earlier
     batch come out descending), else as a tuple. Either pickles compactly for the workers, and a
     range costs neither a per-element conversion here nor bytes per element on the wire.
-    ``run_step``: the caller's answer already (as ``ChunkIndex.add_saving`` and ``saved_as`` find it)."""
+    ``run_step``: the caller's answer already (as ``ChunkIndex.add_saving`` and ``ready_prefix_saved`` find it)."""
     if len(values) < 2:
         return tuple(values.tolist())
     if run_step is None:
