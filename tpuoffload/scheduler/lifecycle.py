@@ -85,7 +85,7 @@ class RequestLifecycle:
         if rec is None:
             rec = self._records[request.request_id] = RequestRecord(request, preemptions=request.num_preemptions)
             self._saving.add(request.request_id)
-        elif request.num_preemptions != rec.preemptions:
+        else:
             self._catch_up(rec)
         return rec
 
@@ -94,14 +94,13 @@ class RequestLifecycle:
         it, e.g. by a reset); some may already be admitted again, or finished."""
         for req_id in req_ids:
             rec = self._records.get(req_id)
-            if rec is not None and rec.request.num_preemptions != rec.preemptions:
+            if rec is not None:
                 self._catch_up(rec)
 
     def _catch_up(self, rec: RequestRecord) -> None:
         """Apply a preemption vLLM made that this half has not applied yet (exactly once): lazy
         mode flushes what the request computed before it (vLLM freed those blocks, but nothing
-        overwrites them before the next plan's flush is gathered). Callers check first that
-        ``num_preemptions`` moved (most calls find it unchanged: a check is cheaper than a call)."""
+        overwrites them before the next plan's flush is gathered)."""
         n = rec.request.num_preemptions
         if n <= rec.preemptions:
             return
@@ -119,8 +118,7 @@ class RequestLifecycle:
         rec = self._records.get(req_id)
         if rec is None:
             return False
-        if request.num_preemptions != rec.preemptions:
-            self._catch_up(rec)
+        self._catch_up(rec)
         delay = False
         if self.lazy and len(rec.computed_block_ids) > rec.watermark:
             if load_in_flight:
@@ -228,8 +226,7 @@ class RequestLifecycle:
                 continue
             rec = self._records[req_id]
             req = rec.request
-            if req.num_preemptions != rec.preemptions:  # a preemption no hook reported: apply it first
-                self._catch_up(rec)
+            self._catch_up(rec)  # a preemption no hook reported yet is applied first
             limit = no_limit or req.num_prompt_tokens // bs
             full = min((req.num_computed_tokens + n_sched) // bs, limit, len(req.block_hashes))
             yield rec, full

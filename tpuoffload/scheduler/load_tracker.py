@@ -81,13 +81,10 @@ class LoadTracker:
         memo = self._lookups.get(req_id)
         if memo is not None and memo.local == local and memo.version == self.index.version:
             return len(memo.found.slots)
-        hashes = request.block_hashes
-        if local >= len(hashes) or self.index.ready_slot(hashes[local]) < 0:
-            self._lookups[req_id] = _MISS  # the usual answer: one probe, nothing worth memoising
-            return 0
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        found = self.index.ready_prefix_saved(hashes, local, (request.num_tokens - 1) // bs)
-        self._lookups[req_id] = _Lookup(local, found, self.index.version)
+        found = self.index.ready_prefix_saved(request.block_hashes, local, (request.num_tokens - 1) // bs)
+        # A miss (the usual answer: one probe of the first block) is not worth a memo of its own.
+        self._lookups[req_id] = _Lookup(local, found, self.index.version) if len(found.slots) else _MISS
         return len(found.slots)
 
     def take_lookup(self, req_id: str) -> _Lookup | None:

@@ -9,9 +9,9 @@ Every candidate lands in exactly one counter: ``dedup_batch``, ``dedup_index``,
 ``skipped_staging``, ``skipped_no_space`` or ``saves_issued`` (invariant 5: one physical chunk
 per content hash, deduplicated within a batch, against the index and against saves in flight;
 invariant 10: staging and host RAM are bounded, a save that does not fit is skipped and counted,
-never waited for). The per-chunk work is compiled (``ChunkIndex.select_and_name``: one call that deduplicates and names
-the chunks that free slots take; ``allocate`` and ``add_saving`` for the rest, when eviction makes
-room; kernels.py); the rest is a fixed number of calls per batch.
+never waited for). The per-chunk work is compiled (``ChunkIndex.select_and_name``: one call that
+deduplicates and names the chunks that free slots take; ``allocate`` and ``add_saving`` for the
+rest, when eviction makes room; kernels.py); the rest is a fixed number of calls per batch.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ class StagingBudget:
 
     Contract: ``in_use`` never exceeds ``capacity`` (invariant 10). A reservation that does not
     fit is refused whole (``try_reserve`` returns False and takes nothing); ``reserve_up_to``
-    grants the largest whole number of units that fits and says how many (``room`` says it first). The caller spends only
-    what it was granted and counts the rest as skipped.
+    grants the largest whole number of units that fits and says how many (``room`` says it
+    first). The caller spends only what it was granted and counts the rest as skipped.
     """
 
     def __init__(self, capacity_bytes: int) -> None:

@@ -24,7 +24,7 @@ class StepDigest:
     ops: tuple[str, ...]
 
 
-def format_op(op: str, fields: dict) -> str:
+def _line(op: str, fields: dict) -> str:
     return op + " " + " ".join(f"{k}={v}" for k, v in fields.items())
 
 
@@ -37,7 +37,7 @@ class DispatchLog:
         self._ops.append((op, fields))
 
     def finish_step(self) -> StepDigest:
-        lines = tuple(format_op(op, fields) for op, fields in self._ops)
+        lines = tuple(_line(op, fields) for op, fields in self._ops)
         digest = hashlib.blake2b(digest_size=16)
         for line in lines:
             digest.update(line.encode())

@@ -6,10 +6,10 @@ Threading contract (invariants 1-4):
   order that depends only on the arguments: per layer group and piece, ONE save program (gather,
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
   scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
-  group, dispatched before the checks, then a scatter program per group); see worker/programs.py. Each program moves its slots
-  in groups of ``run`` consecutive slots, one copy per group; ``run`` is a function of the slots
-  alone (programs.slot_run), so it too is the same on every host. Calls from any other thread
-  raise RuntimeError before touching JAX.
+  group, dispatched before the checks, then a scatter program per group); see worker/programs.py.
+  Each program moves its slots in groups of ``run`` consecutive slots, one copy per group; ``run``
+  is a function of the slots alone (programs.slot_run), so it too is the same on every host. Calls
+  from any other thread raise RuntimeError before touching JAX.
 * A plan moves in pieces (programs.piece_sizes: powers of two within the transfer buffer, only
   the last padded), a function of its length and the layout alone.
 * The bytes never pass through a host thread: the programs read and write the store, and the
@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload import counters as C
 from tpuoffload.backend import HostBackend
-from tpuoffload.layout import CacheLayout, GroupLayout
+from tpuoffload.layout import CacheLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
@@ -114,7 +114,7 @@ class TransferEngine:
 
         # Layer groups whose layers are all the cache's, in order, take ``tuple(kv_caches)`` as is.
         self._whole = [g.layers == tuple(range(self.layout.num_layers)) for g in self.layout.groups]
-        self._save_runs: dict[int, tuple[int, ...]] = {}  # padded rows -> each save program's widest run
+        self._run_caps_of: dict[tuple[str, int], tuple[int, ...]] = {}  # (op, padded rows) -> ``_run_caps``
 
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
         self._last_write: dict[int, futures.Future] = {}  # slot -> newest write; main thread only
@@ -122,8 +122,8 @@ class TransferEngine:
         # drained, on the caller's thread, not on the completion's path to wait_idle.
         self._results: list[tuple[list[int], set[int]]] = []
         self._calls = 0  # completions submitted; main thread only
-        # call number -> (t0, chunks, bytes, future); a completion removes its own entry, under the
-        # lock, in the same critical section that publishes its results.
+        # call number -> (t0, chunks, bytes, future); a completion removes its own entry once its
+        # results are published, under the lock its submission holds while adding the entry.
         self._inflight: dict[int, tuple[float, int, int, futures.Future]] = {}
         self._lock = threading.Lock()  # guards _results, _inflight and counters
         self.counters: Counter[str] = Counter()  # chunks/bytes saved and loaded, failures, seconds
@@ -159,9 +159,11 @@ class TransferEngine:
         self.layout.check_same(kv_caches)
         self._known_caches = tuple(map(weakref.ref, kv_caches))
 
-    @staticmethod
-    def _group_caches(kv_caches, group: GroupLayout) -> tuple:
-        return tuple(kv_caches[i] for i in group.layers)
+    def _group_caches(self, kv_caches, i: int) -> tuple:
+        """The cache arrays of layer group ``i``, in the group's order."""
+        if self._whole[i]:
+            return tuple(kv_caches)
+        return tuple(kv_caches[layer] for layer in self._programs[i].group.layers)
 
     # ---------------- saves ----------------
     def save(self, kv_caches: Sequence[jax.Array], block_ids: Sequence[int], slots: Sequence[int],
@@ -201,22 +203,22 @@ class TransferEngine:
         cap = self.max_chunks_per_transfer
         run = slot_run(slots, bucket(len(slots), cap))
         ids, entry = self._ids.put(save_plan_ids(block_ids, slots, cap, run))
-        runs = [min(run, r) for r in self._save_run_caps(ids.shape[1])]
+        runs = [min(run, r) for r in self._run_caps("save", ids.shape[1])]
         tokens = []
         for i, prog in enumerate(self._programs):
-            caches = tuple(kv_caches) if self._whole[i] else self._group_caches(kv_caches, prog.group)
-            self._stores[i], token = prog.save(caches, self._stores[i], ids, run=runs[i])
+            self._stores[i], token = prog.save(self._group_caches(kv_caches, i), self._stores[i], ids, run=runs[i])
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         for i, r in enumerate(runs):  # logged after the dispatch (formatted at finish_step)
             self.log.record("save", shape=ids.shape, group=i, run=r, blocks=block_ids, slots=slots)
         return tokens
 
-    def _save_run_caps(self, padded: int) -> tuple[int, ...]:
-        """Each save program's widest ``run`` on ``padded`` rows (GroupPrograms.part_rows), cached."""
-        caps = self._save_runs.get(padded)
+    def _run_caps(self, op: str, padded: int) -> tuple[int, ...]:
+        """Each group's rows per part of program ``op`` on ``padded`` rows (GroupPrograms.part_rows):
+        the widest ``run`` worth compiling. Cached: a function of the layout and the width only."""
+        caps = self._run_caps_of.get((op, padded))
         if caps is None:
-            caps = self._save_runs[padded] = tuple(p.part_rows("save", padded) for p in self._programs)
+            caps = self._run_caps_of[op, padded] = tuple(p.part_rows(op, padded) for p in self._programs)
         return caps
 
     def _complete_in_background(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
@@ -234,19 +236,16 @@ class TransferEngine:
             self._last_write[s] = fut
 
     def _complete_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int] = frozenset(),
-                       call: int | None = None) -> None:
+                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int], call: int) -> None:
         try:
-            self._record_save(tokens, block_ids, slots, save_ids, previous, missing, call)
-        finally:  # (already gone, unless _record_save raised before publishing)
+            self._record_save(tokens, block_ids, slots, save_ids, previous, missing)
+        finally:  # after its results are published: wait_idle never returns before them
             with self._lock:
                 self._inflight.pop(call, None)
 
     def _record_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int],
-                     call: int | None) -> None:
-        """Once the programs finished (``tokens``), record the slots' chunks and publish the
-        results, leaving the in-flight table in the same critical section."""
+                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int]) -> None:
+        """Once the programs finished (``tokens``), record the slots' chunks and publish the results."""
         futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
         failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
@@ -267,7 +266,6 @@ class TransferEngine:
             self.backend.invalidate(slots)
         with self._lock:
             self._results.append((save_ids, failed))
-            self._inflight.pop(call, None)
             done = n - len(failed)
             self.counters[C.CHUNKS_SAVED] += done
             self.counters[C.BYTES_SAVED] += done * self.backend.slot_bytes
@@ -361,14 +359,15 @@ class TransferEngine:
         read; returns the new caches (``run``: the piece's ``slot_run``)."""
         cap = self.max_chunks_per_transfer
         ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
+        caps = self._run_caps("load", ids.shape[1])
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
-                r = min(run, prog.part_rows("load", ids.shape[1]))
-                out, token = prog.load(self._group_caches(kv_caches, prog.group), self._stores[i], ids, run=r)
+                r = min(run, caps[i])
+                out, token = prog.load(self._group_caches(kv_caches, i), self._stores[i], ids, run=r)
                 self.log.record("load", shape=ids.shape, group=i, run=r, blocks=block_ids, slots=slots)
             else:
-                out, token = prog.scatter(self._group_caches(kv_caches, prog.group), rows[i], ids)
+                out, token = prog.scatter(self._group_caches(kv_caches, i), rows[i], ids)
                 self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
             tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
@@ -388,7 +387,7 @@ class TransferEngine:
         and 12.4; 2 GiB 44.3 and 44.5 against 45.0 and 45.1. One copy per slot stays one program:
         at 2 GiB reading first took 52.4-52.5 ms against 50.4-50.6."""
         padded = bucket(n, self.max_chunks_per_transfer)
-        return all(p.load_parts(padded) == 1 or run >= p.part_rows("load", padded) for p in self._programs)
+        return all(cap == padded or run >= cap for cap in self._run_caps("load", padded))  # one part, or one copy each
 
     def _read_first(self, slots: list[int], run: int) -> list[jax.Array]:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
