@@ -5,21 +5,31 @@ the same hits for the same-hits connector that the benchmark nets vLLM's cost of
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_scheduler.py"
 
 
-def test_tiny_run_every_config_does_the_same_work(capsys):
+def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_scheduler", TOOL)
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_scheduler"] = bench  # (its dataclasses look their module up)
     spec.loader.exec_module(bench)
-    assert bench.main(["--requests", "16", "--steps", "5", "--warmup", "2", "--rounds", "1", "--fills", "",
-                       "--no-hooks"]) == 0
+    return bench
+
+
+@pytest.mark.parametrize("rounds, steps_per_turn", [(1, 1), (2, 3)])
+def test_tiny_run_every_config_does_the_same_work(capsys, rounds, steps_per_turn):
+    bench = _load_bench()
+    assert bench.main(["--requests", "16", "--steps", "5", "--warmup", "2", "--rounds", str(rounds), "--fills", "",
+                       "--no-hooks", "--steps-per-turn", str(steps_per_turn)]) == 0
     out = capsys.readouterr().out
+    assert f"configs take turns of {steps_per_turn} step(s)" in out
     loads = dict(re.findall(r"^\s+\((b|c|e)\) .*?loads (\d+ \(\d+ blocks\))", out, re.M))
     assert set(loads) == {"b", "c", "e"}, out
     assert loads["b"] == loads["c"] == loads["e"] != "0 (0 blocks)", loads
@@ -28,3 +38,32 @@ def test_tiny_run_every_config_does_the_same_work(capsys):
     for phase in ("decode", "ramp", "prefill cold", "prefill+hits"):
         assert re.search(rf"^{re.escape(phase)}\s+\(e\) same hits", out, re.M), phase
     assert out.count("net of vLLM's own work in (e) same hits") == 4
+
+
+def test_turns_run_each_config_steps_in_a_row_until_done():
+    """--steps-per-turn N: each config runs N steps in a row (fewer when it is done), every config
+    gets its turn each round, in a shuffled order, and every config runs exactly its steps."""
+    bench = _load_bench()
+    order = []
+
+    class FakeSim:
+        def __init__(self, name, steps):
+            self.name, self.left = name, steps
+
+        def step(self, phase):
+            assert phase == "p"
+            order.append(self.name)
+            self.left -= 1
+
+    sims = [FakeSim("x", 7), FakeSim("y", 5), FakeSim("z", 9)]
+    bench.round_robin(sims, "p", lambda s: s.left == 0, steps_per_turn=3)
+    assert sorted(order) == sorted("x" * 7 + "y" * 5 + "z" * 9)
+    runs = [len(list(g)) for _, g in itertools.groupby(order)]
+    # Turns of 3 (a turn may end early when the config is done), and no config gets two turns in
+    # a row except when the others are done: x 3+3+1, y 3+2, z 3+3+3.
+    assert sum(runs) == 21 and max(runs) <= 6, runs
+    firsts = [order[i] for i in range(0, 9, 3)]
+    assert sorted(firsts) == ["x", "y", "z"], order  # round 1: one turn each
+    sims = [FakeSim("x", 2), FakeSim("y", 2)]
+    bench.round_robin(sims, "p", lambda s: s.left == 0)
+    assert sorted(order[21:]) == ["x", "x", "y", "y"] and order[21] != order[22], order[21:]

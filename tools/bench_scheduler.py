@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Scheduler-side cost per engine step of a KV connector, on vLLM's real Scheduler (CPU, no model).
 
-Three configurations of the same vLLM 0.32 ``Scheduler`` run the same requests, stepped
-round-robin (one step of each per round, so drift in machine speed hits all of them alike; the
-order is shuffled every round, so no config always runs right after the same other one, on the
-caches that one left):
+Five configurations of the same vLLM 0.32 ``Scheduler`` run the same requests in one process,
+taking turns of --steps-per-turn steps in an order shuffled every round, so drift in machine speed
+hits all of them alike and no config always runs right after the same other one. With one step
+per turn (the default) every step runs on the caches another config's step left (OffloadingConnector's
+churns the most); with more, most steps follow their own scheduler's previous step, as in a
+serving engine, where one scheduler runs per engine process:
 
   (a) none        no KV connector
   (b) offloading  vLLM's own OffloadingConnector, CPUOffloadingSpec backend
@@ -47,8 +49,10 @@ cache is reset while host RAM keeps its chunks, so host RAM is the only place a 
                             those prefixes, so it runs fewer tokens per step and more steps
     reset; "prefill cold"   R fresh prompts, 2 output tokens each, timed until all finished: every
                             prompt block is saved, every lookup misses
-  reset; "ramp"             R fresh prompts with long max_tokens, timed until every one sampled its
-                            first token (prefills while more and more requests decode)
+  --rounds times:
+    reset; "ramp"           R fresh prompts with long max_tokens, timed until every one sampled its
+                            first token (prefills while more and more requests decode); aborted
+                            then, except in the last round, whose requests go on to decode
   "decode"                  --warmup untimed steps, then --steps timed steps: R requests running,
                             one token each per step (the steady state)
 
@@ -104,6 +108,10 @@ def parse_args(argv=None):
     p.add_argument("--fills", default="0,100000,1000000",
                    help="comma-separated READY chunk counts for the index-size measurement ('' to skip)")
     p.add_argument("--gc", choices=("off", "on"), default="off", help="garbage collector during timed phases")
+    p.add_argument("--steps-per-turn", type=int, default=1,
+                   help="steps each config runs in a row before the next one's turn: 1 runs every step on "
+                        "the caches another config's step left; more lets most steps follow their own "
+                        "scheduler's previous step, as in a serving engine (see round_robin)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="rounds of the two timed prefill waves")
     p.add_argument("--no-hooks", dest="hooks", action="store_false",
@@ -112,7 +120,7 @@ def parse_args(argv=None):
                    help="also cProfile TPUOffloadConnector's hooks during the main run, dump stats to FILE")
     args = p.parse_args(argv)
     for name in ("requests", "steps", "prompt_len", "block_size", "max_batched_tokens", "hosts", "cpu_chunks",
-                 "rounds"):
+                 "rounds", "steps_per_turn"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0.0 <= args.hit_fraction <= 1.0:
@@ -387,7 +395,7 @@ class Workload:
         self.hit_waves = [[self.wave0[i][:shared] + fresh(P - shared) if i < n_hit else fresh(P) for i in range(R)]
                           for _ in range(args.rounds)]
         self.cold_waves = [[fresh(P) for _ in range(R)] for _ in range(args.rounds)]
-        self.decode_wave = [fresh(P) for _ in range(R)]
+        self.ramp_waves = [[fresh(P) for _ in range(R)] for _ in range(args.rounds)]  # the last one decodes
         prefill_steps = -(-R * P // args.max_batched_tokens) + 8
         self.decode_tokens = prefill_steps + args.warmup + args.steps + 16
         self.max_model_len = P + self.decode_tokens + bs
@@ -412,11 +420,15 @@ def reset_prefix_cache(sim: Sim) -> None:
     assert ok, f"{sim.name}: prefix cache reset failed"
 
 
-def round_robin(sims, phase, done, max_steps=100_000) -> None:
-    """Step each sim once per round until done(sim); timing recorded under ``phase`` (None:
-    untimed). The order is shuffled every round (seeded): each config runs on the caches the one
-    before it left, and a fixed order would always put the same config after the heaviest one
-    (OffloadingConnector) and the baseline after the lightest."""
+def round_robin(sims, phase, done, max_steps=100_000, steps_per_turn=1) -> None:
+    """Step every sim until done(sim); timing recorded under ``phase`` (None: untimed). The sims
+    take turns, ``steps_per_turn`` steps each, in an order shuffled every round (seeded), so drift
+    in machine speed hits every config alike (a fixed order would also always put the same config
+    after the heaviest one, OffloadingConnector, and the baseline after the lightest).
+
+    With one step per turn every step runs on the caches another config's step left. With more,
+    all but the first step of a turn follow the same scheduler's previous step, as in a serving
+    engine (one scheduler per engine process); the medians are then those steps'."""
     active = list(sims)
     rng = random.Random(len(sims))
     n = 0
@@ -424,13 +436,14 @@ def round_robin(sims, phase, done, max_steps=100_000) -> None:
         order = list(active)
         rng.shuffle(order)
         for sim in order:
-            if done(sim):
-                active.remove(sim)
-                continue
-            sim.step(phase)
+            for _ in range(steps_per_turn):
+                if done(sim):
+                    active.remove(sim)
+                    break
+                sim.step(phase)
         n += 1
         if n > max_steps:
-            raise RuntimeError(f"phase {phase}: not done after {max_steps} steps")
+            raise RuntimeError(f"phase {phase}: not done after {max_steps} rounds")
 
 
 class gc_window:
@@ -458,7 +471,7 @@ def run_wave(sims, prompts, tag, max_tokens, phase, done, args) -> None:
     for s in sims:
         add_wave(s, prompts, tag, max_tokens)
     with gc_window(args.gc):
-        round_robin(sims, phase, done)
+        round_robin(sims, phase, done, steps_per_turn=args.steps_per_turn)
 
 
 def run_workload(sims, wl: Workload, args, log) -> None:
@@ -478,17 +491,24 @@ def run_workload(sims, wl: Workload, args, log) -> None:
     log(f"  {args.rounds} round(s) of prefill waves done in {time.perf_counter() - t:.1f}s")
 
     t = time.perf_counter()
-    for s in sims:
-        reset_prefix_cache(s)
-    run_wave(sims, wl.decode_wave, "d", wl.decode_tokens, "ramp", all_sampled, args)
+    for k, prompts in enumerate(wl.ramp_waves):
+        for s in sims:
+            reset_prefix_cache(s)
+        run_wave(sims, prompts, f"r{k}", wl.decode_tokens, "ramp", all_sampled, args)
+        if k < len(wl.ramp_waves) - 1:  # another ramp follows: this wave's requests are aborted
+            from vllm.v1.request import RequestStatus
+
+            for s in sims:
+                s.sched.finish_requests([r.request_id for r in s.wave], RequestStatus.FINISHED_ABORTED)
+            round_robin(sims, None, all_finished)
     for s in sims:
         assert len(s.sched.running) == R, (s.name, len(s.sched.running))
         s.counter = 0
-    round_robin(sims, None, lambda s: _count(s, args.warmup))
+    round_robin(sims, None, lambda s: _count(s, args.warmup), steps_per_turn=args.steps_per_turn)
     for s in sims:
         s.counter = 0
     with gc_window(args.gc):
-        round_robin(sims, "decode", lambda s: _count(s, args.steps))
+        round_robin(sims, "decode", lambda s: _count(s, args.steps), steps_per_turn=args.steps_per_turn)
     for s in sims:
         assert len(s.sched.running) == R and not s.sched.waiting, (s.name, len(s.sched.running))
         assert all(not r.is_finished() for r in s.wave), s.name
@@ -634,7 +654,7 @@ def main(argv=None) -> int:
     log(f"workload: {args.requests} requests x {args.prompt_len}-token prompts, block {args.block_size}, "
         f"max_num_batched_tokens {args.max_batched_tokens}, {args.hosts} host(s), {wl.num_blocks} GPU blocks, "
         f"{args.rounds} prefill round(s), decode {args.warmup} warm-up + {args.steps} timed steps, "
-        f"gc {args.gc} in timed phases")
+        f"gc {args.gc} in timed phases, {args.steps_per_turn} step(s) per turn")
     main_specs = [("(a) none", "none", 0, 0),
                   ("(b) OffloadingConnector", "offloading", args.cpu_chunks, 0),
                   ("(c) TPUOffloadConnector", "tpu", args.cpu_chunks, 0),
@@ -657,6 +677,7 @@ def main(argv=None) -> int:
     print("1. Scheduler-side cost per engine step, in microseconds: schedule() + update_from_output(),")
     print(f"   {args.requests} requests, {args.prompt_len}-token prompts, block {args.block_size}, "
           f"max_num_batched_tokens {args.max_batched_tokens}, {args.hosts} host(s), gc {args.gc} in timed phases,")
+    print(f"   configs take turns of {args.steps_per_turn} step(s) (--steps-per-turn)")
     print(f"   host RAM: (b) {capacity(sims[1])} chunks, (c) {capacity(sims[2])} chunks; "
           f"'added' = config minus (a) no connector")
     print("=" * 100)
