@@ -14,7 +14,7 @@ serving engine, where one scheduler runs per engine process:
   (d) null        a connector whose hooks do nothing (tpuoffload.sim.vllm_setup.NullConnector): what
                   vLLM itself adds for having a KV connector, a floor for (b) and (c)
   (e) same hits   a connector that only finds hits (tpuoffload.sim.vllm_setup.SameHitsConnector:
-                  the prompt hashes of finished requests in a set, loads acknowledged at once,
+                  the prompt hashes of finished requests by first block, loads acknowledged at once,
                   nothing saved or moved): with hits, vLLM's own steps change (a request waits a
                   step for its load; each step then carries more requests than (a)'s), and (e)
                   pays exactly that, so (b) and (c) "net of (e)" is what the connector itself adds
@@ -113,7 +113,7 @@ def parse_args(argv=None):
                         "the caches another config's step left; more lets most steps follow their own "
                         "scheduler's previous step, as in a serving engine (see round_robin)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="rounds of the two timed prefill waves")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the timed waves: prefill with hits, prefill cold, ramp")
     p.add_argument("--no-hooks", dest="hooks", action="store_false",
                    help="skip measurement 1b (a second run with the connector hooks timed)")
     p.add_argument("--profile", metavar="FILE", default=None,
@@ -402,6 +402,11 @@ class Workload:
         if self.max_model_len > 8192:
             raise SystemExit(f"prompt + decode = {self.max_model_len} tokens exceeds the tiny model's 8192")
         self.num_blocks = R * (-(-self.max_model_len // bs)) + 4 * R + 16
+
+    def max_saved_chunks(self) -> int:
+        """At most the prompt blocks of every wave (each prompt block is saved at most once)."""
+        waves = [self.wave0, *self.hit_waves, *self.cold_waves, *self.ramp_waves]
+        return sum(len(p) // self.args.block_size for wave in waves for p in wave)
 
 
 def add_wave(sim: Sim, prompts, tag: str, max_tokens: int) -> None:
@@ -717,8 +722,7 @@ def main(argv=None) -> int:
         max_fill = max(args.fill_list)
         # Room for every chunk the workload saves: no eviction, except in the "full" config, whose
         # capacity is exactly the fill, so that every save evicts an LRU chunk.
-        workload_chunks = (2 + 2 * args.rounds) * args.requests * (args.prompt_len // args.block_size)
-        slots = max_fill + workload_chunks + 1024
+        slots = max_fill + wl.max_saved_chunks() + 1024
         log(f"measurement 2: building schedulers (index capacity {slots} chunks, fills {args.fill_list})")
         specs = [("(a) none", "none", 0, 0)]
         specs += [(f"(c) {n} held", "tpu", slots, n) for n in args.fill_list]
