@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import OffloadMetadata
+from tpuoffload.messages import OffloadMetadata, StepPlan
 from tpuoffload.sim.engine import SIM_LAYOUT, EngineSpec, InProcessEngine
 from tpuoffload.sim.tpu_layouts import create_caches
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty, make_request
@@ -98,7 +98,7 @@ class Harness:
         def bind(meta):
             # When a step's flush is dispatched, vLLM must still hold the blocks of every request
             # this step releases (delay_free): they are freed only after this step's output.
-            self.released_too_early.extend(r for r in meta.release_req_ids if r not in sched.requests)
+            self.released_too_early.extend(r for r in meta.plan.release_req_ids if r not in sched.requests)
             return orig(meta)
 
         conn.bind_connector_metadata = bind
@@ -110,10 +110,10 @@ class Harness:
         def execute(so, connector=None):
             out = orig(so, connector)
             meta = so.kv_connector_metadata
-            if connector is None or not isinstance(meta, OffloadMetadata) or not meta.loads:
+            if connector is None or not isinstance(meta, OffloadMetadata) or not meta.plan.loads:
                 return out
             errors = out.kv_connector_output.invalid_block_ids if out.kv_connector_output else set()
-            for load in meta.loads:
+            for load in meta.plan.loads:
                 req_blocks = kvm.get_block_ids(load.req_id)[0]
                 for b in (*load.block_ids, *load.unavailable_block_ids):
                     if b in errors:
@@ -134,8 +134,8 @@ class Harness:
     def run(self, **kw):
         return self.eng.run(**kw)
 
-    def metas(self) -> list[OffloadMetadata]:
-        return [so.kv_connector_metadata for so in self.outputs]
+    def metas(self) -> list[StepPlan]:
+        return [so.kv_connector_metadata.plan for so in self.outputs]
 
     def preempted(self) -> list[str]:
         return [r for so in self.outputs for r in (so.preempted_req_ids or ())]

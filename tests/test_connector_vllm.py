@@ -210,7 +210,7 @@ def test_preemption_resumed_requests_load_back(hosts, async_sched, lazy):
     if lazy:
         assert all(len(m.save) == 0 for m in metas)  # nothing saved while running
         # Preempted requests are flushed in the very step that preempted them.
-        flushed_at_preemption = [so for so in h.outputs if so.preempted_req_ids and len(so.kv_connector_metadata.flush)]
+        flushed_at_preemption = [so for so in h.outputs if so.preempted_req_ids and len(so.kv_connector_metadata.plan.flush)]
         assert flushed_at_preemption
         delayed = {r for r, d in h.finished_answers.items() if d}
         assert delayed, "finished requests with unsaved blocks are held"
@@ -265,7 +265,7 @@ def test_chunked_prefill_saves_as_blocks_fill(hosts, async_sched):
         filled = set()
         for r, n in so.num_scheduled_tokens.items():
             filled.update(blocks[r][computed[r] // BS:min((computed[r] + n) // BS, 5)])
-        assert set(so.kv_connector_metadata.save.block_ids) == filled
+        assert set(so.kv_connector_metadata.plan.save.block_ids) == filled
     h.new_wave()
     for i, p in enumerate(prompts):
         h.add(f"d{i}", p + rand_tokens(rng, 40), max_tokens=3)  # loads 5 blocks, then 3 chunks

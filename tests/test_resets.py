@@ -125,11 +125,11 @@ def test_reset_with_running_requests_that_hit_host_ram(harnesses, hosts, async_s
     after = h.outputs[before:]
     preempted = {r for so in after for r in (so.preempted_req_ids or ())}
     assert preempted == {"b0", "b1", "b2"}
-    reloads = {ld.req_id for so in after for ld in so.kv_connector_metadata.loads}
+    reloads = {ld.req_id for so in after for ld in so.kv_connector_metadata.plan.loads}
     if kind == "reset_running":
         # Re-admitted in the schedule() that reports the preemption, with a load of the prefix.
         first = next(so for so in after if so.preempted_req_ids)
-        assert {ld.req_id for ld in first.kv_connector_metadata.loads} == {"b0", "b1", "b2"}
+        assert {ld.req_id for ld in first.kv_connector_metadata.plan.loads} == {"b0", "b1", "b2"}
         assert reloads == {"b0", "b1", "b2"}
     else:  # the connector was reset too: nothing from before may come back
         assert len(marks) == 1

@@ -723,9 +723,14 @@ def test_id_ranges_and_merge():
     b = OffloadWorkerReport.from_host(1, [1, 2, 3])
     assert a.aggregate(a).saved == a.saved  # idempotent
     ab = a.aggregate(b)
-    assert ab.saved == b.aggregate(a).saved == {0: ((1, 4),), 1: ((1, 4),)}  # two hosts stay two
-    assert len(ab) == 7 and ab.failed == {0: ((7, 8),)}
+    assert ab.saved == b.aggregate(a).saved == {(0, 0): ((1, 4),), (0, 1): ((1, 4),)}  # two hosts stay two
+    assert len(ab) == 7 and ab.failed == {(0, 0): ((7, 8),)}
     assert not OffloadWorkerReport.from_host(0)  # empty: vLLM drops it
+    # The same save ids planned by another scheduler half (a DP rank) stay apart, and each half
+    # reads only its own.
+    other = ab.aggregate(OffloadWorkerReport.from_host(1, [1, 2], source=7))
+    assert sorted(other.outcomes(0)) == [(0, ((1, 4),), ((7, 8),)), (1, ((1, 4),), ())]
+    assert list(other.outcomes(7)) == [(1, ((1, 3),), ())]
 
 
 # ---------------------------------------------------------------- SavePlanner

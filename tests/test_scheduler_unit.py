@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import parse_config
-from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, metadata_bytes
+from tpuoffload.messages import OffloadWorkerReport, StepPlan, metadata_bytes
 from tpuoffload.scheduler import OffloadScheduler
 from tpuoffload.scheduler.index import READY
 
@@ -57,7 +57,7 @@ class Fake:
         self.blocks: dict[str, list[int]] = {}  # vLLM's block table
         self.next_block = 100
         self.off.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda r: (self.blocks[r],)))
-        self.metas: list[OffloadMetadata] = []
+        self.metas: list[StepPlan] = []
 
     def request(self, rid: str, prompt: str, n_blocks: int, extra_tokens: int = 1) -> Req:
         n = n_blocks * BS + extra_tokens
@@ -75,13 +75,13 @@ class Fake:
         req.status = WAITING_FOR_KV if ext else RequestStatus.RUNNING
         return ext
 
-    def plan(self, scheduled: dict[str, int] | None = None, preempted=()) -> OffloadMetadata:
+    def plan(self, scheduled: dict[str, int] | None = None, preempted=()) -> StepPlan:
         so = SimpleNamespace(num_scheduled_tokens=dict(scheduled or {}), preempted_req_ids=set(preempted))
-        meta = self.off.build_connector_meta(so)
+        meta = self.off.build_connector_meta(so).plan
         self.metas.append(meta)
         return meta
 
-    def workers(self, meta: OffloadMetadata, hosts=None, failed_blocks=(), confirm=True) -> None:
+    def workers(self, meta: StepPlan, hosts=None, failed_blocks=(), confirm=True) -> None:
         """Every host executes ``meta`` and reports it (the report vLLM merged from all of them)."""
         hosts = range(self.hosts) if hosts is None else hosts
         ids = [*meta.save.save_ids, *meta.flush.save_ids]
@@ -94,12 +94,12 @@ class Fake:
             finished_recving={ld.req_id for ld in meta.loads} or None,
             finished_sending=set(meta.release_req_ids) or None))
 
-    def step(self, scheduled=None, preempted=(), **kw) -> OffloadMetadata:
+    def step(self, scheduled=None, preempted=(), **kw) -> StepPlan:
         meta = self.plan(scheduled, preempted)
         self.workers(meta, **kw)
         return meta
 
-    def prefill(self, req: Req) -> OffloadMetadata:
+    def prefill(self, req: Req) -> StepPlan:
         """Schedule the whole (rest of the) prompt in one step."""
         n = req.num_tokens - req.num_computed_tokens
         meta = self.step({req.request_id: n})
@@ -439,6 +439,6 @@ def test_stats_and_snapshot_use_registered_names_and_metadata_stays_small():
     assert names <= set(C.SCHEDULER_NAMES) and C.SAVES_ISSUED in names
     snap = f.off.snapshot()
     assert snap["slots_total"] == 16 and snap["totals"][C.SAVES_ISSUED] == 8
-    empty = metadata_bytes(OffloadMetadata(meta.step, meta.num_slots))
+    empty = metadata_bytes(StepPlan(meta.step, meta.num_slots))
     assert (metadata_bytes(meta) - empty) / len(meta.save) < 16  # bytes per saved chunk on the wire
     assert f.off.index.state_of(meta.save.slots[0]) == READY

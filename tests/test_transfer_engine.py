@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpuoffload.backend.host_backend import EMPTY
 from tpuoffload.config import parse_config
 from tpuoffload.layout import CacheLayout, UnsupportedCache
-from tpuoffload.messages import LoadRequest, OffloadMetadata, SaveBatch
+from tpuoffload.messages import LoadRequest, OffloadMetadata, StepPlan, SaveBatch
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
@@ -1120,11 +1120,11 @@ def test_worker_reports_and_counts_load_read_failure():
     src = host(runners["clean"].kv_caches)
     blocks, dst = list(range(n)), list(range(30, 30 + n))
     try:
-        save = OffloadMetadata(step=0, num_slots=slots_total,
-                               save=SaveBatch(tuple(blocks), tuple(range(n)), range(100, 100 + n)))
+        save = OffloadMetadata([StepPlan(step=0, num_slots=slots_total,
+                               save=SaveBatch(tuple(blocks), tuple(range(n)), range(100, 100 + n)))])
         loads = (LoadRequest("a", tuple(dst[:10]), tuple(range(10)), tuple(range(100, 110))),
                  LoadRequest("b", tuple(dst[10:]), tuple(range(10, n)), tuple(range(110, 100 + n))))
-        load = OffloadMetadata(step=1, num_slots=slots_total, loads=loads)
+        load = OffloadMetadata([StepPlan(step=1, num_slots=slots_total, loads=loads)])
         out = {}
         for step, meta in enumerate((save, load)):
             if step == 1:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuoffload.config import parse_config
-from tpuoffload.messages import LoadRequest, OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.messages import LoadRequest, OffloadMetadata, StepPlan, OffloadWorkerReport, SaveBatch
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 from tpuoffload.worker.offload_worker import OffloadWorker
 
@@ -40,8 +40,8 @@ def test_continue_decode_hook_order_loads_exact_saves_skipped_no_crash():
     original = [np.asarray(c) for c in runner.kv_caches]
 
     # Step 0: a normal step saves blocks 3 and 4 into slots 0 and 1.
-    worker.bind(OffloadMetadata(step=0, num_slots=worker.engine.backend.num_slots,
-                                save=SaveBatch((3, 4), (0, 1), (100, 101))))
+    worker.bind(OffloadMetadata([StepPlan(step=0, num_slots=worker.engine.backend.num_slots,
+                                save=SaveBatch((3, 4), (0, 1), (100, 101)))]))
     worker.start_load()
     worker.wait_for_save()
     worker.clear()
@@ -49,9 +49,9 @@ def test_continue_decode_hook_order_loads_exact_saves_skipped_no_crash():
     assert worker.build_report() == OffloadWorkerReport.from_host(0, saved_ids=[100, 101])
 
     # Step 1, continue-decode: loads of slots 0, 1 into blocks 10, 11 and a save of block 5.
-    meta = OffloadMetadata(step=1, num_slots=worker.engine.backend.num_slots,
+    meta = OffloadMetadata([StepPlan(step=1, num_slots=worker.engine.backend.num_slots,
                            save=SaveBatch((5,), (2,), (102,)),
-                           loads=(LoadRequest("r", (10, 11), (0, 1), (100, 101)),))
+                           loads=(LoadRequest("r", (10, 11), (0, 1), (100, 101)),))])
     worker.bind(meta)  # the loads are dispatched here, before the loop reads runner.kv_caches
     final = _decode_loop(runner.kv_caches)  # donates them; the runner assigns only after exit
     worker.start_load()  # vLLM's mixin calls it on exit for async loads: must not touch deleted arrays
@@ -79,8 +79,8 @@ def test_load_failure_in_dispatch_is_counted_and_reported():
     worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 22}), host_id=0)
     worker.register_runner(runner)
     # Slots never written: every block of the load fails on this host.
-    worker.bind(OffloadMetadata(step=0, num_slots=worker.engine.backend.num_slots,
-                                loads=(LoadRequest("r", (1, 2, 3), (0, 1, 2), (7, 8, 9), (4,)),)))
+    worker.bind(OffloadMetadata([StepPlan(step=0, num_slots=worker.engine.backend.num_slots,
+                                loads=(LoadRequest("r", (1, 2, 3), (0, 1, 2), (7, 8, 9), (4,)),))]))
     worker.wait_for_save()
     errors = worker.take_load_errors()
     worker.clear()

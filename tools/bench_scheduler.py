@@ -168,7 +168,7 @@ class Sim:
         elif self.kind == "hits":
             kv_out = self._ack_hits(so.kv_connector_metadata)
         elif self.kind == "tpu":
-            kv_out = self._ack_tpu(so.kv_connector_metadata)
+            kv_out = self._ack_tpu(so.kv_connector_metadata.plan)
         elif self.kind == "offloading":
             kv_out = self._ack_offloading(so.kv_connector_metadata)
         return ModelRunnerOutput(

@@ -203,3 +203,14 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
     if out.get("persist_interval_s") and "persist_path" not in out:
         raise ValueError("kv_connector_extra_config['persist_interval_s'] needs 'persist_path'")
     return OffloadConfig(**out)
+
+
+def check_dp_config(config: OffloadConfig) -> None:
+    """Under tpu-inference's DPScheduler (topology.DPRank) every rank's vLLM scheduler receives every
+    ``finished_sending`` id and asserts it is its own, so nothing may delay freeing a request's
+    blocks (lazy offload does); warm restart and the disk tier are not planned per rank yet."""
+    refused = [key for key, on in (("lazy_offload", config.lazy_offload), ("persist_path", config.persist_path),
+                                   ("disk_path", config.disk_path)) if on]
+    if refused:
+        raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with data parallelism (tpu-inference's "
+                         "DPScheduler, sharding_config.total_dp_size > 1) yet")

@@ -22,10 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tpuoffload.config import parse_config
+from tpuoffload.config import check_dp_config, parse_config
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.scheduler import OffloadScheduler
-from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers, storage_factor
+from tpuoffload.scheduler.topology import DPRank, host_chunk_bytes, reporting_workers, storage_factor
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
 from tpuoffload.worker.persistence import Deployment
@@ -55,15 +55,21 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is None:
                 raise ValueError("TPUOffloadConnector needs the KV cache config on the scheduler side")
+            dp = DPRank.of(vllm_config, kv_cache_config)
+            if dp.ranks > 1:
+                check_dp_config(self.config)
             self.scheduler = OffloadScheduler(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
                 chunk_bytes=host_chunk_bytes(kv_cache_config, self.num_workers, storage_factor(vllm_config)),
                 num_hosts=self.num_workers,
                 hosts_source=workers_source,
+                dp=dp,
             )
-            logger.info("tpuoffload scheduler: %d host slots of %d bytes per host; %d worker processes confirm "
-                        "each chunk (%s); %s", self.scheduler.index.num_slots, self.scheduler.chunk_bytes,
+            logger.info("tpuoffload scheduler%s: %d host slots of %d bytes per host; %d worker processes confirm "
+                        "each chunk (%s); %s",
+                        f" (DPScheduler rank of {dp.ranks}, {dp.num_blocks} blocks, source {dp.source})"
+                        if dp.ranks > 1 else "", self.scheduler.index.num_slots, self.scheduler.chunk_bytes,
                         self.num_workers, workers_source, self.config.summary())
             self._bind_scheduler_hooks()
         else:

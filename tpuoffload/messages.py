@@ -67,8 +67,13 @@ class LoadRequest:
 
 
 @dataclass
-class OffloadMetadata(KVConnectorMetadata):
-    """The same object reaches every worker each step; workers act on nothing else."""
+class StepPlan:
+    """One scheduler half's plan for one step; workers act on nothing else.
+
+    Block ids and slots are the planning scheduler's own. With one vLLM scheduler they are the
+    engine's; under tpu-inference's ``DPScheduler`` each DP rank's scheduler plans over its own
+    ``num_blocks`` blocks and ``num_slots`` slots, and the workers place them (``placement``).
+    """
 
     step: int
     num_slots: int
@@ -93,6 +98,51 @@ class OffloadMetadata(KVConnectorMetadata):
     # A connector reset: every chunk saved under a save id below this is gone for good, also from
     # the checkpoints written after this step (and saves still in flight never become restorable).
     revoke_below: int | None = None
+    # Who planned it: the scheduler half's ``source`` (its reports come back under it).
+    source: int = 0
+    # Blocks of the planning scheduler's KV cache (0: the engine's whole cache).
+    num_blocks: int = 0
+    # Loads complete within the step (DP mode: vLLM is told they are synchronous, so no
+    # finished_recving, which DPScheduler would hand to every rank, is ever reported).
+    sync_loads: bool = False
+    # DPScheduler's merge adds ``rank * num_blocks`` to every entry of a plan's
+    # ``local_block_ids``: this one entry, 0 when planned, tells the workers where the rank's
+    # blocks start in the engine's cache. The DP scheduler's own translation, so it cannot drift.
+    local_block_ids: list[int] = field(default_factory=lambda: [0])
+
+    def placement(self) -> tuple[int, int, int]:
+        """(block offset, slot offset, save id offset) of this plan in the engine's numbering: a DP
+        rank's blocks start where DPScheduler put them; its slots and save ids are that rank's
+        own range of the host store (rank = block offset // num_blocks)."""
+        block_offset = self.local_block_ids[0]
+        rank = block_offset // self.num_blocks if self.num_blocks else 0
+        return block_offset, rank * self.num_slots, rank << RANK_SAVE_ID_SHIFT
+
+
+#: A DP rank's save ids are offset by ``rank << RANK_SAVE_ID_SHIFT`` in the engine (ranks plan
+#: their own ids from 0; no rank plans 2**40 saves).
+RANK_SAVE_ID_SHIFT = 40
+
+
+@dataclass
+class OffloadMetadata(KVConnectorMetadata):
+    """What vLLM hands every worker each step: the plans of every scheduler half.
+
+    One vLLM scheduler sends one plan. tpu-inference's ``DPScheduler`` (data parallelism) runs one
+    scheduler per DP rank and merges their metadata by duck typing: ``type(meta)()``, then it
+    extends ``requests_meta`` (translating each entry's ``local_block_ids``) and drops every other
+    field. So the plans live in ``requests_meta`` under that name, and this class has a no-argument
+    constructor. Workers execute the plans in list order, the same on every host.
+    """
+
+    requests_meta: list[StepPlan] = field(default_factory=list)
+
+    @property
+    def plan(self) -> StepPlan:
+        """The one plan of a single scheduler's metadata."""
+        if len(self.requests_meta) != 1:
+            raise ValueError(f"metadata carries {len(self.requests_meta)} plans, not one")
+        return self.requests_meta[0]
 
 
 def metadata_bytes(meta: OffloadMetadata) -> int:
@@ -127,7 +177,7 @@ def merge_ranges(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:
     return tuple((s, e) for s, e in out)
 
 
-def _merge_maps(x: dict[int, tuple[Range, ...]], y: dict[int, tuple[Range, ...]]) -> dict[int, tuple[Range, ...]]:
+def _merge_maps(x: dict, y: dict) -> dict:
     out = dict(x)
     for host, ranges in y.items():
         out[host] = merge_ranges(out.get(host, ()), ranges)
@@ -136,16 +186,18 @@ def _merge_maps(x: dict[int, tuple[Range, ...]], y: dict[int, tuple[Range, ...]]
 
 @dataclass
 class OffloadWorkerReport(KVConnectorWorkerMetadata):
-    """Save outcomes of one or more hosts: ``saved[host]`` and ``failed[host]`` are ranges of save
-    ids. Merging is a union per host, so a report merged twice counts once (idempotent, order-free)
-    while the same save confirmed by two hosts stays two confirmations.
+    """Save outcomes of one or more hosts: ``saved[source, host]`` and ``failed[source, host]`` are
+    ranges of the save ids that scheduler half ``source`` planned (``StepPlan.source``). Merging is
+    a union per key, so a report merged twice counts once (idempotent, order-free) while the same
+    save confirmed by two hosts stays two confirmations. Under DPScheduler every rank's scheduler
+    receives the whole report and reads only its own source's entries.
 
     Build one with ``OffloadWorkerReport.from_host(host, saved_ids, failed_ids)``; the scheduler's
     ledger applies a range with a few array operations, not per save id.
     """
 
-    saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
-    failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[Range, ...]] = field(default_factory=dict)
+    failed: dict[tuple[int, int], tuple[Range, ...]] = field(default_factory=dict)
     # The disk tier: spills written (or failed) by each host, ranges of disk ids as above.
     disk_saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
     disk_failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
@@ -158,9 +210,17 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     checkpoints: dict[int, tuple[tuple[int, int, bool], ...]] = field(default_factory=dict)
 
     @classmethod
-    def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = ()) -> "OffloadWorkerReport":
+    def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = (),
+                  source: int = 0) -> "OffloadWorkerReport":
         saved, failed = id_ranges(saved_ids), id_ranges(failed_ids)
-        return cls({host: saved} if saved else {}, {host: failed} if failed else {})
+        key = (source, host)
+        return cls({key: saved} if saved else {}, {key: failed} if failed else {})
+
+    def outcomes(self, source: int) -> Iterable[tuple[int, tuple[Range, ...], tuple[Range, ...]]]:
+        """(host, saved ranges, failed ranges) of the saves ``source`` planned."""
+        for src, host in set(self.saved) | set(self.failed):
+            if src == source:
+                yield host, self.saved.get((src, host), ()), self.failed.get((src, host), ())
 
     def __len__(self) -> int:
         """Save outcomes carried (a host's confirmation of a save counts one)."""
@@ -173,7 +233,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         return bool(self.hosts())
 
     def hosts(self) -> set[int]:
-        return (set(self.saved) | set(self.failed) | set(self.disk_saved) | set(self.disk_failed)
+        return ({host for _, host in self.saved} | {host for _, host in self.failed}
+                | set(self.disk_saved) | set(self.disk_failed)
                 | set(self.restored) | set(self.disk_restored) | set(self.checkpoints))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":

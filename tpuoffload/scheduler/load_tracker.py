@@ -151,6 +151,12 @@ class LoadTracker:
                 unknown += 1
         return unknown
 
+    def finished_sync(self) -> None:
+        """Synchronous loads (``DPRank.sync_loads``) are done once the output of a step after their
+        emission arrives; vLLM gets no completion for them. (With async scheduling a load emitted one
+        step later is dropped here too: its failures then recompute without discarding the chunk.)"""
+        self._in_flight.clear()
+
     def failed_blocks(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
         """(slot, save_id) of the in-flight loads' chunks whose target block failed to load."""
         bad = set(block_ids)

@@ -29,7 +29,7 @@ from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
-from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.scheduler.disk_index import DiskIndex, FetchPlanner
 from tpuoffload.scheduler.hash_table import PackedHashes
 from tpuoffload.scheduler.index import ChunkIndex
@@ -39,6 +39,7 @@ from tpuoffload.scheduler.load_tracker import LoadTracker
 from tpuoffload.scheduler.restart import WarmRestart
 from tpuoffload.scheduler.save_planner import EMPTY, SavePlanner
 from tpuoffload.scheduler.staging import StagingBudget
+from tpuoffload.scheduler.topology import DPRank
 from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 
@@ -61,14 +62,17 @@ def waits_for_load(request: "Request") -> bool:
 
 class OffloadScheduler:
     def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
-                 hosts_source: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+                 hosts_source: str = "", clock: Callable[[], float] = time.monotonic,
+                 dp: DPRank | None = None) -> None:
         if block_size <= 0 or chunk_bytes <= 0:
             raise ValueError(f"block_size ({block_size}) and chunk_bytes ({chunk_bytes}) must be positive")
         self.config = config
         self.block_size = block_size
         self.chunk_bytes = chunk_bytes
         host_bytes = config.host_bytes(chunk_bytes)
-        num_slots = host_bytes // chunk_bytes
+        # Under DPScheduler each rank's half plans over its own share of every host's slots.
+        self.dp = dp or DPRank()
+        num_slots = host_bytes // chunk_bytes // self.dp.ranks
         if num_slots == 0:
             raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than one chunk ({chunk_bytes} bytes per host)")
         #: The scheduler's monotonic clock (save deadlines); replaceable, e.g. by tests.
@@ -102,8 +106,8 @@ class OffloadScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
         self._stats_seq = 0
-        self._snapshot = (SnapshotWriter(config.stats_dir, "scheduler.json", config.stats_interval_s, self.snapshot)
-                          if config.stats_dir else None)
+        self._snapshot = (SnapshotWriter(config.stats_dir, self.dp.snapshot_name(), config.stats_interval_s,
+                                         self.snapshot) if config.stats_dir else None)
 
     @property
     def num_hosts(self) -> int:
@@ -124,7 +128,7 @@ class OffloadScheduler:
         hits = self.loads.lookup(request, num_computed_tokens)
         if self.fetches is not None and self.fetches.wants(request, num_computed_tokens // self.block_size, hits):
             return None, False  # its prefix continues on disk: ask again once it is back in host RAM
-        return hits * self.block_size, hits > 0
+        return hits * self.block_size, hits > 0 and not self.dp.sync_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks | None",
                                  num_external_tokens: int) -> None:
@@ -156,7 +160,11 @@ class OffloadScheduler:
         # Reconcile vLLM's view first: preemptions since the last plan (a reset may have preempted
         # a request that this same schedule() already admitted again).
         self.requests.preempted(scheduler_output.preempted_req_ids or ())
-        loads, load_slots = self.loads.emit(waits_for_load)
+        if self.dp.sync_loads:  # loaded before this step's forward, in the step that admits the request
+            scheduled = scheduler_output.num_scheduled_tokens
+            loads, load_slots = self.loads.emit(lambda request: request.request_id in scheduled)
+        else:
+            loads, load_slots = self.loads.emit(waits_for_load)
         # A newly scheduled request's block ids are in the output already (vLLM built them for the
         # workers); the others come from the KV cache manager.
         new_blocks = {r.req_id: r.block_ids[0] for r in getattr(scheduler_output, "scheduled_new_reqs", ())}
@@ -188,14 +196,15 @@ class OffloadScheduler:
             spill = self.disk.spill(*self.index.take_evicted(), step)
             drops = self.disk.take_drops()
         self._apply_resolved()  # early reports replayed by the new batches
-        meta = OffloadMetadata(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
-                               disk_drop=drops, spill=spill, fetch=fetch,
-                               checkpoint=checkpoint, persist_waiting=self.restart.saves_blocked,
-                               revoke_below=self.restart.take_revoke())
+        plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
+                        disk_drop=drops, spill=spill, fetch=fetch,
+                        checkpoint=checkpoint, persist_waiting=self.restart.saves_blocked,
+                        revoke_below=self.restart.take_revoke(), source=self.dp.source,
+                        num_blocks=self.dp.num_blocks, sync_loads=self.dp.sync_loads)
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()
-        return meta
+        return OffloadMetadata([plan])
 
     def _skip_saves(self, block_ids, hashes, step: int) -> SaveBatch:
         """While a checkpoint is written no save is planned (it would donate the stores)."""
@@ -208,7 +217,7 @@ class OffloadScheduler:
         dispatched yet (lazy mode): every save already in a plan is dispatched by the workers
         before any later step can reuse the blocks."""
         req_id = request.request_id
-        load_in_flight = self.loads.forget(req_id)
+        load_in_flight = self.loads.forget(req_id) and not self.dp.sync_loads  # a sync load is done
         if self.fetches is not None:
             self.fetches.forget(req_id)
         return self.requests.finish(request, block_ids, load_in_flight), None
@@ -223,10 +232,9 @@ class OffloadScheduler:
         # of abc (tens of microseconds when abc's caches were invalidated meanwhile).
         if report is not None and (type(report) is OffloadWorkerReport or isinstance(report, OffloadWorkerReport)):
             self.restart.on_report(report)
-            for host, ranges in report.saved.items():
-                self.ledger.report(host, ok=ranges)
-            for host, ranges in report.failed.items():
-                self.ledger.report(host, failed=ranges)
+            # Under DPScheduler the report holds every rank's saves: only this half's are read.
+            for host, saved, failed in report.outcomes(self.dp.source):
+                self.ledger.report(host, ok=saved, failed=failed)
             if self.disk is not None:
                 for host, ranges in report.disk_saved.items():
                     self.disk.report(host, ok=ranges)
@@ -237,6 +245,8 @@ class OffloadScheduler:
         if output.invalid_block_ids:
             for slot, save_id in self.loads.failed_blocks(output.invalid_block_ids):
                 self.index.discard(slot, save_id)
+        if self.dp.sync_loads:  # synchronous loads were done in the step whose output this is
+            self.loads.finished_sync()
         unknown = 0
         if output.finished_recving:
             unknown += self.loads.finished(output.finished_recving)

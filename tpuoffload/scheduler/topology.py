@@ -17,6 +17,8 @@ right one (one process per rank). The count is both the number of confirmations 
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -81,3 +83,48 @@ def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor:
         raise ValueError(f"one block of every layer is {total} bytes, which does not divide over "
                          f"{num_workers} reporting worker processes")
     return total // num_workers
+
+
+@dataclass(frozen=True)
+class DPRank:
+    """Which part of the engine one scheduler half plans for.
+
+    With data parallelism tpu-inference 0.32 replaces vLLM's scheduler with its ``DPScheduler``
+    (``tpu_inference/core/sched/dp_scheduler.py``): one vLLM scheduler, and so one scheduler-role
+    connector, per DP rank, each in its own forked process over ``num_blocks`` (the rank's share of
+    the blocks). What that asks of a half:
+
+    * ``ranks``: it plans over ``1/ranks`` of every host's slots (the workers place the rank's
+      share after the others', ``StepPlan.placement``), so no two halves hand out the same slot;
+    * ``source``: its reports come back under this id (the rank process's pid: unique among the
+      ranks of one engine), since every rank's scheduler receives every worker report;
+    * ``sync_loads``: DPScheduler hands the workers' ``finished_recving`` to every rank's vLLM
+      scheduler, which asserts that each id is its own request, so no load may be asynchronous:
+      a hit is loaded before the forward of the step that admits it, and reported to vLLM only
+      through ``invalid_block_ids`` when it fails.
+
+    The default is one vLLM scheduler for the whole engine.
+    """
+
+    ranks: int = 1
+    num_blocks: int = 0
+    source: int = 0
+
+    @property
+    def sync_loads(self) -> bool:
+        return self.ranks > 1
+
+    def snapshot_name(self) -> str:
+        return "scheduler.json" if self.ranks == 1 else f"scheduler-{self.source}.json"
+
+    @classmethod
+    def of(cls, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> "DPRank":
+        """The rank this process's scheduler plans for: tpu-inference's DPScheduler is installed
+        exactly when ``sharding_config.total_dp_size > 1`` (``update_vllm_config_for_dp_scheduler``)."""
+        sharding = getattr(vllm_config, "sharding_config", None)
+        ranks = int(sharding.total_dp_size) if sharding is not None else 1
+        sched_cls = getattr(vllm_config.scheduler_config, "scheduler_cls", None)
+        name = sched_cls if isinstance(sched_cls, str) else getattr(sched_cls, "__qualname__", "")
+        if ranks <= 1 or not str(name).endswith("DPScheduler"):
+            return cls()
+        return cls(ranks, kv_cache_config.num_blocks, os.getpid())

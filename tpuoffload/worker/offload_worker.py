@@ -35,7 +35,15 @@ import jax
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import LoadRequest, OffloadMetadata, OffloadWorkerReport, SaveBatch
+from tpuoffload.messages import (
+    RANK_SAVE_ID_SHIFT,
+    LoadRequest,
+    OffloadMetadata,
+    OffloadWorkerReport,
+    SaveBatch,
+    StepPlan,
+    id_ranges,
+)
 from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
@@ -70,6 +78,8 @@ class OffloadWorker:
         self._runner: CacheOwner | None = None
         self.engine: TransferEngine | None = None
         self._meta: OffloadMetadata | None = None
+        self._placed: list[_Placed] = []  # the step's plans in the engine's numbering
+        self._sources: dict[int, int] = {}  # DP rank -> the source of its scheduler half
         self._saved = False
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -140,41 +150,60 @@ class OffloadWorker:
     def bind(self, meta: OffloadMetadata) -> None:
         if self.engine is None:
             raise RuntimeError("tpuoffload: register_runner() must be called before the first step")
-        if meta.num_slots > self.engine.backend.num_slots:
-            raise ValueError(
-                f"the scheduler plans {meta.num_slots} host slots but this host (host {self.host_id}) has "
-                f"{self.engine.backend.num_slots}: the scheduler and workers disagree on the chunk size (this host "
-                f"stores {self.engine.backend.slot_bytes} bytes per chunk, replicas included). Set "
-                f"num_cpu_chunks={self.engine.backend.num_slots} in kv_connector_extra_config instead of cpu_bytes_to_use"
-            )
-        if meta.step == 0 and meta.num_slots < self.engine.backend.num_slots:
-            logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "
-                           "the two halves computed differ", self.host_id, meta.num_slots, self.engine.backend.num_slots)
+        plans = meta.requests_meta
+        if not plans:
+            raise ValueError("tpuoffload: the step's metadata carries no plan")
+        placed = [_Placed(plan) for plan in plans]
+        self._check_slots(placed)
         if self._snapshot is not None:
             self._snapshot.step_begin()  # the heartbeat now reports this step's age (a hang shows)
         self._meta = meta
+        self._placed = placed
         self._saved = False
-        self.engine.log.record("step", n=meta.step)
-        if meta.revoke_below is not None:
-            self.engine.backend.revoke_below(meta.revoke_below)
+        for p in placed:
+            self._sources[p.rank] = p.plan.source
+        plan = plans[0]
+        self.engine.log.record("step", n=plan.step)
+        if len(plans) > 1 and any(p.checkpoint or p.revoke_below is not None or len(p.spill) or len(p.fetch)
+                                  or len(p.disk_drop) for p in plans):
+            raise ValueError("tpuoffload: warm restart and the disk tier are not supported with several "
+                             "scheduler plans per step (DPScheduler)")
+        if plan.revoke_below is not None:
+            self.engine.backend.revoke_below(plan.revoke_below)
             if self.disk is not None:
                 self.disk.delete_all()
-        if meta.checkpoint:
-            self._checkpoint(meta.step)
+        if plan.checkpoint:
+            self._checkpoint(plan.step)
         if self.disk is not None:
-            self._disk_step(meta)
-        elif len(meta.spill) or len(meta.fetch):
+            self._disk_step(plan)
+        elif len(plan.spill) or len(plan.fetch):
             raise ValueError(f"the scheduler plans disk-tier work but disk_path is not set on host {self.host_id}")
-        self._save(meta.flush)
-        self._load(meta.loads)
+        self._save(_concat_saves([p.flush for p in placed]))
+        self._load(placed)
+
+    def _check_slots(self, placed: list["_Placed"]) -> None:
+        have = self.engine.backend.num_slots
+        for p in placed:
+            need = p.slot_offset + p.plan.num_slots
+            if need > have:
+                raise ValueError(
+                    f"the scheduler plans host slots up to {need} but this host (host {self.host_id}) has {have}: "
+                    f"the scheduler and workers disagree on the chunk size (this host stores "
+                    f"{self.engine.backend.slot_bytes} bytes per chunk, replicas included). Set "
+                    f"num_cpu_chunks={have} in kv_connector_extra_config instead of cpu_bytes_to_use")
+        plan = placed[0].plan
+        if plan.step == 0 and len(placed) == 1 and plan.num_slots < have:
+            logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "
+                           "the two halves computed differ", self.host_id, plan.num_slots, have)
 
     def start_load(self) -> None:
         """Nothing to do: this step's loads were dispatched in ``bind`` (see the module doc)."""
 
-    def _load(self, loads: tuple[LoadRequest, ...]) -> None:
-        if not loads:
+    def _load(self, placed: list["_Placed"]) -> None:
+        """Every plan's loads in one engine call; load errors go back in each plan's own block ids."""
+        if not any(p.loads for p in placed):
             return
-        blocks, slots, save_ids = _concat_loads(loads)
+        blocks, slots, save_ids = _concat_loads(load for p in placed for load in p.loads)
         try:
             caches, failed = self.engine.load(self._live_caches(), blocks, slots, save_ids)
             self._runner.kv_caches = caches
@@ -182,10 +211,13 @@ class OffloadWorker:
             logger.exception("tpuoffload: load dispatch failed on host %d", self.host_id)
             failed = blocks
             self._count(C.LOAD_ERRORS, len(blocks))
-        self._load_errors.update(failed)
-        for load in loads:
-            self._load_errors.update(load.unavailable_block_ids)
-            self._finished_recving.add(load.req_id)
+        failed = set(failed)
+        for p in placed:
+            for load in p.loads:
+                self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
+                self._load_errors.update(load.unavailable_block_ids)
+                if not p.plan.sync_loads:
+                    self._finished_recving.add(load.req_id)
 
     def _live_caches(self) -> list[jax.Array]:
         caches = list(self._runner.kv_caches)
@@ -197,9 +229,9 @@ class OffloadWorker:
         if self._meta is None or self._saved:
             return
         self._saved = True
-        self._save(self._meta.save)
+        self._save(_concat_saves([p.save for p in self._placed]))
 
-    def _disk_step(self, meta: OffloadMetadata) -> None:
+    def _disk_step(self, meta: StepPlan) -> None:
         try:
             if self.persistence is not None and (len(meta.fetch) or len(meta.spill)):
                 self.persistence.before_save()  # installs donate the stores too
@@ -232,7 +264,7 @@ class OffloadWorker:
             self._report_failures.extend(batch.save_ids)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        sending = set(self._meta.release_req_ids) if self._meta is not None else set()
+        sending = {r for p in self._placed for r in p.plan.release_req_ids} if self._meta is not None else set()
         recving, self._finished_recving = self._finished_recving, set()
         return sending or None, recving or None
 
@@ -246,14 +278,25 @@ class OffloadWorker:
         failed = [r.save_id for r in results if not r.ok] + self._report_failures
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
-        report = OffloadWorkerReport.from_host(self.host_id, saved, failed)
+        report = self._save_report(saved, failed)
         if self.disk is not None:
             written, lost = self.disk.take_outcomes()
-            disk = OffloadWorkerReport.from_host(self.host_id, written, lost)
-            report.disk_saved, report.disk_failed = disk.saved, disk.failed
+            report.disk_saved, report.disk_failed = _host_ranges(self.host_id, written), _host_ranges(self.host_id, lost)
         if self.persistence is not None:
-            self.persistence.add_to_report(report, repeat=self._meta is not None and self._meta.persist_waiting)
+            waiting = self._meta is not None and self._placed[0].plan.persist_waiting
+            self.persistence.add_to_report(report, repeat=waiting)
         return report if report else None
+
+    def _save_report(self, saved: list[int], failed: list[int]) -> OffloadWorkerReport:
+        """Outcomes under the source and save ids of the plan that asked for each save."""
+        if len(self._sources) <= 1:  # one scheduler: its ids are the engine's
+            return OffloadWorkerReport.from_host(self.host_id, saved, failed, source=self._sources.get(0, 0))
+        report = OffloadWorkerReport()
+        mask = (1 << RANK_SAVE_ID_SHIFT) - 1
+        for rank, source in self._sources.items():
+            mine = lambda ids: [i & mask for i in ids if i >> RANK_SAVE_ID_SHIFT == rank]  # noqa: E731
+            report = report.aggregate(OffloadWorkerReport.from_host(self.host_id, mine(saved), mine(failed), source))
+        return report
 
     def _count(self, name: str, n: int) -> None:
         """Count what the worker itself decided (dispatch-level failures); the engine counts the rest."""
@@ -284,6 +327,7 @@ class OffloadWorker:
         if self._meta is None:
             return None
         self._meta = None
+        self._placed = []
         digest = self.engine.finish_step()
         self.digests.append(digest)
         if self._snapshot is not None:
@@ -339,6 +383,43 @@ class OffloadWorker:
             if self._snapshot is not None:
                 self._snapshot.close()
                 self._snapshot.maybe_write(force=True)
+
+
+class _Placed:
+    """One plan in the engine's numbering: a DP rank's blocks, slots and save ids moved to where
+    DPScheduler and the rank's share of the host store put them (``StepPlan.placement``)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+        self.block_offset, self.slot_offset, id_offset = plan.placement()
+        self.rank = id_offset >> RANK_SAVE_ID_SHIFT
+        if not (self.block_offset or self.slot_offset or id_offset):  # one scheduler: nothing moves
+            self.flush, self.save, self.loads = plan.flush, plan.save, plan.loads
+            return
+        b, s, i = self.block_offset, self.slot_offset, id_offset
+        self.flush, self.save = (SaveBatch(_shift(x.block_ids, b), _shift(x.slots, s), _shift(x.save_ids, i), x.keys)
+                                 for x in (plan.flush, plan.save))
+        self.loads = tuple(LoadRequest(ld.req_id, tuple(_shift(ld.block_ids, b)), _shift(ld.slots, s),
+                                       _shift(ld.save_ids, i), ld.unavailable_block_ids) for ld in plan.loads)
+
+
+def _shift(ids, offset: int):
+    if isinstance(ids, range):
+        return range(ids.start + offset, ids.stop + offset, ids.step)
+    return tuple(x + offset for x in ids)
+
+
+def _concat_saves(batches: list[SaveBatch]) -> SaveBatch:
+    batches = [b for b in batches if b]
+    if len(batches) <= 1:
+        return batches[0] if batches else SaveBatch()
+    return SaveBatch(*(tuple(x for b in batches for x in getattr(b, f)) for f in ("block_ids", "slots", "save_ids")),
+                     keys=b"".join(b.keys for b in batches))
+
+
+def _host_ranges(host: int, ids) -> dict[int, tuple]:
+    ranges = id_ranges(ids)
+    return {host: ranges} if ranges else {}
 
 
 def _concat_loads(loads: Iterable[LoadRequest]) -> tuple[list[int], list[int], list[int]]:
