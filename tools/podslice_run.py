@@ -85,7 +85,8 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
             up = time.monotonic() - t_start
             res = run_prefix_repetition(pod, workload, on_step=note_first_hit)
             states = pod.worker_state()
-            leaks = {k: v for k, v in pod.offload.leak_report().items() if v}
+            leaks = {f"{r.get('source', 'scheduler')}:{k}": v for r in pod.leak_reports() for k, v in r.items()
+                     if v and k != "source"}
     except DigestMismatch as e:
         print(f"  digest check      FAILED: {str(e).splitlines()[0]}")
         print("\n".join("    " + line for line in str(e).splitlines()[1:40]))

@@ -36,7 +36,10 @@ class Snapshot:
 
     @property
     def name(self) -> str:
-        return f"host {self.data['host']}" if self.data.get("kind") == "host" else "scheduler"
+        if self.data.get("kind") == "host":
+            return f"host {self.data['host']}"
+        rank = self.data.get("dp_rank")
+        return "scheduler" if rank in (None, 0) and "scheduler-dp" not in self.path else f"scheduler dp{rank}"
 
 
 def _load(path: str) -> Snapshot:
@@ -92,7 +95,8 @@ def load_snapshots(paths: list[str]) -> list[Snapshot]:
     files: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, "host-*.json")) + glob.glob(os.path.join(p, "scheduler.json")))
+            found = sorted(glob.glob(os.path.join(p, "host-*.json")) + glob.glob(os.path.join(p, "scheduler.json"))
+                           + glob.glob(os.path.join(p, "scheduler-dp*.json")))  # one per DP rank (DPScheduler)
             if not found:
                 raise StatsInputError(f"{p}: no host-*.json or scheduler.json snapshots in this directory")
             files += found
@@ -205,11 +209,11 @@ def report(snaps: list[Snapshot], now: float) -> dict[str, Any]:
     rows = [_row(s, now) for s in snaps]
     hosts = [r for r, s in zip(rows, snaps) if s.data["kind"] == "host"]
     total = {k: sum(r[k] for r in hosts) for k in ("saved", "saved_GiB", "loaded", "loaded_GiB", "failed", "inflight")}
-    sched = next((s.data for s in snaps if s.data["kind"] == "scheduler"), None)
-    if sched is not None:
-        t = sched.get("totals", {})
-        if t.get("lookup_tokens"):
-            total["hit_rate"] = t.get("hit_tokens", 0) / t["lookup_tokens"]
+    # One scheduler half, or one per DP rank: the slice's hit rate is over all of them.
+    scheds = [s.data.get("totals", {}) for s in snaps if s.data["kind"] == "scheduler"]
+    lookups = sum(t.get("lookup_tokens", 0) for t in scheds)
+    if lookups:
+        total["hit_rate"] = sum(t.get("hit_tokens", 0) for t in scheds) / lookups
     return {"hosts": rows, "total": total, "flagged": [r["name"] for r in rows if r["flags"]]}
 
 

@@ -208,6 +208,9 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     disk_restored: dict[int, bytes] = field(default_factory=dict)
     # Checkpoints this host resolved: host -> ((step it was planned in, checkpoint number, ok), ...).
     checkpoints: dict[int, tuple[tuple[int, int, bool], ...]] = field(default_factory=dict)
+    # Under DPScheduler: the DP rank of each scheduler half (source -> rank), as the workers placed
+    # its plans, so a half can name itself in its stats file and logs.
+    ranks: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = (),
@@ -230,7 +233,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         """True if it carries anything. vLLM's KVOutputAggregator drops a falsy report (``elif
         meta := ...`` and ``... or None``), so a report of restored chunks or checkpoints only,
         whose ``len`` is 0, must still be true."""
-        return bool(self.hosts())
+        return bool(self.hosts() or self.ranks)
 
     def hosts(self) -> set[int]:
         return ({host for _, host in self.saved} | {host for _, host in self.failed}
@@ -248,7 +251,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
                                    _merge_maps(self.disk_saved, other.disk_saved),
                                    _merge_maps(self.disk_failed, other.disk_failed),
                                    {**self.restored, **other.restored},
-                                   {**self.disk_restored, **other.disk_restored}, checkpoints)
+                                   {**self.disk_restored, **other.disk_restored}, checkpoints,
+                                   {**self.ranks, **other.ranks})
 
 
 # ---------------------------------------------------------------------------- warm restart rows

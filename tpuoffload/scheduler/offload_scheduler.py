@@ -106,8 +106,14 @@ class OffloadScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
         self._stats_seq = 0
-        self._snapshot = (SnapshotWriter(config.stats_dir, self.dp.snapshot_name(), config.stats_interval_s,
-                                         self.snapshot) if config.stats_dir else None)
+        self.dp_rank: int | None = None if self.dp.ranks > 1 else 0  # known from the first report (DP)
+        self._snapshot: SnapshotWriter | None = None
+        self._open_snapshot()
+
+    def _open_snapshot(self) -> None:
+        name = self.dp.snapshot_name(self.dp_rank)
+        if self.config.stats_dir and name is not None:
+            self._snapshot = SnapshotWriter(self.config.stats_dir, name, self.config.stats_interval_s, self.snapshot)
 
     @property
     def num_hosts(self) -> int:
@@ -231,6 +237,10 @@ class OffloadScheduler:
         # The exact type first: isinstance against vLLM's abstract base class takes the slow path
         # of abc (tens of microseconds when abc's caches were invalidated meanwhile).
         if report is not None and (type(report) is OffloadWorkerReport or isinstance(report, OffloadWorkerReport)):
+            if self.dp_rank is None and self.dp.source in report.ranks:
+                self.dp_rank = report.ranks[self.dp.source]
+                logger.info("tpuoffload scheduler (source %d) plans for DP rank %d", self.dp.source, self.dp_rank)
+                self._open_snapshot()
             self.restart.on_report(report)
             # Under DPScheduler the report holds every rank's saves: only this half's are read.
             for host, saved, failed in report.outcomes(self.dp.source):
@@ -319,6 +329,7 @@ class OffloadScheduler:
         totals = self.totals + self.counters
         return {
             "kind": "scheduler",
+            "dp_rank": self.dp_rank,
             "step": self._step - 1,
             "num_hosts": self.ledger.num_hosts,
             "totals": dict(totals),

@@ -114,8 +114,12 @@ class DPRank:
     def sync_loads(self) -> bool:
         return self.ranks > 1
 
-    def snapshot_name(self) -> str:
-        return "scheduler.json" if self.ranks == 1 else f"scheduler-{self.source}.json"
+    def snapshot_name(self, rank: int | None) -> str | None:
+        """The half's stats file: ``scheduler.json``, or ``scheduler-dp<rank>.json`` once the
+        workers said which rank it is (None until then)."""
+        if self.ranks == 1:
+            return "scheduler.json"
+        return None if rank is None else f"scheduler-dp{rank}.json"
 
     @classmethod
     def of(cls, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> "DPRank":

@@ -22,6 +22,7 @@ No run can hang and no process outlives the slice:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import random
@@ -321,6 +322,19 @@ class SliceSpec:
                                    tp=self.devices_per_host)
 
 
+def _kill_processes(procs) -> None:
+    """SIGKILL and reap multiprocessing children (DPScheduler's rank processes, which hold both ends
+    of their command pipes and would block forever once the engine is gone)."""
+    for proc in procs:
+        if proc.is_alive():
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for proc in procs:
+        proc.join(timeout=10)
+
+
 def _kill_groups(procs: Iterable[subprocess.Popen]) -> None:
     procs = list(procs)
     for proc in procs:
@@ -354,26 +368,41 @@ class PodSlice:
                  point_faults: PointFaults | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-        from tpuoffload.sim.vllm_setup import make_scheduler
+        from tpuoffload.sim.vllm_setup import is_dp_scheduler, make_scheduler
         from tpuoffload.stats import OffloadStats
 
         self.spec = spec
         self.chaos = chaos or Chaos()
         self.point_faults = point_faults
         self._rng = random.Random(self.chaos.seed)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="podslice-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        sharding = sharding_config(spec.slice_layout())
+        extra = dict(spec.extra_config)
+        if sharding.total_dp_size > 1 and "stats_dir" not in extra:
+            # DPScheduler's rank schedulers live in forked processes: their halves are read back
+            # through their snapshot files (scheduler-dp<rank>.json), one per step.
+            extra.update(stats_dir=os.path.join(self.log_dir, "stats"), stats_interval_s=0)
+        self.stats_dir = extra.get("stats_dir")
+        if self.stats_dir and os.path.isdir(self.stats_dir):  # a reused log dir: no earlier run's files
+            for name in os.listdir(self.stats_dir):
+                if name.endswith(".json"):
+                    os.remove(os.path.join(self.stats_dir, name))
         self.scheduler = make_scheduler(
-            num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=spec.extra_config,
+            num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=extra,
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
             tensor_parallel_size=spec.num_hosts,
             # What tpu-inference's KV cache spec reports: the page of the whole mesh.
             **scheduler_kv_shape(slice_page_bytes(spec.slice_layout()), spec.block_size),
-            sharding_config=sharding_config(spec.slice_layout()),
+            sharding_config=sharding,
         )
-        self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
+        #: tpu-inference's DPScheduler runs the scheduler (total_dp_size > 1): one vLLM scheduler
+        #: and one tpuoffload scheduler half per DP rank, each in a forked process.
+        self.dp_ranks = sharding.total_dp_size if is_dp_scheduler(self.scheduler) else 1
+        self.aggregator = (KVOutputAggregator(spec.num_hosts) if self.dp_ranks > 1
+                           else KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts))
         self.procs: list[subprocess.Popen] = []  # kept after close, so callers can check they are gone
         self._pipes: list[_HostPipe] = []
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="podslice-")
-        os.makedirs(self.log_dir, exist_ok=True)
         self.steps = 0
         self.digests: list[list[str]] = []  # per step, per host
         self.outputs: dict[str, list[int]] = {}
@@ -388,6 +417,7 @@ class PodSlice:
         self.closed = False
         self._failed: str | None = None  # the first failed exchange
         self._finalizer = weakref.finalize(self, _kill_groups, self.procs)
+        self._rank_finalizer = weakref.finalize(self, _kill_processes, list(getattr(self.scheduler, "processes", ())))
         try:
             self._start()
         except BaseException:
@@ -396,7 +426,32 @@ class PodSlice:
 
     @property
     def offload(self):
+        """The scheduler half (one vLLM scheduler only; under DPScheduler see ``leak_reports``)."""
+        if self.dp_ranks > 1:
+            raise AttributeError("under DPScheduler the scheduler halves live in the rank processes")
         return self.scheduler.connector.scheduler
+
+    def leak_reports(self) -> list[dict]:
+        """Every scheduler half's ``leak_report``: the one half, or each DP rank's, read from the
+        snapshot its rank process wrote at its last step."""
+        if self.dp_ranks == 1:
+            return [self.offload.leak_report()]
+        names = sorted(n for n in os.listdir(self.stats_dir) if n.startswith("scheduler-dp"))
+        if len(names) != self.dp_ranks:
+            raise SliceError(f"expected {self.dp_ranks} rank scheduler snapshots in {self.stats_dir}, found {names}")
+        keys = ("requests", "awaiting_release", "queued_flush_or_release", "loads_planned", "loads_in_flight",
+                "pinned_chunks", "saving_chunks", "ledger_pending", "staging_bytes")
+        out = []
+        for name in names:
+            with open(os.path.join(self.stats_dir, name)) as f:
+                snap = json.load(f)
+            out.append({k: snap[k] for k in keys} | {"source": name})
+        return out
+
+    def _live_request_ids(self) -> list[str]:
+        if self.dp_ranks > 1:  # DPScheduler forgets a finished request one step later
+            return sorted(r for r in self.scheduler.assigned_dp_rank if r not in self.finished and r not in self.aborted)
+        return sorted(r for r, req in self.scheduler.requests.items() if not req.is_finished())
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"host{rank}.log")
@@ -409,7 +464,7 @@ class PodSlice:
                    HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", PYTHONUNBUFFERED="1")
         init = {"spec": asdict(self.spec), "chaos": asdict(self.chaos),
                 "point_faults": asdict(self.point_faults) if self.point_faults else None,
-                "vllm_config": self.scheduler.vllm_config, "kv_cache_config": self.scheduler.kv_cache_config}
+                "vllm_config": self.scheduler.vllm_config, "kv_cache_config": self._kv_cache_config()}
         for rank in range(self.spec.num_hosts):
             with open(self.log_path(rank), "wb") as log:
                 proc = subprocess.Popen(
@@ -423,6 +478,14 @@ class PodSlice:
             if msg != "ready":
                 raise self._error(f"host {rank} failed to start: {msg!r}", [rank])
         self.start_state = self.worker_state()
+
+    def _kv_cache_config(self):
+        """The engine's KV cache config, as the workers get it (DPScheduler keeps only per-rank copies)."""
+        if self.dp_ranks == 1:
+            return self.scheduler.kv_cache_config
+        whole = dataclasses.replace(self.scheduler.per_rank_kv_cache_configs[0])
+        whole.num_blocks = self.spec.num_blocks
+        return whole
 
     def _tail(self, rank: int) -> str:
         try:
@@ -524,6 +587,7 @@ class PodSlice:
         """Kill every worker's process group and reap it; safe to call more than once."""
         self.closed = True
         _kill_groups(self.procs)
+        self._rank_finalizer()  # DPScheduler's rank processes block forever on their pipes otherwise
 
     def __enter__(self) -> "PodSlice":
         return self
@@ -539,7 +603,8 @@ class PodSlice:
         """Abort requests as the API server does when a client disconnects."""
         from vllm.v1.request import RequestStatus
 
-        req_ids = [r for r in req_ids if r in self.scheduler.requests]
+        live = set(self._live_request_ids())
+        req_ids = [r for r in req_ids if r in live]
         if not req_ids:
             return []
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
@@ -549,7 +614,7 @@ class PodSlice:
     def step(self) -> None:
         c = self.chaos
         if c.abort_rate and self._rng.random() < c.abort_rate:
-            live = sorted(r for r, req in self.scheduler.requests.items() if not req.is_finished())
+            live = self._live_request_ids()
             if live:
                 self.abort([self._rng.choice(live)])
         so = self.scheduler.schedule()
@@ -563,9 +628,28 @@ class PodSlice:
         if c.duplicate_report_rate and self._rng.random() < c.duplicate_report_rate:
             outputs.append(outputs[self._rng.randrange(len(outputs))])  # one host's output twice
         merged = self.aggregator.aggregate(outputs, output_rank=0)
+        if self.dp_ranks > 1:
+            self._absorb_dp_stats(merged)
         eco = self.scheduler.update_from_output(so, merged)
         absorb_outputs(self, eco)
         self.steps += 1
+
+    def _absorb_dp_stats(self, merged) -> None:
+        """DPScheduler drops ``kv_connector_stats`` when it combines its ranks' stats (tpu-inference
+        0.32), so nothing of tpuoffload's reaches vLLM's stats path there: take the workers'
+        reports from the merged output, and each rank half's totals from its snapshot file (the
+        operator's path too: ``tpuoffload stats``). A rank's totals only grow: one key per rank,
+        merged by maximum."""
+        from tpuoffload.stats import OffloadStats, make_report
+
+        kv = merged.kv_connector_output if merged is not None else None
+        if kv is not None and kv.kv_connector_stats:
+            self.stats = self.stats.aggregate(OffloadStats(dict(kv.kv_connector_stats.data)))
+        for name in os.listdir(self.stats_dir):
+            if name.startswith("scheduler-dp"):
+                with open(os.path.join(self.stats_dir, name)) as f:
+                    totals = json.load(f)["totals"]
+                self.stats = self.stats.aggregate(OffloadStats(make_report(name, 0, totals)))
 
     def _mangle(self, output):
         kv = output.kv_connector_output
@@ -628,13 +712,14 @@ class PodSlice:
         """Run empty steps until every save is resolved (confirmed, failed or expired), then wait
         for every host's background writes and deliver their last reports. True if settled."""
         deadline = time.monotonic() + timeout
-        while self.offload.leak_report()["ledger_pending"] and time.monotonic() < deadline:
+        pending = lambda: sum(r["ledger_pending"] for r in self.leak_reports())  # noqa: E731
+        while pending() and time.monotonic() < deadline:
             self.step()
             time.sleep(0.05)
         idle = self._exchange(("idle", max(1.0, deadline - time.monotonic())), self.spec.step_timeout_s + timeout,
                               f"settle after step {self.steps}")
         self.step()  # deliver what the writes that just finished reported
-        return not self.offload.leak_report()["ledger_pending"] and all(idle)
+        return not pending() and all(idle)
 
     def worker_state(self) -> list[dict]:
         """Per host: mismatches, positions_verified, inflight_chunks, staging_bytes, backend_bytes,
@@ -735,9 +820,10 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
 
         # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
         caches, mesh = create_caches(spec.slice_layout(), jax.devices())
-        runner = SyntheticRunner(caches, mesh, block_size=spec.block_size)
-        connector = TPUOffloadConnector(init["vllm_config"], KVConnectorRole.WORKER, init["kv_cache_config"])
         vllm_config = init["vllm_config"]
+        runner = SyntheticRunner(caches, mesh, block_size=spec.block_size,
+                                 dp_ranks=vllm_config.sharding_config.total_dp_size)
+        connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, init["kv_cache_config"])
         connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
             vllm_config.model_config.model, vllm_config.cache_config.block_size),
             disk_faults=ChaosDiskFaults(chaos, rank),

@@ -105,13 +105,17 @@ class RunnerStats:
 class SyntheticRunner:
     """One host's runner. ``kv_caches`` is replaced after every donating update, as in tpu-inference."""
 
-    def __init__(self, kv_caches: Sequence[jax.Array], mesh: Mesh, *, block_size: int, vocab: int = 32000) -> None:
+    def __init__(self, kv_caches: Sequence[jax.Array], mesh: Mesh, *, block_size: int, vocab: int = 32000,
+                 dp_ranks: int = 1) -> None:
         """``kv_caches``: the per-layer cache arrays (e.g. from tpu-inference's ``create_kv_caches``:
         see ``tpuoffload.sim.tpu_layouts``), axis 0 blocks, axis 1 at least ``block_size`` token
         positions (decode-context parallelism makes it a multiple), any shape and sharding beyond."""
         self.mesh = mesh
         self.block_size = block_size
         self.num_blocks = kv_caches[0].shape[0]
+        # Under DPScheduler each rank's requests carry that rank's own block ids; like
+        # tpu-inference's runner, rank r's block b is block r * (num_blocks / dp_ranks) + b.
+        self.blocks_per_rank = self.num_blocks // dp_ranks
         self.vocab = vocab
         self.kv_caches: list[jax.Array] = list(kv_caches)
         self._rests = [tuple(c.shape[2:]) for c in kv_caches]
@@ -153,11 +157,17 @@ class SyntheticRunner:
         )
 
     def _update_requests(self, so) -> None:
+        ranks = getattr(so, "assigned_dp_rank", None) or {}
+
+        def placed(req_id: str, blocks) -> list[int]:
+            offset = ranks.get(req_id, 0) * self.blocks_per_rank
+            return [b + offset for b in blocks]
+
         for req_id in so.finished_req_ids:
             self._reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids)
-            self._reqs[new.req_id] = _Req(tokens, prefix_hashes(tokens), list(new.block_ids[0]),
+            self._reqs[new.req_id] = _Req(tokens, prefix_hashes(tokens), placed(new.req_id, new.block_ids[0]),
                                           num_computed=new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -165,9 +175,10 @@ class SyntheticRunner:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 tokens = list(cached.all_token_ids[req_id]) if req_id in cached.all_token_ids else req.tokens
-                req = self._reqs[req_id] = _Req(tokens, prefix_hashes(tokens), list(new_blocks[0]) if new_blocks else [])
+                req = self._reqs[req_id] = _Req(tokens, prefix_hashes(tokens),
+                                                placed(req_id, new_blocks[0]) if new_blocks else [])
             elif new_blocks is not None:
-                req.block_ids.extend(new_blocks[0])
+                req.block_ids.extend(placed(req_id, new_blocks[0]))
             req.num_computed = cached.num_computed_tokens[i]
 
     def _forward(self, so) -> dict[str, int]:

@@ -296,8 +296,12 @@ def make_scheduler(
         parallel_overrides=parallel_overrides,
     )
     if sharding_config is not None:
-        # tpu-inference's platform attaches its ShardingConfigManager to the config.
+        # tpu-inference's platform attaches its ShardingConfigManager to the config, then installs
+        # its DPScheduler when total_dp_size > 1: its own function decides.
         vllm_config.sharding_config = sharding_config
+        from tpu_inference.core.sched.dp_scheduler import update_vllm_config_for_dp_scheduler
+
+        update_vllm_config_for_dp_scheduler(vllm_config)
     # EngineCore sets this from the resolved scheduler KV cache config.
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = make_kv_cache_config(
@@ -310,7 +314,7 @@ def make_scheduler(
     _DEFAULT_HASH_FN = hash_fn
 
     sched_cls = vllm_config.scheduler_config.get_scheduler_cls()
-    assert sched_cls is (AsyncScheduler if async_scheduling else Scheduler), sched_cls
+    assert sched_cls is (AsyncScheduler if async_scheduling else Scheduler) or is_dp_scheduler(sched_cls), sched_cls
     sched = sched_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -323,6 +327,12 @@ def make_scheduler(
     if model_runner_v2:
         sched.use_v2_model_runner = True
     return sched
+
+
+def is_dp_scheduler(scheduler_or_cls) -> bool:
+    """tpu-inference's DPScheduler (one vLLM scheduler per DP rank, each in a forked process)."""
+    cls = scheduler_or_cls if isinstance(scheduler_or_cls, type) else type(scheduler_or_cls)
+    return cls.__name__ == "DPScheduler"
 
 
 def make_worker_connector(scheduler: Scheduler) -> KVConnectorBase_V1:

@@ -296,6 +296,7 @@ class OffloadWorker:
         for rank, source in self._sources.items():
             mine = lambda ids: [i & mask for i in ids if i >> RANK_SAVE_ID_SHIFT == rank]  # noqa: E731
             report = report.aggregate(OffloadWorkerReport.from_host(self.host_id, mine(saved), mine(failed), source))
+        report.ranks = {source: rank for rank, source in self._sources.items()}
         return report
 
     def _count(self, name: str, n: int) -> None:
