@@ -24,7 +24,7 @@ from offload_harness import BS, Harness, chunk_bytes, rand_tokens
 from tpuoffload import counters as C
 from tpuoffload.connector import TPUOffloadConnector
 from tpuoffload.messages import OffloadWorkerReport
-from tpuoffload.scheduler.index import READY, SAVING
+from tpuoffload.manager.index import READY, SAVING
 from tpuoffload.sim.engine import InProcessEngine
 from tpuoffload.sim.vllm_setup import make_request
 from tpuoffload.stats import OffloadStats
@@ -718,7 +718,7 @@ def test_reporting_workers_follow_the_executor():
     """The count vLLM's aggregator waits for and each chunk's confirmations, per executor."""
     from types import SimpleNamespace
 
-    from tpuoffload.scheduler.topology import host_chunk_bytes, reporting_workers
+    from tpuoffload.manager.topology import host_chunk_bytes, reporting_workers
 
     def cfg(backend, tp=8, pp=1, group=None):
         pc = SimpleNamespace(distributed_executor_backend=backend, pipeline_parallel_size=pp,

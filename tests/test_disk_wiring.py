@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tpuoffload import counters as C
-from tpuoffload.scheduler.disk_index import DiskIndex
+from tpuoffload.manager.disk_index import DiskIndex
 
 RAM_CHUNKS = 12
 DISK_BYTES = 40 * (4096 + 65536)  # 40 chunk files of the sim layout's 64 KiB chunks

@@ -27,7 +27,7 @@ import pytest
 
 from tpuoffload.config import check_dp_config, parse_config
 from tpuoffload.messages import LoadRequest, OffloadMetadata, SaveBatch, StepPlan
-from tpuoffload.scheduler.topology import DPRank
+from tpuoffload.manager.topology import DPRank
 from tpuoffload.sim.podslice import Chaos, PodSlice, SliceSpec
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition

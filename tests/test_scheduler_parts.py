@@ -12,13 +12,13 @@ import pytest
 
 from tpuoffload import counters as C
 from tpuoffload.messages import OffloadWorkerReport, compact_ints, id_ranges, merge_ranges
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes
-from tpuoffload.scheduler.index import READY, REVOKED, SAVING, ChunkIndex
-from tpuoffload.scheduler.ledger import CompletionLedger
-from tpuoffload.scheduler.recency import RecencyLog
-from tpuoffload.scheduler.save_planner import SavePlanner
-from tpuoffload.scheduler.slot_pool import SlotPool
-from tpuoffload.scheduler.staging import StagingBudget
+from tpuoffload.manager.hash_table import HashKeys, HashTable, PackedHashes
+from tpuoffload.manager.index import READY, REVOKED, SAVING, ChunkIndex
+from tpuoffload.manager.ledger import CompletionLedger
+from tpuoffload.manager.recency import RecencyLog
+from tpuoffload.manager.save_planner import SavePlanner
+from tpuoffload.manager.slot_pool import SlotPool
+from tpuoffload.manager.staging import StagingBudget
 
 
 def h(i: int) -> bytes:
@@ -557,7 +557,7 @@ def test_ledger_early_staging_is_bounded():
 def test_ledger_unknown_host_counted_and_logged_once(caplog):
     led = CompletionLedger(2, source="test")
     led.open_batch(arr(0), 100.0, 0)
-    with caplog.at_level(logging.ERROR, logger="tpuoffload.scheduler.ledger"):
+    with caplog.at_level(logging.ERROR, logger="tpuoffload.manager.ledger"):
         led.report(2, ok=[(0, 1)])
         led.report(2, failed=[(0, 1)])  # a failure from an unknown host does not fail it
         led.report(-1, ok=[(0, 1)])
@@ -589,7 +589,7 @@ def test_ledger_reports_missing_hosts_within_a_few_steps(caplog):
     led = CompletionLedger(8, source="world_size 8", mismatch_steps=3)
     led.open_batch(arr(0, 1), 100.0, step=0)
     led.report(0, ok=[(0, 2)])
-    with caplog.at_level(logging.ERROR, logger="tpuoffload.scheduler.ledger"):
+    with caplog.at_level(logging.ERROR, logger="tpuoffload.manager.ledger"):
         assert led.check_reporters(2) is None  # not old enough yet
         msg = led.check_reporters(3)
         assert led.check_reporters(4) is None  # once

@@ -17,8 +17,8 @@ from vllm.v1.request import RequestStatus
 from tpuoffload import counters as C
 from tpuoffload.config import parse_config
 from tpuoffload.messages import OffloadWorkerReport, StepPlan, metadata_bytes
-from tpuoffload.scheduler import OffloadScheduler
-from tpuoffload.scheduler.index import READY
+from tpuoffload.manager import OffloadScheduler
+from tpuoffload.manager.index import READY
 
 BS = 4
 CHUNK = 100

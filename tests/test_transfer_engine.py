@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tpuoffload.backend.host_backend import EMPTY
+from tpuoffload.backend.slot_table import EMPTY
 from tpuoffload.config import parse_config
 from tpuoffload.layout import CacheLayout, UnsupportedCache
 from tpuoffload.messages import LoadRequest, OffloadMetadata, StepPlan, SaveBatch

@@ -23,10 +23,10 @@ import pytest
 from tpuoffload import counters as C
 from tpuoffload.messages import DISK_ROW, RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, unpack_keys
 from tpuoffload.persist.request import read_done, request_checkpoint
-from tpuoffload.scheduler.disk_index import DiskIndex
-from tpuoffload.scheduler.hash_table import HashKeys
-from tpuoffload.scheduler.index import READY, ChunkIndex
-from tpuoffload.scheduler.restart import WarmRestart
+from tpuoffload.manager.disk_index import DiskIndex
+from tpuoffload.manager.hash_table import HashKeys
+from tpuoffload.manager.index import READY, ChunkIndex
+from tpuoffload.manager.restart import WarmRestart
 
 
 # ---------------------------------------------------------------------------- the scheduler's side

@@ -251,7 +251,7 @@ class Sim:
 
 
 def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
-    from tpuoffload.scheduler.topology import host_chunk_bytes
+    from tpuoffload.manager.topology import host_chunk_bytes
     from tpuoffload.sim.vllm_setup import make_kv_cache_config, make_scheduler
 
     # One block of every layer: vLLM's page covers the whole mesh; each of the --hosts workers
@@ -353,7 +353,7 @@ def held(sim: Sim) -> str:
 def prefill_index(sim: Sim, n: int, seed: int) -> float:
     """Fill TPUOffloadConnector's host index with n READY chunks of random hashes, through the
     scheduler half's own index and ledger (allocate, register, every host confirms, mark READY)."""
-    from tpuoffload.scheduler.hash_table import HashKeys
+    from tpuoffload.manager.hash_table import HashKeys
 
     sched = sim.sched.connector.scheduler
     index, ledger = sched.index, sched.ledger

@@ -42,7 +42,7 @@ class OffloadConfig:
     # A save not confirmed by every host within this time is dropped (never loadable).
     save_timeout_s: float = 120.0
     # Worker processes that report each step (one per host with tpu-inference). None: detected from
-    # vLLM's executor (tpuoffload.scheduler.topology); set it only if the detection is wrong.
+    # vLLM's executor (tpuoffload.manager.topology); set it only if the detection is wrong.
     num_hosts: int | None = None
     # Directory for per-host stats snapshots (None: off) and how often to write them.
     stats_dir: str | None = None

@@ -24,8 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from tpuoffload.config import check_dp_config, parse_config
 from tpuoffload.messages import OffloadMetadata
-from tpuoffload.scheduler import OffloadScheduler
-from tpuoffload.scheduler.topology import DPRank, host_chunk_bytes, reporting_workers, storage_factor
+from tpuoffload.manager import OffloadScheduler
+from tpuoffload.manager.topology import DPRank, host_chunk_bytes, reporting_workers, storage_factor
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
 from tpuoffload.worker.persistence import Deployment

@@ -284,7 +284,7 @@ def compact_ints(values: np.ndarray, run_step: int | None = None) -> Sequence[in
     if len(values) < 2:
         return tuple(values.tolist())
     if run_step is None:
-        from tpuoffload.scheduler.kernels import kernels  # (numba: only the scheduler half needs it)
+        from tpuoffload.manager.kernels import kernels  # (numba: only the scheduler half needs it)
 
         run_step = kernels().run_step(values)
     if run_step:

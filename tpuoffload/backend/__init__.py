@@ -1,5 +1,6 @@
-"""Worker-side storage of this host's part of every offloaded chunk."""
+"""What stores offloaded chunks, or stands for them, on a worker: the slot table (what each host-RAM
+slot holds; the bytes are in the transfer engine's stores) and the disk tier."""
 
-from tpuoffload.backend.host_backend import HostBackend
+from tpuoffload.backend.slot_table import SlotTable
 
-__all__ = ["HostBackend"]
+__all__ = ["SlotTable"]

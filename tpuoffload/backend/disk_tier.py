@@ -1,6 +1,6 @@
 """Per-host disk tier below host RAM: a bounded, checksummed, LRU store of whole chunks.
 
-A chunk is one host slot (an opaque uint8 row of ``slot_bytes``, see HostBackend) identified by a
+A chunk is one host slot (an opaque uint8 row of ``slot_bytes``, see SlotTable) identified by a
 ``ChunkKey``: the chunk's content hash (what the index is keyed by: one physical chunk per hash)
 and the save id it was written under (so a reader that expects save id S never takes a file
 written for another save of the same hash).

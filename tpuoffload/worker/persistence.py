@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpuoffload.backend.host_backend import EMPTY
+from tpuoffload.backend.slot_table import EMPTY
 from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, SaveBatch, unpack_keys
 from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle

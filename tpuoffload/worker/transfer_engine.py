@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload import counters as C
-from tpuoffload.backend import HostBackend
+from tpuoffload.backend import SlotTable
 from tpuoffload.layout import CacheLayout
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
@@ -95,7 +95,7 @@ class TransferEngine:
         self._load_wait_timeout_s = load_wait_timeout_s
         self._faults = faults or NO_FAULTS
         # A chunk takes device_bytes_per_chunk of this host's memory in the store (replicas included).
-        self.backend = HostBackend(cpu_bytes_to_use, self.layout.device_bytes_per_chunk)
+        self.backend = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk)
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))

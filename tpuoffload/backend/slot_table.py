@@ -25,7 +25,7 @@ import numpy as np
 EMPTY = -1
 
 
-class HostBackend:
+class SlotTable:
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"cpu_bytes_to_use must be a positive int, got {capacity_bytes!r}")

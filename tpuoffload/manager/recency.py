@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tpuoffload.scheduler.kernels import kernels
+from tpuoffload.manager.kernels import kernels
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _I64 = np.dtype(np.int64)

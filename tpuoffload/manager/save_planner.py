@@ -23,10 +23,10 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch, compact_ints, pack_keys
-from tpuoffload.scheduler.hash_table import PackedHashes
-from tpuoffload.scheduler.index import ChunkHash, ChunkIndex
-from tpuoffload.scheduler.ledger import CompletionLedger
-from tpuoffload.scheduler.staging import StagingBudget
+from tpuoffload.manager.hash_table import PackedHashes
+from tpuoffload.manager.index import ChunkHash, ChunkIndex
+from tpuoffload.manager.ledger import CompletionLedger
+from tpuoffload.manager.staging import StagingBudget
 
 EMPTY = SaveBatch()
 

@@ -39,9 +39,9 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import DISK_ROW, RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport
 from tpuoffload.persist import CheckpointRequest, RequestWatcher
-from tpuoffload.scheduler.disk_index import DiskIndex
-from tpuoffload.scheduler.hash_table import HashKeys
-from tpuoffload.scheduler.index import ChunkIndex
+from tpuoffload.manager.disk_index import DiskIndex
+from tpuoffload.manager.hash_table import HashKeys
+from tpuoffload.manager.index import ChunkIndex
 
 logger = logging.getLogger(__name__)
 

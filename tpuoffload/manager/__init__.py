@@ -5,6 +5,6 @@ beside it each hold one job (see its docstring). ``topology`` answers how many w
 report and how many bytes each stores per chunk.
 """
 
-from tpuoffload.scheduler.offload_scheduler import OffloadScheduler
+from tpuoffload.manager.offload_scheduler import OffloadScheduler
 
 __all__ = ["OffloadScheduler"]

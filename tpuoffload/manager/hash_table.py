@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tpuoffload.scheduler.kernels import DELETED, EMPTY, kernels
-from tpuoffload.scheduler.kernels import W as _W  # cells per bucket: a row holds 4 k1 words then 4 values
+from tpuoffload.manager.kernels import DELETED, EMPTY, kernels
+from tpuoffload.manager.kernels import W as _W  # cells per bucket: a row holds 4 k1 words then 4 values
 
 _TWO_WORDS = struct.Struct("<QQ").unpack_from  # the first 16 bytes as two little-endian uint64
 

@@ -29,10 +29,10 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import compact_ints
-from tpuoffload.scheduler.hash_table import HashKeys, HashTable, PackedHashes, _i64, _u64
-from tpuoffload.scheduler.kernels import kernels
-from tpuoffload.scheduler.recency import RecencyLog
-from tpuoffload.scheduler.slot_pool import SlotPool
+from tpuoffload.manager.hash_table import HashKeys, HashTable, PackedHashes, _i64, _u64
+from tpuoffload.manager.kernels import kernels
+from tpuoffload.manager.recency import RecencyLog
+from tpuoffload.manager.slot_pool import SlotPool
 
 ChunkHash = bytes
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state

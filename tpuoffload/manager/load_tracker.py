@@ -25,7 +25,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
-from tpuoffload.scheduler.index import ChunkIndex, SavedPrefix
+from tpuoffload.manager.index import ChunkIndex, SavedPrefix
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

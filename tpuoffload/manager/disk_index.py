@@ -32,10 +32,10 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import DiskBatch, Range, pack_keys
-from tpuoffload.scheduler.hash_table import HashKeys
-from tpuoffload.scheduler.index import ChunkIndex
-from tpuoffload.scheduler.ledger import CompletionLedger
-from tpuoffload.scheduler.staging import StagingBudget
+from tpuoffload.manager.hash_table import HashKeys
+from tpuoffload.manager.index import ChunkIndex
+from tpuoffload.manager.ledger import CompletionLedger
+from tpuoffload.manager.staging import StagingBudget
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -1,4 +1,4 @@
-"""HostBackend, the host's slot table: exact capacity in whole slots of tpu-inference's real chunk
+"""SlotTable, the host's slot table: exact capacity in whole slots of tpu-inference's real chunk
 sizes, slot and length checks, tag semantics (an empty, invalidated or overwritten slot is never
 readable; the source block is recorded with the chunk), and commits racing lookups without ever
 pairing a chunk with another chunk's record.
@@ -20,8 +20,8 @@ from functools import cache
 import numpy as np
 import pytest
 
-from tpuoffload.backend import HostBackend
-from tpuoffload.backend.host_backend import EMPTY
+from tpuoffload.backend import SlotTable
+from tpuoffload.backend.slot_table import EMPTY
 from tpuoffload.layout import CacheLayout
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 
@@ -34,8 +34,8 @@ def chunk_bytes(name: str) -> int:
     return CacheLayout.from_caches(create_caches(LAYOUTS[name])[0]).device_bytes_per_chunk
 
 
-def backend(slots: int = 4, name: str = "bf16-8kv-tp4") -> HostBackend:
-    return HostBackend(slots * chunk_bytes(name), chunk_bytes(name))
+def backend(slots: int = 4, name: str = "bf16-8kv-tp4") -> SlotTable:
+    return SlotTable(slots * chunk_bytes(name), chunk_bytes(name))
 
 
 # ---------------------------------------------------------------- capacity
@@ -45,7 +45,7 @@ def backend(slots: int = 4, name: str = "bf16-8kv-tp4") -> HostBackend:
 def test_capacity_is_whole_slots_within_budget(name, slots, extra):
     size = chunk_bytes(name)
     cap = slots * size + (extra % size)  # -1: one byte short of another slot
-    b = HostBackend(cap, size)
+    b = SlotTable(cap, size)
     assert b.num_slots == cap // size == slots
     assert b.slot_bytes == size
     assert b.nbytes == slots * size <= cap
@@ -58,13 +58,13 @@ def test_bad_capacity_names_setting(cap):
     if cap == "chunk-1":
         cap = size - 1
     with pytest.raises(ValueError, match="cpu_bytes_to_use"):
-        HostBackend(cap, size)
+        SlotTable(cap, size)
 
 
 @pytest.mark.parametrize("slot_bytes", [0, -1])
 def test_empty_slot_rejected(slot_bytes):
     with pytest.raises(ValueError, match="slot"):
-        HostBackend(1 << 20, slot_bytes)
+        SlotTable(1 << 20, slot_bytes)
 
 
 # ---------------------------------------------------------------- slot range and lengths
@@ -150,7 +150,7 @@ STRESS_SLOTS = 12000
 BATCH = (500, 2000)  # chunks per commit / lookup: one transfer piece of the engine
 
 
-def stress(b: HostBackend, duration: float, writers: int = 3, readers: int = 3, seed: int = 0):
+def stress(b: SlotTable, duration: float, writers: int = 3, readers: int = 3, seed: int = 0):
     """The engine's use of the table from several threads at once, in batches as large as the
     engine's (one save or load piece).
 

@@ -30,16 +30,16 @@ from vllm.v1.request import RequestStatus
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
 from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
-from tpuoffload.scheduler.disk_index import DiskIndex, FetchPlanner
-from tpuoffload.scheduler.hash_table import PackedHashes
-from tpuoffload.scheduler.index import ChunkIndex
-from tpuoffload.scheduler.ledger import CompletionLedger
-from tpuoffload.scheduler.lifecycle import RequestLifecycle
-from tpuoffload.scheduler.load_tracker import LoadTracker
-from tpuoffload.scheduler.restart import WarmRestart
-from tpuoffload.scheduler.save_planner import EMPTY, SavePlanner
-from tpuoffload.scheduler.staging import StagingBudget
-from tpuoffload.scheduler.topology import DPRank
+from tpuoffload.manager.disk_index import DiskIndex, FetchPlanner
+from tpuoffload.manager.hash_table import PackedHashes
+from tpuoffload.manager.index import ChunkIndex
+from tpuoffload.manager.ledger import CompletionLedger
+from tpuoffload.manager.lifecycle import RequestLifecycle
+from tpuoffload.manager.load_tracker import LoadTracker
+from tpuoffload.manager.restart import WarmRestart
+from tpuoffload.manager.save_planner import EMPTY, SavePlanner
+from tpuoffload.manager.staging import StagingBudget
+from tpuoffload.manager.topology import DPRank
 from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 

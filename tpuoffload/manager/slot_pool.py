@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpuoffload.scheduler.kernels import kernels
+from tpuoffload.manager.kernels import kernels
 
 
 class SlotPool:
