@@ -230,3 +230,21 @@ def test_disk_path_and_bytes_go_together():
         parse({**BASE, "disk_path": "/d"})
     with pytest.raises(ValueError, match="go together"):
         parse({**BASE, "disk_bytes_to_use": 1 << 20})
+
+
+def test_separate_dp_engines_keep_their_files_apart():
+    """``vllm serve --data-parallel-size 2`` on tpu-inference (TPU_MULTIPROCESS_DP=1): two engines share
+    each host; their stats snapshots, checkpoints and chunk files must never be the same files."""
+    import types
+
+    from tpuoffload.config import per_engine
+
+    config = parse_config({"cpu_bytes_to_use": 1 << 22, "stats_dir": "/s", "persist_path": "/p",
+                           "disk_path": "/d/{host}", "disk_bytes_to_use": 1 << 24})
+    engines = [per_engine(config, types.SimpleNamespace(data_parallel_size=2, data_parallel_index=i)) for i in (0, 1)]
+    for key in ("stats_dir", "persist_path", "disk_path"):
+        paths = [getattr(e, key) for e in engines]
+        assert len(set(paths)) == 2 and all(p.startswith(getattr(config, key)) for p in paths), paths
+    assert engines[1].disk_path == "/d/{host}/engine-dp1"
+    one = per_engine(config, types.SimpleNamespace(data_parallel_size=1, data_parallel_index=0))
+    assert one == config  # one engine: the paths as given

@@ -214,3 +214,18 @@ def check_dp_config(config: OffloadConfig) -> None:
     if refused:
         raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with data parallelism (tpu-inference's "
                          "DPScheduler, sharding_config.total_dp_size > 1) yet")
+
+
+ENGINE_DIRS = ("stats_dir", "persist_path", "disk_path")
+
+
+def per_engine(config: OffloadConfig, parallel_config) -> OffloadConfig:
+    """``vllm serve --data-parallel-size N`` on tpu-inference without attention DP runs N separate
+    engines sharing the hosts (``TPU_MULTIPROCESS_DP=1``): each engine keeps its stats snapshots,
+    checkpoints and disk files under its own ``engine-dp<i>`` subdirectory, so no two engines on a
+    host write the same file. (Each engine also takes its own ``cpu_bytes_to_use`` on each host.)"""
+    if getattr(parallel_config, "data_parallel_size", 1) <= 1:
+        return config
+    tag = f"engine-dp{parallel_config.data_parallel_index}"
+    moved = {key: os.path.join(getattr(config, key), tag) for key in ENGINE_DIRS if getattr(config, key)}
+    return dataclasses.replace(config, **moved)

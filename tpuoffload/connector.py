@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tpuoffload.config import check_dp_config, parse_config
+from tpuoffload.config import check_dp_config, parse_config, per_engine
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.manager import OffloadScheduler
 from tpuoffload.manager.topology import DPRank, host_chunk_bytes, reporting_workers, storage_factor
@@ -46,7 +46,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.config = parse_config(extra)
+        self.config = per_engine(parse_config(extra), vllm_config.parallel_config)
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
         # Worker processes that report each step: the confirmations a chunk needs, and what
