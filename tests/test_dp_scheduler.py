@@ -172,3 +172,34 @@ def test_dp_rank_comes_from_tpu_inference_config_and_refuses_what_it_cannot_do()
         with pytest.raises(ValueError, match=key):
             check_dp_config(parse_config(extra))
     check_dp_config(parse_config({"cpu_bytes_to_use": 1 << 22}))  # eager offload is fine
+
+
+def test_every_rank_plan_survives_dpscheduler_merge_whole():
+    """tpu-inference's own merge (``DPScheduler._combine_scheduler_outputs``, run on a stand-in
+    holding only the state it reads): ``type(meta)()`` then ``requests_meta`` extended with each
+    rank's entries, ``local_block_ids`` translated, every other field dropped. Every field of every
+    rank's plan comes through, and the translated entry is each rank's block offset."""
+    import functools
+
+    import cloudpickle
+    from tpu_inference.core.sched.dp_scheduler import DPScheduler
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    bpr = 48
+    plans = [StepPlan(3, 16, save=SaveBatch((5, 6), range(2, 4), range(10, 12)), loads=(LoadRequest("r", (9,), (1,), (4,)),),
+                      source=100 + r, num_blocks=bpr, sync_loads=True) for r in range(2)]
+    outputs = [types.SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={},
+        total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(), num_common_prefix_blocks=[], aux_output_connector_metadata=None,
+        # the rank processes send their outputs through pipes, pickled with cloudpickle
+        kv_connector_metadata=cloudpickle.loads(cloudpickle.dumps(OffloadMetadata([plan])))) for plan in plans]
+    stand_in = types.SimpleNamespace(per_rank_kv_cache_configs=[types.SimpleNamespace(num_blocks=bpr)] * 2,
+                                     assigned_dp_rank={}, _combine_aux_output_metadata=DPScheduler._combine_aux_output_metadata)
+    stand_in._combine_cached_request_data = functools.partial(DPScheduler._combine_cached_request_data, stand_in)
+    combined = DPScheduler._combine_scheduler_outputs(stand_in, outputs).kv_connector_metadata
+    assert type(combined) is OffloadMetadata and len(combined.requests_meta) == 2
+    for rank, (got, sent) in enumerate(zip(combined.requests_meta, plans)):
+        assert got.local_block_ids == [rank * bpr]
+        assert got.placement() == (rank * bpr, rank * 16, rank << 40)
+        assert dataclasses.replace(got, local_block_ids=[0]) == sent  # nothing else changed
