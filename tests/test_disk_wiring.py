@@ -146,7 +146,7 @@ def test_reset_deletes_files_kept_from_a_restore_that_was_given_up(tmp_path):
     time.sleep(0.6)
     second.settle()  # ... and is given up
     second.drop_report = None
-    assert not second.offload.restart.saves_blocked and second.stats.totals()[C.DISK_RESTORED_READY] == 0
+    assert not second.offload.tier("persist").blocks_saves and second.stats.totals()[C.DISK_RESTORED_READY] == 0
     assert sum(_files(tmp_path).values()) > 0  # kept by the tier, unknown to the scheduler
     assert second.scheduler.reset_prefix_cache(reset_connector=True)
     second.settle()

@@ -1,6 +1,6 @@
 """Warm restart wired into both halves (issue 10, part 1).
 
-* The scheduler's side on its own (scheduler/restart.py, ChunkIndex.adopt): only chunks every host
+* The manager's side on its own (manager/restart.py, ChunkIndex.adopt): only chunks every host
   restored alike become loadable, in their old recency order; saves wait for the restore and for a
   checkpoint; a checkpoint outcome is matched to the step that planned it; a lost report is
   repeated; a connector reset revokes what the hosts hold.
@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 from tpuoffload import counters as C
-from tpuoffload.messages import DISK_ROW, RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, unpack_keys
+from tpuoffload.messages import (DISK_ROW, RESTORED_BASE, RESTORED_ROW, DiskReport, OffloadWorkerReport,
+                                 PersistReport, unpack_keys)
 from tpuoffload.persist.request import read_done, request_checkpoint
-from tpuoffload.manager.disk_index import DiskIndex
+from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.hash_table import HashKeys
 from tpuoffload.manager.index import READY, ChunkIndex
 from tpuoffload.manager.restart import WarmRestart
@@ -60,10 +61,10 @@ def key(k1: int) -> bytes:
 def test_adopts_only_what_every_host_restored_alike(tmp_path):
     part, index, counters, _ = restart_part(tmp_path)
     assert part.saves_blocked  # nothing planned into a restored slot before the hosts reported
-    part.on_report(OffloadWorkerReport(restored={0: rows((1, 10, 100), (2, 11, 200), (3, 12, 300), (4, 5, 400))}))
+    part.on_report({0: PersistReport(restored=rows((1, 10, 100), (2, 11, 200), (3, 12, 300), (4, 5, 400)))})
     assert part.saves_blocked and len(index) == 0  # host 1 has not reported
     # host 1: slot 2 holds another save (not confirmed there when the checkpoint was taken), slot 3 another hash
-    part.on_report(OffloadWorkerReport(restored={1: rows((1, 10, 100), (2, 9, 200), (3, 12, 301), (4, 5, 400))}))
+    part.on_report({1: PersistReport(restored=rows((1, 10, 100), (2, 9, 200), (3, 12, 301), (4, 5, 400)))})
     assert not part.saves_blocked
     assert index.slot_of(key(100)) == 1 and index.slot_of(key(400)) == 4
     assert index.slot_of(key(200)) is None and index.slot_of(key(300)) is None
@@ -76,34 +77,34 @@ def test_adopts_only_what_every_host_restored_alike(tmp_path):
 
 def test_restored_hash_held_twice_or_slot_out_of_range_is_dropped(tmp_path):
     part, index, counters, _ = restart_part(tmp_path, num_hosts=1, num_slots=8)
-    part.on_report(OffloadWorkerReport(restored={0: rows((1, 10, 100), (2, 11, 100), (9, 12, 300), (3, 13, 0))}))
+    part.on_report({0: PersistReport(restored=rows((1, 10, 100), (2, 11, 100), (9, 12, 300), (3, 13, 0)))})
     assert len(index) == 1 and counters[C.RESTORED_READY] == 1 and counters[C.RESTORED_DROPPED] == 3
     assert index.slot_of(key(100)) == 1  # a k1 of 0 (a free table cell's marker) was not inserted
 
 
 def test_restore_report_that_never_comes_unblocks_saves_after_the_timeout(tmp_path):
     part, index, counters, clock = restart_part(tmp_path, timeout=30.0)
-    part.on_report(OffloadWorkerReport(restored={0: rows((1, 10, 100))}))
+    part.on_report({0: PersistReport(restored=rows((1, 10, 100)))})
     assert not part.plan(0) and part.saves_blocked
     clock.t = 31.0
     part.plan(1)
     assert not part.saves_blocked and len(index) == 0 and counters[C.RESTORED_DROPPED] == 1
-    part.on_report(OffloadWorkerReport(restored={1: rows((1, 10, 100))}))  # too late: ignored
+    part.on_report({1: PersistReport(restored=rows((1, 10, 100)))})  # too late: ignored
     assert len(index) == 0
 
 
 def test_operator_request_blocks_saves_until_every_host_reports_that_checkpoint(tmp_path):
     part, _, counters, clock = restart_part(tmp_path)
-    part.on_report(OffloadWorkerReport(restored={0: b"", 1: b""}))
+    part.on_report({0: PersistReport(restored=b""), 1: PersistReport(restored=b"")})
     assert not part.plan(0)
     req = request_checkpoint(str(tmp_path))
     clock.t = 2.0  # the watcher polls once a second
     assert part.plan(1) and part.saves_blocked
     assert not part.plan(2)  # one at a time
     # A repeated outcome of an earlier checkpoint (planned in step 0) is not this one's.
-    part.on_report(OffloadWorkerReport(checkpoints={0: ((0, 3, True),), 1: ((1, 4, True),)}))
+    part.on_report({0: PersistReport(checkpoints=((0, 3, True),)), 1: PersistReport(checkpoints=((1, 4, True),))})
     assert part.saves_blocked
-    part.on_report(OffloadWorkerReport(checkpoints={0: ((1, 4, True),)}))
+    part.on_report({0: PersistReport(checkpoints=((1, 4, True),))})
     assert not part.saves_blocked
     done = read_done(str(tmp_path))
     assert done is not None and done.id == req.id and done.ok and done.seq == 4
@@ -112,10 +113,10 @@ def test_operator_request_blocks_saves_until_every_host_reports_that_checkpoint(
 
 def test_checkpoint_failed_on_one_host_or_unreported_is_answered_failed(tmp_path):
     part, _, counters, clock = restart_part(tmp_path, interval=10.0, timeout=30.0)
-    part.on_report(OffloadWorkerReport(restored={0: b"", 1: b""}))
+    part.on_report({0: PersistReport(restored=b""), 1: PersistReport(restored=b"")})
     clock.t = 10.0
     assert part.plan(5)
-    part.on_report(OffloadWorkerReport(checkpoints={0: ((5, 1, True),), 1: ((5, 1, False),)}))
+    part.on_report({0: PersistReport(checkpoints=((5, 1, True),)), 1: PersistReport(checkpoints=((5, 1, False),))})
     assert not part.saves_blocked and counters[C.CHECKPOINTS_FAILED] == 1
     clock.t = 20.0
     assert part.plan(9)  # the interval again
@@ -126,10 +127,10 @@ def test_checkpoint_failed_on_one_host_or_unreported_is_answered_failed(tmp_path
 
 def test_reset_revokes_on_every_host_and_drops_a_pending_restore(tmp_path):
     part, index, counters, _ = restart_part(tmp_path)
-    part.on_report(OffloadWorkerReport(restored={0: rows((1, 10, 100))}))
+    part.on_report({0: PersistReport(restored=rows((1, 10, 100)))})
     part.on_reset(next_save_id=77)
     assert part.take_revoke() == 77 and part.take_revoke() is None
-    part.on_report(OffloadWorkerReport(restored={1: rows((1, 10, 100))}))
+    part.on_report({1: PersistReport(restored=rows((1, 10, 100)))})
     assert len(index) == 0 and not part.saves_blocked
 
 
@@ -143,15 +144,17 @@ def disk_rows(*entries: tuple[int, int]) -> bytes:
 
 def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted(tmp_path):
     counters: Counter[str] = Counter()
-    disk = DiskIndex(4, 2, counters, Clock(), 30.0)
-    part = WarmRestart(str(tmp_path), 0.0, 30.0, ChunkIndex(16, counters=counters), 2, counters, Clock(), disk)
+    clock = Clock()
+    disk = DiskIndex(4, 2, counters, clock, 30.0)
+    ram = ChunkIndex(16, counters=counters)
+    fetches = FetchPlanner(ram, None, disk, None, 1, 16, counters, clock, 30.0, lambda rid: None)
+    part = DiskTierPlanner(disk, fetches, ram, 2, counters, clock, 30.0, keeps_files=True)
+    assert part.blocks_saves  # no spill may take a kept file's disk id before the hosts reported
     # least recently used first; host 1 lost 200's file and holds 300 under another disk id
-    part.on_report(OffloadWorkerReport(restored={0: b""},
-                                       disk_restored={0: disk_rows((7, 100), (3, 200), (9, 300), (4, 500), (8, 1))}))
-    assert len(disk.index) == 0  # host 1 has not reported
-    part.on_report(OffloadWorkerReport(restored={1: b""},
-                                       disk_restored={1: disk_rows((4, 500), (7, 100), (5, 300), (6, 400), (8, 1))}))
-    assert not part.saves_blocked
+    part.on_report({0: DiskReport(kept=disk_rows((7, 100), (3, 200), (9, 300), (4, 500), (8, 1)))})
+    assert len(disk.index) == 0 and part.blocks_saves  # host 1 has not reported
+    part.on_report({1: DiskReport(kept=disk_rows((4, 500), (7, 100), (5, 300), (6, 400), (8, 1)))})
+    assert not part.blocks_saves
     assert [disk.index.slot_of(key(k)) is not None for k in (100, 200, 300, 400, 500)] == [True, False, False,
                                                                                           False, True]
     # fetchable, under the disk id each file was written with, in host 0's recency order
@@ -161,6 +164,26 @@ def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted
     # deleted on every host; k1 = 1 (a free table cell's marker, never a scheduler's key) too
     assert sorted(unpack_keys(disk.take_drops().keys)[:, 0]) == [1, 200, 300, 400]
     assert counters[C.DISK_RESTORED_READY] == 2 and counters[C.DISK_RESTORED_DROPPED] == 4
+
+
+def test_disk_files_kept_are_never_adopted_after_the_timeout_or_a_reset(tmp_path):
+    for how in ("timeout", "reset"):
+        counters: Counter[str] = Counter()
+        clock = Clock()
+        disk = DiskIndex(4, 2, counters, clock, 30.0)
+        ram = ChunkIndex(16, counters=counters)
+        fetches = FetchPlanner(ram, None, disk, None, 1, 16, counters, clock, 30.0, lambda rid: None)
+        part = DiskTierPlanner(disk, fetches, ram, 2, counters, clock, 30.0, keeps_files=True)
+        part.on_report({0: DiskReport(kept=disk_rows((7, 100)))})
+        if how == "timeout":
+            clock.t = 31.0
+            part.start_step(0)
+        else:
+            part.reset(next_save_id=0)
+            assert part.finish_step(0).delete_all  # every host deletes every file
+        assert not part.blocks_saves
+        part.on_report({1: DiskReport(kept=disk_rows((7, 100)))})  # too late
+        assert len(disk.index) == 0 and counters[C.DISK_RESTORED_READY] == 0, how
 
 
 def test_a_report_of_restored_rows_only_survives_vllms_aggregator():
@@ -173,11 +196,11 @@ def test_a_report_of_restored_rows_only_survives_vllms_aggregator():
     outs = []
     for host in range(2):
         out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
-        out.kv_connector_output = KVConnectorOutput(
-            kv_connector_worker_meta=OffloadWorkerReport(restored={host: rows((host, 1, 5))}))
+        out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerReport(
+            tiers={"persist": {host: PersistReport(restored=rows((host, 1, 5)))}}))
         outs.append(out)
     merged = agg.aggregate(outs, output_rank=0).kv_connector_output.kv_connector_worker_meta
-    assert isinstance(merged, OffloadWorkerReport) and sorted(merged.restored) == [0, 1]
+    assert isinstance(merged, OffloadWorkerReport) and sorted(merged.tiers["persist"]) == [0, 1]
 
 
 # ---------------------------------------------------------------------------- one host, in process
@@ -247,7 +270,7 @@ def test_lost_restore_report_is_repeated_until_the_scheduler_has_it(tmp_path):
     reports = iter(range(1 << 30))
     second.drop_report = lambda step, host: next(reports) < 2  # the first two reports are lost on the way
     second.settle()  # three empty steps: the rows come again with the third
-    assert second.offload.restart.saves_blocked is False
+    assert second.offload.tier("persist").blocks_saves is False
     _run(second, _wave("b"))
     totals = second.stats.totals()
     assert totals[C.RESTORED_READY] > 0 and totals[C.HIT_TOKENS] > 0 and second.mismatches() == 0

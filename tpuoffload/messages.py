@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -66,6 +67,35 @@ class LoadRequest:
     unavailable_block_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class DiskPlan:
+    """The disk tier's part of a step plan (manager/disk_index.py plans it, worker/disk_stage.py
+    executes it): chunks to delete from disk, to copy there (evicted from host RAM in this plan), to
+    bring back into host RAM (written into their slots at the start of the next step)."""
+
+    drop: DiskBatch = field(default_factory=DiskBatch)
+    spill: DiskBatch = field(default_factory=DiskBatch)
+    fetch: DiskBatch = field(default_factory=DiskBatch)
+    # A connector reset: every chunk file goes, also files kept from an earlier start.
+    delete_all: bool = False
+    # Warm restart: the manager still waits for the files each host kept (hosts repeat them).
+    waiting: bool = False
+
+
+@dataclass(frozen=True)
+class PersistPlan:
+    """Warm restart's part of a step plan (manager/restart.py, worker/persistence.py)."""
+
+    # Write a checkpoint of every host's slots at the start of this step.
+    checkpoint: bool = False
+    # The manager still waits for restore rows or checkpoint outcomes: hosts repeat theirs (a report
+    # lost on the way only delays them).
+    waiting: bool = False
+    # A connector reset: every chunk saved under a save id below this is gone for good, also from the
+    # checkpoints written after this step (and saves still in flight never become restorable).
+    revoke_below: int | None = None
+
+
 @dataclass
 class StepPlan:
     """One scheduler half's plan for one step; workers act on nothing else.
@@ -85,19 +115,9 @@ class StepPlan:
     loads: tuple[LoadRequest, ...] = ()
     # Finished requests whose blocks vLLM holds for us until this step's saves are dispatched.
     release_req_ids: tuple[str, ...] = ()
-    # The disk tier: chunks to delete from disk, to copy there (evicted from host RAM in this plan),
-    # and to bring back into host RAM (written into their slots at the start of the next step).
-    disk_drop: DiskBatch = field(default_factory=DiskBatch)
-    spill: DiskBatch = field(default_factory=DiskBatch)
-    fetch: DiskBatch = field(default_factory=DiskBatch)
-    # Warm restart: write a checkpoint of every host's slots at the start of this step.
-    checkpoint: bool = False
-    # The scheduler still waits for restore rows or checkpoint outcomes: hosts repeat theirs (a
-    # report lost on the way only delays them).
-    persist_waiting: bool = False
-    # A connector reset: every chunk saved under a save id below this is gone for good, also from
-    # the checkpoints written after this step (and saves still in flight never become restorable).
-    revoke_below: int | None = None
+    # The tiers beside host RAM (manager/tier.py): each tier's part of the plan under its name
+    # (``DiskPlan`` under "disk", ``PersistPlan`` under "persist"); absent when a tier has nothing.
+    tiers: dict[str, Any] = field(default_factory=dict)
     # Who planned it: the scheduler half's ``source`` (its reports come back under it).
     source: int = 0
     # Blocks of the planning scheduler's KV cache (0: the engine's whole cache).
@@ -198,16 +218,9 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     saved: dict[tuple[int, int], tuple[Range, ...]] = field(default_factory=dict)
     failed: dict[tuple[int, int], tuple[Range, ...]] = field(default_factory=dict)
-    # The disk tier: spills written (or failed) by each host, ranges of disk ids as above.
-    disk_saved: dict[int, tuple[Range, ...]] = field(default_factory=dict)
-    disk_failed: dict[int, tuple[Range, ...]] = field(default_factory=dict)
-    # Warm restart, once per host at start-up: the chunks it restored, packed RESTORED_ROW rows
-    # (b"" when it started cold).
-    restored: dict[int, bytes] = field(default_factory=dict)
-    # ... and, with the disk tier, the chunk files it kept (packed DISK_ROW rows, least recent first).
-    disk_restored: dict[int, bytes] = field(default_factory=dict)
-    # Checkpoints this host resolved: host -> ((step it was planned in, checkpoint number, ok), ...).
-    checkpoints: dict[int, tuple[tuple[int, int, bool], ...]] = field(default_factory=dict)
+    # The tiers beside host RAM: each tier's part of each host's report, ``tiers[name][host]``
+    # (``DiskReport``, ``PersistReport``), merged per host by the part's own ``merge``.
+    tiers: dict[str, dict[int, Any]] = field(default_factory=dict)
     # Under DPScheduler: the DP rank of each scheduler half (source -> rank), as the workers placed
     # its plans, so a half can name itself in its stats file and logs.
     ranks: dict[int, int] = field(default_factory=dict)
@@ -237,22 +250,46 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     def hosts(self) -> set[int]:
         return ({host for _, host in self.saved} | {host for _, host in self.failed}
-                | set(self.disk_saved) | set(self.disk_failed)
-                | set(self.restored) | set(self.disk_restored) | set(self.checkpoints))
+                | {host for parts in self.tiers.values() for host in parts})
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
         """Invariant 7: a union per host, idempotent and order-free (vLLM's KVOutputAggregator
         merges the workers' reports with it)."""
         assert isinstance(other, OffloadWorkerReport), type(other)
-        checkpoints = dict(self.checkpoints)
-        for host, done in other.checkpoints.items():
-            checkpoints[host] = tuple(sorted(set(checkpoints.get(host, ())) | set(done)))
+        tiers = {name: dict(parts) for name, parts in self.tiers.items()}
+        for name, parts in other.tiers.items():
+            mine = tiers.setdefault(name, {})
+            for host, part in parts.items():
+                mine[host] = mine[host].merge(part) if host in mine else part
         return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed),
-                                   _merge_maps(self.disk_saved, other.disk_saved),
-                                   _merge_maps(self.disk_failed, other.disk_failed),
-                                   {**self.restored, **other.restored},
-                                   {**self.disk_restored, **other.disk_restored}, checkpoints,
-                                   {**self.ranks, **other.ranks})
+                                   tiers, {**self.ranks, **other.ranks})
+
+
+@dataclass(frozen=True)
+class DiskReport:
+    """One host's disk-tier news: spills written or failed (ranges of disk ids) and, with warm
+    restart, the chunk files it kept at start-up (``DISK_ROW`` rows, least recent first)."""
+
+    saved: tuple[Range, ...] = ()
+    failed: tuple[Range, ...] = ()
+    kept: bytes | None = None
+
+    def merge(self, other: "DiskReport") -> "DiskReport":
+        return DiskReport(merge_ranges(self.saved, other.saved), merge_ranges(self.failed, other.failed),
+                          self.kept if self.kept is not None else other.kept)
+
+
+@dataclass(frozen=True)
+class PersistReport:
+    """One host's warm-restart news: the chunks it restored at start-up (``RESTORED_ROW`` rows, b""
+    when it started cold) and the checkpoints it resolved ((planned step, number, ok), ...)."""
+
+    restored: bytes | None = None
+    checkpoints: tuple[tuple[int, int, bool], ...] = ()
+
+    def merge(self, other: "PersistReport") -> "PersistReport":
+        return PersistReport(self.restored if self.restored is not None else other.restored,
+                             tuple(sorted(set(self.checkpoints) | set(other.checkpoints))))
 
 
 # ---------------------------------------------------------------------------- warm restart rows

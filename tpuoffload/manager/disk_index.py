@@ -24,6 +24,7 @@ is looked up as if the disk had nothing more: vLLM recomputes. One fetch per req
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -31,18 +32,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.messages import DiskBatch, Range, pack_keys
+from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, Range, pack_keys
 from tpuoffload.manager.hash_table import HashKeys
 from tpuoffload.manager.index import ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.staging import StagingBudget
+from tpuoffload.manager.tier import Tier
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from tpuoffload.manager.ledger import Resolved
+
 FILE_HEADER_BYTES = 4096  # backend/disk_tier.py HEADER_BYTES: a chunk file is the header + one chunk
 
 _EMPTY_BATCH = DiskBatch()
+
+logger = logging.getLogger(__name__)
 
 
 class DiskIndex:
@@ -282,3 +288,86 @@ class FetchPlanner:
 
     def num_in_flight(self) -> int:
         return len(self._by_save_id)
+
+
+class DiskTierPlanner(Tier):
+    """The disk tier as a ``Tier``: spills what host RAM evicts, fetches prefixes that continue on
+    disk back into host RAM, and, with warm restart, indexes again the chunk files every host kept.
+
+    Warm restart: every host reports the files it kept once (``DiskReport.kept``, repeated while
+    ``DiskPlan.waiting``); until every host did, or ``timeout_s`` passed, no save is planned (a
+    spill could take a kept file's disk id). Then the files every host kept alike become fetchable
+    and the rest is deleted everywhere (``DiskIndex.adopt``); if the reports never all come, or a
+    reset comes first, nothing is adopted and a reset deletes every file.
+    """
+
+    name = "disk"
+
+    def __init__(self, disk: DiskIndex, fetches: FetchPlanner, ram: ChunkIndex, num_hosts: int,
+                 counters: Counter[str], clock: Callable[[], float], timeout_s: float, keeps_files: bool) -> None:
+        self.disk, self.fetches, self.ram = disk, fetches, ram
+        self.num_hosts = num_hosts
+        self.counters = counters
+        self.clock = clock
+        self._kept: dict[int, np.ndarray] | None = {} if keeps_files else None  # None: settled
+        self._kept_deadline = clock() + timeout_s
+        self.timeout_s = timeout_s
+        self._fetch = _EMPTY_BATCH
+        self._delete_all = False
+        ram.record_evictions()
+
+    @property
+    def blocks_saves(self) -> bool:
+        return self._kept is not None
+
+    def wants(self, request: "Request", local_blocks: int, ram_hits: int) -> bool:
+        return self.fetches.wants(request, local_blocks, ram_hits)
+
+    def forget(self, req_id: str) -> None:
+        self.fetches.forget(req_id)
+
+    def start_step(self, step: int) -> None:
+        if self._kept is not None and self.clock() > self._kept_deadline:
+            self.counters[C.DISK_RESTORED_DROPPED] += max((len(r) for r in self._kept.values()), default=0)
+            self._kept = None  # never adopted: the files are evicted first, a reset deletes them
+
+    def plan_into_ram(self, step: int) -> None:
+        self._fetch = self.fetches.plan(step)
+
+    def finish_step(self, step: int) -> DiskPlan | None:
+        """What this plan evicted from host RAM goes to disk first."""
+        self.disk.apply_resolved()
+        spill = self.disk.spill(*self.ram.take_evicted(), step)
+        drop, fetch, self._fetch = self.disk.take_drops(), self._fetch, _EMPTY_BATCH
+        delete_all, self._delete_all = self._delete_all, False
+        waiting = self._kept is not None
+        if not (len(drop) or len(spill) or len(fetch) or delete_all or waiting):
+            return None
+        return DiskPlan(drop, spill, fetch, delete_all, waiting)
+
+    def on_report(self, parts: dict[int, DiskReport]) -> None:
+        for host, part in parts.items():
+            if part.saved or part.failed:
+                self.disk.report(host, ok=part.saved, failed=part.failed)
+            if self._kept is not None and part.kept is not None and 0 <= host < self.num_hosts:
+                self._kept[host] = np.frombuffer(part.kept, DISK_ROW)
+        if self._kept is not None and len(self._kept) == self.num_hosts:
+            adopted, dropped = self.disk.adopt([self._kept[h] for h in range(self.num_hosts)])
+            self._kept = None
+            self.counters[C.DISK_RESTORED_READY] += adopted
+            self.counters[C.DISK_RESTORED_DROPPED] += dropped
+            logger.info("tpuoffload disk tier: %d chunk files on disk fetchable (%d deleted: not kept alike by "
+                        "every host)", adopted, dropped)
+
+    def on_resolved(self, resolved: "Resolved") -> None:
+        self.fetches.resolved(resolved.ready_ids, resolved.dropped_ids)
+
+    def reset(self, next_save_id: int) -> None:
+        """Nothing on disk is fetched again, and every host deletes every chunk file."""
+        self.disk.revoke_all()
+        self.fetches.clear()
+        self._kept = None
+        self._delete_all = True
+
+    def leak_report(self) -> dict[str, int]:
+        return self.disk.leak_report()

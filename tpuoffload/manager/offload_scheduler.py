@@ -29,8 +29,8 @@ from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
-from tpuoffload.messages import DiskBatch, OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
-from tpuoffload.manager.disk_index import DiskIndex, FetchPlanner
+from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
+from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.hash_table import PackedHashes
 from tpuoffload.manager.index import ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
@@ -39,6 +39,7 @@ from tpuoffload.manager.load_tracker import LoadTracker
 from tpuoffload.manager.restart import WarmRestart
 from tpuoffload.manager.save_planner import EMPTY, SavePlanner
 from tpuoffload.manager.staging import StagingBudget
+from tpuoffload.manager.tier import Tier
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
@@ -50,9 +51,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-_NO_DISK = DiskBatch()
 
 
 def waits_for_load(request: "Request") -> bool:
@@ -90,25 +88,37 @@ class OffloadScheduler:
         self.loads = LoadTracker(self.index, block_size, self.counters)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
-        self.disk: DiskIndex | None = None
-        self.fetches: FetchPlanner | None = None
-        if config.disk_path is not None:
-            disk_chunks = DiskIndex.capacity(config.disk_bytes_to_use, chunk_bytes)
-            if disk_chunks == 0:
-                raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
-            self.disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s)
-            self.fetches = FetchPlanner(self.index, self.ledger, self.disk, self.staging, chunk_bytes, block_size,
-                                        self.counters, lambda: self.clock(), config.save_timeout_s,
-                                        self.loads.take_lookup)
-            self.index.record_evictions()
-        self.restart = WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
-                                   self.index, num_hosts, self.counters, lambda: self.clock(), self.disk)
+        self.tiers: list[Tier] = self._make_tiers(config, num_hosts)
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
         self._stats_seq = 0
         self.dp_rank: int | None = None if self.dp.ranks > 1 else 0  # known from the first report (DP)
         self._snapshot: SnapshotWriter | None = None
         self._open_snapshot()
+
+    def _make_tiers(self, config: OffloadConfig, num_hosts: int) -> list[Tier]:
+        """The tiers beside host RAM, in the order their hooks run (manager/tier.py)."""
+        tiers: list[Tier] = []
+        if config.persist_path is not None:
+            tiers.append(WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
+                                     self.index, num_hosts, self.counters, lambda: self.clock()))
+        if config.disk_path is not None:
+            disk_chunks = DiskIndex.capacity(config.disk_bytes_to_use, self.chunk_bytes)
+            if disk_chunks == 0:
+                raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
+            disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s)
+            fetches = FetchPlanner(self.index, self.ledger, disk, self.staging, self.chunk_bytes, self.block_size,
+                                   self.counters, lambda: self.clock(), config.save_timeout_s, self.loads.take_lookup)
+            tiers.append(DiskTierPlanner(disk, fetches, self.index, num_hosts, self.counters, lambda: self.clock(),
+                                         config.persist_timeout_s, keeps_files=config.persist_path is not None))
+        return tiers
+
+    def tier(self, name: str) -> Tier | None:
+        """The tier of that name, if configured (operators' and tests' view)."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _saves_blocked(self) -> bool:
+        return any(t.blocks_saves for t in self.tiers)
 
     def _open_snapshot(self) -> None:
         name = self.dp.snapshot_name(self.dp_rank)
@@ -132,8 +142,8 @@ class OffloadScheduler:
         asynchronously (always, when there are any). No side effect: vLLM asks again every step
         until it admits the request."""
         hits = self.loads.lookup(request, num_computed_tokens)
-        if self.fetches is not None and self.fetches.wants(request, num_computed_tokens // self.block_size, hits):
-            return None, False  # its prefix continues on disk: ask again once it is back in host RAM
+        if self.tiers and any(t.wants(request, num_computed_tokens // self.block_size, hits) for t in self.tiers):
+            return None, False  # e.g. its prefix continues on disk: ask again once it is back in host RAM
         return hits * self.block_size, hits > 0 and not self.dp.sync_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks | None",
@@ -141,8 +151,8 @@ class OffloadScheduler:
         """vLLM allocated ``blocks`` for ``request`` (admission or resumption), expecting
         ``num_external_tokens`` tokens from host RAM (``blocks`` None: ask the KV cache manager)."""
         self.requests.admit(request)
-        if self.fetches is not None:
-            self.fetches.forget(request.request_id)
+        for t in self.tiers:
+            t.forget(request.request_id)
         lookup = self.loads.take_lookup(request.request_id)
         if num_external_tokens == 0:
             if lookup is not None:
@@ -181,13 +191,15 @@ class OffloadScheduler:
 
         # The workers read the loaded slots in this step, before any later step can write to
         # them, so the pins only have to outlive this plan's slot allocations.
-        checkpoint = self.restart.plan(step)
-        plan = self._skip_saves if self.restart.saves_blocked else self.saves.plan
-        fetch = spill = drops = _NO_DISK
+        for t in self.tiers:
+            t.start_step(step)
+        blocked = self._saves_blocked()
+        plan = self._skip_saves if blocked else self.saves.plan
         self.index.pin(load_slots)
         try:
-            if self.fetches is not None and not self.restart.saves_blocked:
-                fetch = self.fetches.plan(step)
+            if not blocked:
+                for t in self.tiers:
+                    t.plan_into_ram(step)
             flush = plan(*self.requests.take_flush(), step)
             if self.config.lazy_offload:
                 self.requests.track_computed(scheduler_output, block_ids_of)
@@ -197,16 +209,11 @@ class OffloadScheduler:
                 save = plan(blocks, PackedHashes.of_runs(runs), step) if blocks else EMPTY
         finally:
             self.index.unpin(load_slots)
-        if self.disk is not None:  # what this plan evicted from host RAM goes to disk first
-            self.disk.apply_resolved()
-            spill = self.disk.spill(*self.index.take_evicted(), step)
-            drops = self.disk.take_drops()
+        parts = {t.name: part for t in self.tiers if (part := t.finish_step(step)) is not None}
         self._apply_resolved()  # early reports replayed by the new batches
         plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
-                        disk_drop=drops, spill=spill, fetch=fetch,
-                        checkpoint=checkpoint, persist_waiting=self.restart.saves_blocked,
-                        revoke_below=self.restart.take_revoke(), source=self.dp.source,
-                        num_blocks=self.dp.num_blocks, sync_loads=self.dp.sync_loads)
+                        tiers=parts, source=self.dp.source, num_blocks=self.dp.num_blocks,
+                        sync_loads=self.dp.sync_loads)
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()
@@ -224,8 +231,8 @@ class OffloadScheduler:
         before any later step can reuse the blocks."""
         req_id = request.request_id
         load_in_flight = self.loads.forget(req_id) and not self.dp.sync_loads  # a sync load is done
-        if self.fetches is not None:
-            self.fetches.forget(req_id)
+        for t in self.tiers:
+            t.forget(req_id)
         return self.requests.finish(request, block_ids, load_in_flight), None
 
     # ------------------------------------------------------------------ reports from workers
@@ -241,15 +248,11 @@ class OffloadScheduler:
                 self.dp_rank = report.ranks[self.dp.source]
                 logger.info("tpuoffload scheduler (source %d) plans for DP rank %d", self.dp.source, self.dp_rank)
                 self._open_snapshot()
-            self.restart.on_report(report)
             # Under DPScheduler the report holds every rank's saves: only this half's are read.
             for host, saved, failed in report.outcomes(self.dp.source):
                 self.ledger.report(host, ok=saved, failed=failed)
-            if self.disk is not None:
-                for host, ranges in report.disk_saved.items():
-                    self.disk.report(host, ok=ranges)
-                for host, ranges in report.disk_failed.items():
-                    self.disk.report(host, failed=ranges)
+            for t in self.tiers:
+                t.on_report(report.tiers.get(t.name, {}))
             self._apply_resolved()
         # A chunk that failed to load on some host is not offered again (vLLM recomputes it).
         if output.invalid_block_ids:
@@ -273,8 +276,8 @@ class OffloadScheduler:
             self.index.mark_ready(res.ready_slots, res.ready_ids)
         if len(res.dropped_ids):
             self.index.drop(res.dropped_slots, res.dropped_ids)
-        if self.fetches is not None:
-            self.fetches.resolved(res.ready_ids, res.dropped_ids)
+        for t in self.tiers:
+            t.on_resolved(res)
         self.staging.release(len(res) * self.chunk_bytes)
 
     # ------------------------------------------------------------------ reset
@@ -284,10 +287,8 @@ class OffloadScheduler:
         saves blocks computed before it. vLLM calls it from
         ``reset_prefix_cache(reset_connector=True)``, between steps."""
         revoked = self.index.revoke_all()
-        self.restart.on_reset(self.ledger.next_save_id)
-        if self.disk is not None:
-            self.disk.revoke_all()
-            self.fetches.clear()
+        for t in self.tiers:
+            t.reset(self.ledger.next_save_id)
         self.loads.clear_lookups()
         self.requests.forget_unsaved()
         self.counters[C.RESETS] += 1
@@ -321,7 +322,7 @@ class OffloadScheduler:
             "saving_chunks": self.index.num_saving(),
             "ledger_pending": len(self.ledger),
             "staging_bytes": self.staging.in_use,
-            **(self.disk.leak_report() if self.disk is not None else {}),
+            **{k: v for t in self.tiers for k, v in t.leak_report().items()},
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """Warm restart, the scheduler's side: adopt what every host restored; plan checkpoints.
 
+Warm restart is a ``Tier`` (manager/tier.py) named "persist": it plans ``PersistPlan`` parts and
+reads ``PersistReport`` parts.
+
 Restore. Each host restores its slots before the first step (worker/persistence.py) and reports,
-once, the chunks it restored (``OffloadWorkerReport.restored``: ``RESTORED_ROW`` rows of slot,
+once, the chunks it restored (``PersistReport.restored``: ``RESTORED_ROW`` rows of slot,
 checkpointed save id and hash keys). When every host has reported, a chunk becomes READY in the
 index under save id ``RESTORED_BASE + slot`` only if every host restored the same row (a chunk one
 host had not confirmed when the checkpoint was taken is dropped), its slot is still FREE (the
@@ -9,20 +12,17 @@ first steps' saves may already have reused it: their bytes replaced the restored
 hash is not held already. Restored chunks enter the LRU order oldest save first. Until every host
 reported (the first step's outputs) no save is planned, so no save takes a restored slot, and
 restored chunks are not loadable; if a report never comes (``timeout_s``), or a connector reset
-comes first, nothing is adopted (counted in ``restored_dropped``). With the disk tier, the same
-reports carry the chunk files each host's tier kept (written under the same fingerprint); those
-every host kept alike are indexed again (``DiskIndex.adopt``), the others deleted everywhere.
-Files kept by a restore that was given up are never fetched; the tiers evict them first, and a
-reset (``revoke_below``) deletes them with everything else.
+comes first, nothing is adopted (counted in ``restored_dropped``). The disk tier's files kept over
+a restart are that tier's own business (``DiskTierPlanner``).
 
 Checkpoints. An operator request (``CHECKPOINT_REQUEST`` in ``persist_path``, polled once a
-second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the step's metadata:
+second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the step's plan:
 every host writes its part at the start of that step. Until every host reported the checkpoint
 resolved (or ``timeout_s`` passed), no save is planned (``skipped_checkpoint``): a save donates
 the stores the checkpoint is reading. The answer to an operator request is ``CHECKPOINT_DONE``.
 The checkpoint at shutdown is the hosts' own (vLLM stops stepping first).
 
-Reset. After a connector reset, the next metadata carries ``revoke_below``: every host forgets all
+Reset. After a connector reset, the next plan carries ``revoke_below``: every host forgets all
 its chunks and never commits a save issued before the reset, so no later checkpoint holds them.
 """
 
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.messages import DISK_ROW, RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport
+from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport
 from tpuoffload.persist import CheckpointRequest, RequestWatcher
-from tpuoffload.manager.disk_index import DiskIndex
 from tpuoffload.manager.hash_table import HashKeys
 from tpuoffload.manager.index import ChunkIndex
+from tpuoffload.manager.tier import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +59,40 @@ class _Checkpoint:
     failed_hosts: list[int] = field(default_factory=list)
 
 
-class WarmRestart:
-    def __init__(self, persist_path: str | None, interval_s: float, timeout_s: float, index: ChunkIndex,
-                 num_hosts: int, counters: Counter[str], clock: Callable[[], float],
-                 disk: DiskIndex | None = None) -> None:
-        self.enabled = persist_path is not None
+class WarmRestart(Tier):
+    name = "persist"
+
+    def __init__(self, persist_path: str, interval_s: float, timeout_s: float, index: ChunkIndex,
+                 num_hosts: int, counters: Counter[str], clock: Callable[[], float]) -> None:
         self.index = index
-        self.disk = disk
         self.num_hosts = num_hosts
         self.counters = counters
         self.clock = clock
         self.timeout_s = timeout_s
         self._interval = interval_s
-        self._watcher = RequestWatcher(persist_path, clock=clock) if self.enabled else None
+        self._watcher = RequestWatcher(persist_path, clock=clock)
         now = clock()
         self._next_due = now + interval_s if interval_s else math.inf
         self._restore_deadline = now + timeout_s
-        self._restored: dict[int, np.ndarray] | None = {} if self.enabled else None  # None: settled
-        self._disk_kept: dict[int, np.ndarray] = {}  # host -> DISK_ROW rows, until settled
+        self._restored: dict[int, np.ndarray] | None = {}  # host -> RESTORED_ROW rows; None: settled
         self._checkpoint: _Checkpoint | None = None
+        self._checkpoint_now = False  # this step's plan asks for a checkpoint
         self._revoke_below: int | None = None
+
+    # ---------------------------------------------------------------- the Tier hooks
+    @property
+    def blocks_saves(self) -> bool:
+        return self.saves_blocked
+
+    def start_step(self, step: int) -> None:
+        self._checkpoint_now = self.plan(step)
+
+    def finish_step(self, step: int) -> PersistPlan | None:
+        plan = PersistPlan(self._checkpoint_now, self.saves_blocked, self.take_revoke())
+        return plan if plan != PersistPlan() else None
+
+    def reset(self, next_save_id: int) -> None:
+        self.on_reset(next_save_id)
 
     # ---------------------------------------------------------------- per step
     @property
@@ -88,9 +102,7 @@ class WarmRestart:
         return self._checkpoint is not None or self._restored is not None
 
     def plan(self, step: int) -> bool:
-        """Whether the metadata of ``step`` asks every host for a checkpoint."""
-        if not self.enabled:
-            return False
+        """Whether the plan of ``step`` asks every host for a checkpoint."""
         now = self.clock()
         self._expire(now)
         request = self._watcher.poll()
@@ -111,26 +123,19 @@ class WarmRestart:
         return out
 
     def on_reset(self, next_save_id: int) -> None:
-        if not self.enabled:
-            return
         self._revoke_below = next_save_id
         self._give_up_restore("a connector reset came first")
 
     # ---------------------------------------------------------------- reports
-    def on_report(self, report: OffloadWorkerReport) -> None:
-        if self._restored is not None:
-            for host, rows in report.restored.items():
-                if 0 <= host < self.num_hosts:
-                    self._restored[host] = np.frombuffer(rows, RESTORED_ROW)
-                    self._disk_kept[host] = np.frombuffer(report.disk_restored.get(host, b""), DISK_ROW)
-            if len(self._restored) == self.num_hosts:
-                self._adopt(self._restored)
-                if self.disk is not None:
-                    self._adopt_disk([self._disk_kept[h] for h in range(self.num_hosts)])
-                self._restored, self._disk_kept = None, {}
-        for host, done in report.checkpoints.items():
-            for step, seq, ok in done:
+    def on_report(self, parts: dict[int, PersistReport]) -> None:
+        for host, part in parts.items():
+            if self._restored is not None and part.restored is not None and 0 <= host < self.num_hosts:
+                self._restored[host] = np.frombuffer(part.restored, RESTORED_ROW)
+            for step, seq, ok in part.checkpoints:
                 self._checkpoint_reported(host, step, seq, ok)
+        if self._restored is not None and len(self._restored) == self.num_hosts:
+            self._adopt(self._restored)
+            self._restored = None
 
     def _adopt(self, rows: dict[int, np.ndarray]) -> None:
         common = rows[0]
@@ -151,13 +156,6 @@ class WarmRestart:
         logger.info("tpuoffload persist: %d restored chunks loadable (%d dropped: not on every host alike, "
                     "or their slot was reused first)", len(common), offered - len(common))
 
-    def _adopt_disk(self, kept: list[np.ndarray]) -> None:
-        adopted, dropped = self.disk.adopt(kept)
-        self.counters[C.DISK_RESTORED_READY] += adopted
-        self.counters[C.DISK_RESTORED_DROPPED] += dropped
-        logger.info("tpuoffload persist: %d chunk files on disk fetchable (%d deleted: not kept alike by every "
-                    "host)", adopted, dropped)
-
     def _give_up_restore(self, why: str) -> None:
         if self._restored is None:
             return
@@ -165,7 +163,7 @@ class WarmRestart:
         self.counters[C.RESTORED_DROPPED] += offered
         logger.warning("tpuoffload persist: restored chunks not used: %s (hosts reported: %s)", why,
                        sorted(self._restored))
-        self._restored, self._disk_kept = None, {}
+        self._restored = None
 
     def _checkpoint_reported(self, host: int, step: int, seq: int, ok: bool) -> None:
         cp = self._checkpoint

@@ -10,7 +10,7 @@ Per step, in ``bind``, before the step's saves (which may reuse the evicted slot
     spill     copy the chunks evicted from host RAM in this plan out of their slots (one read
               program per layer group); a background thread writes them to disk and reports each
               disk id written or failed (``disk_saved``/``disk_failed``), confirmed by every host
-              through the scheduler's disk ledger
+              through the manager's disk ledger
     fetch     start the background reads of this plan's fetches (installed next step)
 
 Every dispatch is planned in the metadata and issued here, on the main thread, the same on every
@@ -29,13 +29,15 @@ import threading
 import time
 from collections import Counter
 from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.backend.disk_tier import ChunkKey, DiskFaults, DiskTier
-from tpuoffload.messages import DISK_ROW, DiskBatch, unpack_keys
+from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, id_ranges, unpack_keys
+from tpuoffload.worker.tier import WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -53,11 +55,18 @@ class _Fetch:
     reads: list[futures.Future]
 
 
-class DiskStage:
+class DiskStage(WorkerTier):
+    """The worker's "disk" tier (worker/tier.py)."""
+
+    name = "disk"
+
     def __init__(self, engine: TransferEngine, path: str, capacity_bytes: int, read_timeout_s: float,
-                 faults: DiskFaults | None = None, deployment: str | None = None) -> None:
+                 faults: DiskFaults | None = None, deployment: str | None = None,
+                 before_donate: Callable[[], None] = lambda: None) -> None:
         """``deployment``: with warm restart, the fingerprint that chunk files kept from an earlier
-        start must have been written under (None: none is kept, see DiskTier)."""
+        start must have been written under (None: none is kept, see DiskTier); the kept files are
+        reported until the manager has them. ``before_donate``: called before an install donates
+        the stores (the other tiers' ``before_donate``)."""
         if any(g.num_shards > 1 for g in engine.layout.groups):
             raise ValueError("the disk tier does not support layouts whose blocks are split across hosts by data "
                              "parallelism yet; unset disk_path")
@@ -71,6 +80,10 @@ class DiskStage:
         self._failed: list[int] = []
         self._pending = 0  # spills dispatched, not yet resolved
         self._counted: Counter[str] = Counter()
+        self._before_donate = before_donate
+        self._kept: bytes | None = self.kept_rows() if deployment is not None else None
+        self._kept_sent = False
+        self._waiting = False
         logger.info("tpuoffload disk tier at %s: %d chunk files of %d bytes (%d adopted at start-up)",
                     self.tier.path, self.tier.capacity_chunks, self.tier.file_bytes, self.tier.scan_report.adopted)
 
@@ -86,8 +99,19 @@ class DiskStage:
         return rows.tobytes()
 
     # ---------------------------------------------------------------- per step (main thread)
+    def act(self, step: int, part: DiskPlan | None) -> None:
+        part = part or DiskPlan()
+        self._waiting = part.waiting
+        if part.delete_all:
+            self.delete_all()
+        try:
+            self.run(step, part.drop, part.spill, part.fetch)
+        except Exception:  # what failed is reported by the stage (failed spills, failed fetches)
+            logger.exception("tpuoffload: disk-tier step failed")
+
     def run(self, step: int, drop: DiskBatch, spill: DiskBatch, fetch: DiskBatch) -> None:
         if self._fetches:
+            self._before_donate()  # installs donate the stores
             self._install_due(step)
         if len(drop):
             for h in _hashes(drop):
@@ -99,9 +123,9 @@ class DiskStage:
                                                       for d, h in zip(fetch.disk_ids, _hashes(fetch))]))
 
     def delete_all(self) -> None:
-        """A connector reset with warm restart on (``revoke_below``): every chunk file goes, also
-        those kept from an earlier start that the scheduler never indexed (its restore was given
-        up), so no file from before a weight update can be taken for a later spill of its hash."""
+        """A connector reset (``DiskPlan.delete_all``): every chunk file goes, also those kept from
+        an earlier start that the manager never indexed (its restore was given up), so no file from
+        before a weight update can be taken for a later spill of its hash."""
         for key in self.tier.keys():
             self.tier.delete(key.hash)
 
@@ -147,12 +171,23 @@ class DiskStage:
             self._pending -= 1
 
     # ---------------------------------------------------------------- reports
-    def take_outcomes(self) -> tuple[list[int], list[int]]:
-        """Disk ids written and failed since the last call."""
+    def report(self) -> DiskReport | None:
+        """Disk ids written and failed since the last call; the kept files (warm restart) until the
+        manager stops waiting for them."""
         with self._lock:
-            out = self._written, self._failed
+            written, failed = self._written, self._failed
             self._written, self._failed = [], []
-        return out
+        kept = None
+        if self._kept is not None and (self._waiting or not self._kept_sent):
+            kept, self._kept_sent = self._kept, True
+        elif self._kept_sent and not self._waiting:
+            self._kept = None
+        if not (written or failed or kept is not None):
+            return None
+        return DiskReport(id_ranges(written), id_ranges(failed), kept)
+
+    def idle_report(self) -> dict[str, int]:
+        return {"disk_pending": self.pending()}
 
     def take_counters(self) -> Counter[str]:
         """The tier's counts (registered names only) since the last call."""

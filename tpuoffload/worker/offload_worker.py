@@ -42,7 +42,6 @@ from tpuoffload.messages import (
     OffloadWorkerReport,
     SaveBatch,
     StepPlan,
-    id_ranges,
 )
 from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
@@ -52,6 +51,7 @@ from tpuoffload.backend.disk_tier import DiskFaults
 from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
+from tpuoffload.worker.tier import WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -89,8 +89,7 @@ class OffloadWorker:
         self._unreported: Counter[str] = Counter()  # since the last take_stats
         self._snapshot: SnapshotWriter | None = None
         self.digests: deque[StepDigest] = deque(maxlen=digest_history)
-        self.persistence: HostPersistence | None = None  # warm restart (persist_path)
-        self.disk: DiskStage | None = None  # the disk tier (disk_path)
+        self.tiers: list[WorkerTier] = []  # beside host RAM, in the order they act (worker/tier.py)
         self._disk_faults = disk_faults
         self._persist_faults = persist_faults
 
@@ -113,9 +112,9 @@ class OffloadWorker:
         )
         deployment = fingerprint(layout, self.deployment, jax.process_count())
         if self.config.persist_path:
-            self._start_persistence(deployment)
+            self.tiers.append(self._start_persistence(deployment))
         if self.config.disk_path:
-            self._start_disk(deployment)
+            self.tiers.append(self._start_disk(deployment))
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.
@@ -127,24 +126,31 @@ class OffloadWorker:
                     self.engine.backend.nbytes, self.engine.max_chunks_per_transfer * layout.device_bytes_per_chunk,
                     self.engine.max_chunks_per_transfer, self.config.transfer_buffer_bytes, layout.describe())
 
-    def _start_persistence(self, deployment: Fingerprint) -> None:
+    def tier(self, name: str) -> WorkerTier | None:
+        """The tier of that name, if configured."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _start_persistence(self, deployment: Fingerprint) -> HostPersistence:
         """Warm restart: restore the newest matching checkpoint now, before the first step."""
         if self.host_id != jax.process_index():
             raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
                              f"process {jax.process_index()})")
-        self.persistence = HostPersistence(self.config.persist_path, self.engine, deployment,
-                                           self.host_id, self.config.persist_timeout_s, self._persist_faults)
-        self.persistence.restore()
+        persistence = HostPersistence(self.config.persist_path, self.engine, deployment,
+                                      self.host_id, self.config.persist_timeout_s, self._persist_faults)
+        persistence.restore()
+        return persistence
 
-    def _start_disk(self, deployment: Fingerprint) -> None:
+    def _start_disk(self, deployment: Fingerprint) -> DiskStage:
         """The disk tier; with warm restart it keeps the chunk files of the same deployment, and the
-        scheduler indexes those that every host kept alike (scheduler/restart.py)."""
-        keep = json.dumps(deployment.to_json(), sort_keys=True) if self.persistence is not None else None
-        self.disk = DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
-                              self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults,
-                              deployment=keep)
-        if self.persistence is not None:
-            self.persistence.disk_rows = self.disk.kept_rows()
+        manager indexes those that every host kept alike (manager/disk_index.py)."""
+        keep = json.dumps(deployment.to_json(), sort_keys=True) if self.config.persist_path else None
+        return DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
+                         self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults,
+                         deployment=keep, before_donate=self._before_donate)
+
+    def _before_donate(self) -> None:
+        for t in self.tiers:
+            t.before_donate()
 
     # ------------------------------------------------------------------ per step
     def bind(self, meta: OffloadMetadata) -> None:
@@ -164,22 +170,21 @@ class OffloadWorker:
             self._sources[p.rank] = p.plan.source
         plan = plans[0]
         self.engine.log.record("step", n=plan.step)
-        if len(plans) > 1 and any(p.checkpoint or p.revoke_below is not None or len(p.spill) or len(p.fetch)
-                                  or len(p.disk_drop) for p in plans):
-            raise ValueError("tpuoffload: warm restart and the disk tier are not supported with several "
-                             "scheduler plans per step (DPScheduler)")
-        if plan.revoke_below is not None:
-            self.engine.backend.revoke_below(plan.revoke_below)
-            if self.disk is not None:
-                self.disk.delete_all()
-        if plan.checkpoint:
-            self._checkpoint(plan.step)
-        if self.disk is not None:
-            self._disk_step(plan)
-        elif len(plan.spill) or len(plan.fetch):
-            raise ValueError(f"the scheduler plans disk-tier work but disk_path is not set on host {self.host_id}")
+        self._act_tiers(plans)
         self._save(_concat_saves([p.flush for p in placed]))
         self._load(placed)
+
+    def _act_tiers(self, plans: list[StepPlan]) -> None:
+        """Every tier acts on its part of the plan, in tier order, before the step's saves and loads."""
+        unknown = {name for p in plans for name in p.tiers} - {t.name for t in self.tiers}
+        if unknown:
+            raise ValueError(f"the scheduler plans work for tier(s) {sorted(unknown)} that host {self.host_id} "
+                             "does not have: the two halves were configured differently")
+        if len(plans) > 1 and any(p.tiers for p in plans):
+            raise ValueError("tpuoffload: tiers beside host RAM are not supported with several scheduler plans "
+                             "per step (DPScheduler)")
+        for t in self.tiers:
+            t.act(plans[0].step, plans[0].tiers.get(t.name))
 
     def _check_slots(self, placed: list["_Placed"]) -> None:
         have = self.engine.backend.num_slots
@@ -231,30 +236,13 @@ class OffloadWorker:
         self._saved = True
         self._save(_concat_saves([p.save for p in self._placed]))
 
-    def _disk_step(self, meta: StepPlan) -> None:
-        try:
-            if self.persistence is not None and (len(meta.fetch) or len(meta.spill)):
-                self.persistence.before_save()  # installs donate the stores too
-            self.disk.run(meta.step, meta.disk_drop, meta.spill, meta.fetch)
-        except Exception:  # what failed is reported by the stage (failed spills, failed fetches)
-            logger.exception("tpuoffload: disk-tier step failed on host %d", self.host_id)
-
-    def _checkpoint(self, step: int) -> None:
-        if self.persistence is None:
-            logger.warning("tpuoffload: a checkpoint was planned but persist_path is not set on host %d", self.host_id)
-            return
-        try:
-            self.persistence.checkpoint(step)
-        except Exception:  # a failed checkpoint never stops serving; it is reported as failed
-            logger.exception("tpuoffload: checkpoint failed on host %d", self.host_id)
-
     def _save(self, batch: SaveBatch) -> None:
         if not batch:
             return
         try:
-            if self.persistence is not None:
-                self.persistence.before_save()
-                self.persistence.keys.record(batch)
+            for t in self.tiers:
+                t.before_donate()
+                t.saving(batch)
             self.engine.save(self._live_caches(), batch.block_ids, batch.slots, batch.save_ids)
         except CachesDonated as exc:
             logger.warning("tpuoffload: %d saves skipped on host %d: %s", len(batch), self.host_id, exc)
@@ -279,12 +267,10 @@ class OffloadWorker:
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
         report = self._save_report(saved, failed)
-        if self.disk is not None:
-            written, lost = self.disk.take_outcomes()
-            report.disk_saved, report.disk_failed = _host_ranges(self.host_id, written), _host_ranges(self.host_id, lost)
-        if self.persistence is not None:
-            waiting = self._meta is not None and self._placed[0].plan.persist_waiting
-            self.persistence.add_to_report(report, repeat=waiting)
+        for t in self.tiers:
+            part = t.report()
+            if part is not None:
+                report.tiers[t.name] = {self.host_id: part}
         return report if report else None
 
     def _save_report(self, saved: list[int], failed: list[int]) -> OffloadWorkerReport:
@@ -307,10 +293,8 @@ class OffloadWorker:
 
     def _collect_counters(self) -> None:
         delta = self.engine.take_counters()
-        if self.persistence is not None:
-            delta.update(self.persistence.take_counters())
-        if self.disk is not None:
-            delta.update(self.disk.take_counters())
+        for t in self.tiers:
+            delta.update(t.take_counters())
         self.totals.update(delta)
         self._unreported.update(delta)
 
@@ -358,7 +342,7 @@ class OffloadWorker:
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait for this host's background work: saves, and spills to disk."""
         idle = self.engine.wait_idle(timeout)
-        return (self.disk.wait_idle(timeout) if self.disk is not None else True) and idle
+        return all([t.wait_idle(timeout) for t in self.tiers]) and idle
 
     def idle_report(self) -> dict[str, int]:
         """What this host still has under way; all zero when it is idle (public gauges for
@@ -369,15 +353,13 @@ class OffloadWorker:
             "staging_bytes": staging,
             "unreported_save_failures": len(self._report_failures),
             "pending_load_reports": len(self._finished_recving),
-            **({"disk_pending": self.disk.pending()} if self.disk is not None else {}),
+            **{k: v for t in self.tiers for k, v in t.idle_report().items()},
         }
 
     def close(self) -> None:
         """Clean shutdown: the last checkpoint (warm restart), then the engine's threads."""
-        if self.persistence is not None:
-            self.persistence.close()
-        if self.disk is not None:
-            self.disk.close()
+        for t in self.tiers:  # warm restart's last checkpoint first
+            t.close()
         if self.engine is not None:
             self.engine.close()
             self._collect_counters()  # totals are final
@@ -416,11 +398,6 @@ def _concat_saves(batches: list[SaveBatch]) -> SaveBatch:
         return batches[0] if batches else SaveBatch()
     return SaveBatch(*(tuple(x for b in batches for x in getattr(b, f)) for f in ("block_ids", "slots", "save_ids")),
                      keys=b"".join(b.keys for b in batches))
-
-
-def _host_ranges(host: int, ids) -> dict[int, tuple]:
-    ranges = id_ranges(ids)
-    return {host: ranges} if ranges else {}
 
 
 def _concat_loads(loads: Iterable[LoadRequest]) -> tuple[list[int], list[int], list[int]]:

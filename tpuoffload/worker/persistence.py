@@ -8,7 +8,7 @@ stepping, and tears the workers down before the scheduler -- is as complete as o
 Restore (``restore``, in ``register_runner``, before the first step, on every host alike): the
 newest complete checkpoint that every host accepts (``Persister.restore``: fingerprint, slot
 layout, checksums) replaces the zeroed stores and the slot table. With the disk tier, its chunk
-files written under the same fingerprint are kept too, and reported beside the restored rows. Each restored chunk's save id
+files written under the same fingerprint are kept too (the disk tier reports those). Each restored chunk's save id
 becomes ``RESTORED_BASE + slot``: unique, never issued by the new scheduler (whose ids start at
 0), and the same on every host that restored that slot. The host reports its restored rows
 (``RESTORED_ROW``: slot, old save id, hash keys) once, in its first report; the scheduler makes
@@ -17,7 +17,7 @@ loadable only the chunks every host restored identically (scheduler/restart.py).
 Checkpoint (``checkpoint``, main thread, at a step the scheduler planned or at ``close``, the same
 point on every host): the background saves are drained first so every tag is final, then
 ``Persister.save`` writes the stores as they are (no copy) and the table. Until it resolves no
-store may be donated, so a save that arrives meanwhile waits for it (``before_save``); the
+store may be donated, so a save that arrives meanwhile waits for it (``before_donate``); the
 scheduler plans no saves until every host reported the checkpoint, so in practice nothing waits.
 """
 
@@ -35,8 +35,9 @@ import numpy as np
 
 from tpuoffload.backend.slot_table import EMPTY
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, OffloadWorkerReport, SaveBatch, unpack_keys
+from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch, unpack_keys
 from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle
+from tpuoffload.worker.tier import WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,11 @@ class SlotKeys:
         self.keys[slots] = keys
 
 
-class HostPersistence:
-    """One host's warm-restart state: its Persister, the keys of its slots, the checkpoint in flight."""
+class HostPersistence(WorkerTier):
+    """One host's warm-restart state: its Persister, the keys of its slots, the checkpoint in flight.
+    The worker's "persist" tier (worker/tier.py)."""
+
+    name = "persist"
 
     def __init__(self, path: str, engine: TransferEngine, fingerprint: Fingerprint, host: int,
                  timeout_s: float, faults: PersistFaults | None = None) -> None:
@@ -95,8 +99,8 @@ class HostPersistence:
         self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
         self._done: list[tuple[int, int, bool]] = []  # (step planned, number, ok), not yet reported
         self._restored_rows: bytes | None = None  # reported until the scheduler stops waiting
-        self.disk_rows: bytes | None = None  # with the disk tier: its kept files (DiskStage.kept_rows), likewise
         self._rows_sent = False
+        self._waiting = False  # the step's plan says the manager still waits for our news
         self._last_done: tuple[int, int, bool] | None = None  # the last checkpoint resolved (repeated on demand)
         self._counted: Counter[str] = Counter()  # the Persister's counts already taken
         self._closed = False
@@ -132,36 +136,50 @@ class HostPersistence:
         logger.info("tpuoffload persist: restored %s on host %d: %d chunks, %.2f GiB in %.1f s",
                     restored.path, self.host, len(held), restored.bytes / 2**30, restored.seconds)
 
-    def add_to_report(self, report: OffloadWorkerReport, repeat: bool) -> None:
-        """Put this host's news into its report: the restored rows (first report), checkpoints
-        resolved since the last report; with ``repeat`` (the scheduler still waits) the rows and
-        the last resolved checkpoint again, in case a report was lost on the way."""
+    def report(self) -> PersistReport | None:
+        """This host's news: the restored rows (first report), checkpoints resolved since the last
+        report; while the manager still waits (``PersistPlan.waiting``) the rows and the last
+        resolved checkpoint again, in case a report was lost on the way."""
+        repeat = self._waiting
+        rows = None
         if self._restored_rows is not None and (repeat or not self._rows_sent):
-            report.restored[self.host] = self._restored_rows
-            if self.disk_rows is not None:
-                report.disk_restored[self.host] = self.disk_rows
-            self._rows_sent = True
+            rows, self._rows_sent = self._restored_rows, True
         elif self._rows_sent and not repeat:
-            self._restored_rows = self.disk_rows = None  # the scheduler has them
+            self._restored_rows = None  # the manager has them
         with self._lock:
             done, self._done = self._done, []
         if done:
             self._last_done = done[-1]
         elif repeat and self._last_done is not None:
             done = [self._last_done]
-        if done:
-            report.checkpoints[self.host] = tuple(done)
+        if rows is None and not done:
+            return None
+        return PersistReport(rows, tuple(done))
 
     # ---------------------------------------------------------------- per step
-    def before_save(self) -> None:
-        """A save donates the stores: let the checkpoint that reads them finish first."""
+    def act(self, step: int, part: PersistPlan | None) -> None:
+        part = part or PersistPlan()
+        self._waiting = part.waiting
+        if part.revoke_below is not None:
+            self.engine.backend.revoke_below(part.revoke_below)
+        if part.checkpoint:
+            try:
+                self.checkpoint(step)
+            except Exception:  # a failed checkpoint never stops serving; it is reported as failed
+                logger.exception("tpuoffload: checkpoint failed on host %d", self.host)
+
+    def before_donate(self) -> None:
+        """A save or an install donates the stores: let the checkpoint that reads them finish first."""
         if self._inflight is not None and not self._inflight.done():
             self._inflight.result()
+
+    def saving(self, batch: SaveBatch) -> None:
+        self.keys.record(batch)
 
     def checkpoint(self, step: int = -1) -> SaveHandle:
         """Write a checkpoint of this host's slots (main thread, at the start of ``step`` on every
         host; -1: at shutdown)."""
-        self.before_save()  # one checkpoint at a time
+        self.before_donate()  # one checkpoint at a time
         self.engine.wait_idle()
         tags, sources = self.engine.backend.table()
         keyed = (self.keys.save_id == tags) & (tags != EMPTY)

@@ -1,0 +1,65 @@
+"""The seam every tier beside host RAM plugs into, on the manager's side.
+
+Host RAM is the connector's own store (``ChunkIndex``, ``SavePlanner``, ``LoadTracker``); a tier is
+anything else that keeps or moves chunks: the disk tier (``manager/disk_index.py``), warm restart
+(``manager/restart.py``), later a shared remote store or peer hosts. ``OffloadScheduler`` holds a
+fixed list of tiers and calls each hook on every tier, in list order, at fixed points of vLLM's
+hooks; a tier plans into its own part of the step plan (``StepPlan.tiers[name]``) and reads its
+own part of the workers' reports (``OffloadWorkerReport.tiers[name]``). Its worker side
+(``worker/tier.py``) acts on that part on every host. Every hook has a do-nothing default.
+
+Host-RAM slots are shared: a tier that puts chunks into host RAM (a fetch) takes its slots with
+``HostSlots.claim`` (manager/host_slots.py), the one way a slot becomes SAVING.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from tpuoffload.manager.ledger import Resolved
+
+
+class Tier:
+    #: The key of this tier's parts in step plans and reports.
+    name: str = ""
+
+    @property
+    def blocks_saves(self) -> bool:
+        """True while no save (and no fetch into host RAM) may be planned: e.g. a checkpoint is
+        reading the stores, or restore reports are still due."""
+        return False
+
+    def wants(self, request: "Request", local_blocks: int, ram_hits: int) -> bool:
+        """In ``get_num_new_matched_tokens`` (no side effect on the plan): True while the request
+        should wait for this tier (vLLM is told "ask again")."""
+        return False
+
+    def forget(self, req_id: str) -> None:
+        """The request was admitted or finished: drop what the tier keeps for it."""
+
+    def start_step(self, step: int) -> None:
+        """First in ``build_connector_meta``, before anything of the step is planned."""
+
+    def plan_into_ram(self, step: int) -> None:
+        """While the step's loads are pinned and before its saves: claim host-RAM slots for chunks
+        this tier brings back (not called while any tier blocks saves)."""
+
+    def finish_step(self, step: int) -> Any | None:
+        """Last: this tier's part of the step plan (None: nothing this step)."""
+        return None
+
+    def on_report(self, parts: dict[int, Any]) -> None:
+        """This tier's part of each host's report (host -> part), once per step's merged report."""
+
+    def on_resolved(self, resolved: "Resolved") -> None:
+        """Host-RAM saves resolved (READY or dropped) by the RAM ledger this step."""
+
+    def reset(self, next_save_id: int) -> None:
+        """``reset_cache()``: nothing from before it may be loaded again."""
+
+    def leak_report(self) -> dict[str, int]:
+        """Gauges that are zero when the engine is idle."""
+        return {}

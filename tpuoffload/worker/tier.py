@@ -1,0 +1,48 @@
+"""The seam every tier beside host RAM plugs into, on the worker's side (manager/tier.py is the other).
+
+``OffloadWorker`` holds the host's tiers in a fixed order and, each step, on the engine's main
+thread: hands each tier its part of the step plan (``act``, in ``bind``, before the step's flush
+and loads), tells every tier before a save or an install donates the host stores
+(``before_donate``), and collects each tier's part of the host's report (``report``). A tier
+dispatches JAX work only in ``act`` (invariant 1: the parts are the same on every host, and the
+order is the tier list's), using the transfer engine's primitives (read rows, install rows, the
+stores); its file I/O runs on its own threads. Every hook has a do-nothing default.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from tpuoffload.messages import SaveBatch
+
+
+class WorkerTier:
+    #: The key of this tier's parts in step plans and reports.
+    name: str = ""
+
+    def act(self, step: int, part: Any | None) -> None:
+        """This step's part of the plan (None: the plan has none), on the main thread."""
+
+    def before_donate(self) -> None:
+        """A save or an install is about to donate the host stores: finish reading them first."""
+
+    def saving(self, batch: SaveBatch) -> None:
+        """``batch`` is about to be saved into host RAM."""
+
+    def report(self) -> Any | None:
+        """This host's part of the step's report (None: nothing to say)."""
+        return None
+
+    def take_counters(self) -> Counter[str]:
+        """Registered counters since the last call."""
+        return Counter()
+
+    def wait_idle(self, timeout: float) -> bool:
+        return True
+
+    def idle_report(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Clean shutdown (in tier order)."""
