@@ -8,8 +8,9 @@ hooks; a tier plans into its own part of the step plan (``StepPlan.tiers[name]``
 own part of the workers' reports (``OffloadWorkerReport.tiers[name]``). Its worker side
 (``worker/tier.py``) acts on that part on every host. Every hook has a do-nothing default.
 
-Host-RAM slots are shared: a tier that puts chunks into host RAM (a fetch) takes its slots with
-``HostSlots.claim`` (manager/host_slots.py), the one way a slot becomes SAVING.
+Host-RAM slots are shared: a tier that puts chunks into host RAM (a fetch) takes them like a save
+does, from ``ChunkIndex.allocate`` and ``ChunkIndex.add_saving`` under a RAM ledger batch, so the
+RAM ledger makes them READY like any save.
 """
 
 from __future__ import annotations
