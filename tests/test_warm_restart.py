@@ -1,6 +1,6 @@
 """Warm restart wired into both halves (issue 10, part 1).
 
-* The scheduler's side on its own (scheduler/restart.py, ChunkIndex.adopt): only chunks every host
+* The scheduler's side on its own (manager/restart.py, ChunkIndex.adopt): only chunks every host
   restored alike become loadable, in their old recency order; saves wait for the restore and for a
   checkpoint; a checkpoint outcome is matched to the step that planned it; a lost report is
   repeated; a connector reset revokes what the hosts hold.
