@@ -401,6 +401,7 @@ def _run_hosts(mode: str, path: str, num_hosts: int = 2, timeout: float = 180.0,
     return reports
 
 
+@pytest.mark.slow
 def test_two_hosts_write_and_restore_byte_exact(tmp_path):
     path = str(tmp_path / "p")
     written = _run_hosts("save", path)
@@ -425,6 +426,7 @@ def test_two_hosts_write_and_restore_byte_exact(tmp_path):
     assert restored is None and "num_hosts: checkpoint 2, this deployment 1" in reason
 
 
+@pytest.mark.slow
 def test_two_hosts_stores_round_trip(tmp_path):
     """The engine's form: global store arrays in pinned host memory, sharded over both hosts (one
     store split by host, one replicated on both), saved as they are and restored onto the same
@@ -437,6 +439,7 @@ def test_two_hosts_stores_round_trip(tmp_path):
         assert r is not None and r["restored_seq"] == 1 and r["exact"] and r["index_ok"], (host, r)
 
 
+@pytest.mark.slow
 def test_host_killed_during_checkpoint_next_start_is_cold(tmp_path):
     path = str(tmp_path / "p")
     killed = _run_hosts("save_kill", path)
