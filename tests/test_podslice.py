@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tpuoffload.sim.podslice import (Chaos, DigestMismatch, PodSlice, PointFaults, SliceError, SliceSpec,
-                                     _misplaced_op)
+from tpuoffload.sim.podslice import (Chaos, DigestMismatch, MisplacedDispatch, PodSlice, PointFaults, SliceError,
+                                     SliceSpec, _misplaced_op)
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty
 
@@ -141,12 +141,18 @@ def test_host_order_is_caught(make_slice):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_background_dispatch_is_caught(make_slice):
-    """Negative control: the seed PR's bug, gather + device_put issued from a background thread."""
+    """Negative control: gather + device_put issued from a background thread. The harness must name
+    it: ops outside the hooks that may dispatch (MisplacedDispatch) or digests that diverge
+    (DigestMismatch), never an unrelated crash or hang."""
     pod = make_slice(_spec(2, 1, num_blocks=48, save_timeout_s=2.0), Chaos(broken="background_dispatch"))
     pod.spec.step_timeout_s = 30.0
-    with pytest.raises((DigestMismatch, SliceError)) as err:
+    with pytest.raises(DigestMismatch) as err:  # MisplacedDispatch is a DigestMismatch
         run_prefix_repetition(pod, WORKLOAD)
-    assert "step" in str(err.value)
+    msg = str(err.value)
+    if err.type is MisplacedDispatch:
+        assert "dispatched outside the connector's dispatching hooks at step" in msg and ">>" in msg, msg
+    else:
+        assert err.type is DigestMismatch and "dispatch digests diverge at step" in msg, msg
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ def break_engine(engine: TransferEngine, how: str, host: int) -> None:
         if host == 1:
             engine.save = lambda caches, b, s, i: save(caches, b[::-1], s[::-1], i[::-1])
     elif how == "background_dispatch":
-        # The bug of the seed PR: gather + device_put dispatched from a background thread, at a
+        # Gather + device_put dispatched from a background thread, at a
         # moment that depends on each host's timing.
         rng = random.Random(host)
         engine._check_owner = lambda: None
