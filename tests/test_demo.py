@@ -15,6 +15,8 @@ import pytest
 
 from tpuoffload.cli import main as cli_main
 
+pytestmark = pytest.mark.slow  # the demo starts a pod slice of JAX processes
+
 PROMPTS, PREFIXES, PREFIX_LEN, SUFFIX_LEN, BS = 12, 2, 64, 16, 16  # suffix and block size: demo defaults
 HOSTS = 2
 LOADED_PER_HOST = (PROMPTS - PREFIXES) * PREFIX_LEN // BS

@@ -1,7 +1,7 @@
 """The per-host disk tier: byte-exact round trips, every broken-file case is a read error, the byte
 budget holds under concurrent writes with random delays, slow disks and injected failures.
 
-``python tests/test_disk_tier.py --bench [DIR]`` measures the checksum candidates and the tier's
+``python tools/bench_storage.py disk [DIR]`` measures the checksum candidates and the tier's
 write/read GiB/s (see the module docstring of tpuoffload.backend.disk_tier)."""
 
 from __future__ import annotations
@@ -418,64 +418,3 @@ def test_one_tier_per_directory_and_bad_arguments(tmp_path):
             t.write(key(0), np.zeros(SLOT - 1, np.uint8))
         with pytest.raises(ValueError, match="12288 bytes"):
             t.read(key(0), out=np.zeros(SLOT + 1, np.uint8))
-
-
-def _bench(path: str, gib: float = 1.0, slot_mib: int = 4) -> None:
-    import hashlib
-    import zlib
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    buf = np.random.default_rng(0).integers(0, 256, 256 << 20, dtype=np.uint8)
-    pieces = [memoryview(buf)[i:i + (4 << 20)] for i in range(0, buf.nbytes, 4 << 20)]
-    for name, fn in (("zlib.crc32", zlib.crc32),
-                     ("hashlib.blake2b", lambda m: hashlib.blake2b(m, digest_size=16).digest())):
-        for threads in (1, 4, 8):
-            with ThreadPoolExecutor(threads) as ex:
-                t0 = time.perf_counter()
-                list(ex.map(fn, pieces))
-                dt = time.perf_counter() - t0
-            print(f"{name:16s} {buf.nbytes / dt / 2**30:6.2f} GiB/s ({threads} threads, 4 MiB pieces)")
-    slot = slot_mib << 20
-    n = int(gib * 2**30) // slot
-    data = buf[:slot]
-    for threads in (1, 4):
-        with DiskTier(os.path.join(path, f"bench{threads}"), (n + 1) * (slot + HEADER_BYTES), slot,
-                      threads=threads) as t:
-            t0 = time.perf_counter()
-            futs = [t.write(ChunkKey(i, i.to_bytes(8, "little")), data).future for i in range(n)]
-            assert all(f.result().ok for f in futs)
-            w = n * slot / (time.perf_counter() - t0) / 2**30
-            cache = _drop_caches()
-            t0 = time.perf_counter()
-            futs = [t.read(ChunkKey(i, i.to_bytes(8, "little"))) for i in range(n)]
-            assert all(f.result().ok for f in futs)
-            r = n * slot / (time.perf_counter() - t0) / 2**30
-            print(f"disk tier, {threads} threads, {n} x {slot_mib} MiB: write {w:.2f} GiB/s, "
-                  f"read+verify {r:.2f} GiB/s (page cache {cache})")
-            for k in t.keys():
-                t.delete(k.hash)
-
-
-def _drop_caches() -> str:
-    """With DROP_CACHES=1 (and root on a real kernel), empty the page cache so that reads come
-    from the disk. Off by default: it slows down everything else on a shared machine."""
-    if os.environ.get("DROP_CACHES") != "1":
-        return "warm"
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "dropped"
-    except OSError:
-        return "warm"
-
-
-if __name__ == "__main__":
-    import sys
-    import tempfile
-
-    if "--bench" in sys.argv:
-        args = [a for a in sys.argv[1:] if a != "--bench"]
-        with tempfile.TemporaryDirectory(dir=args[0] if args else None) as d:
-            _bench(d)

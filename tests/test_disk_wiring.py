@@ -157,6 +157,7 @@ def test_reset_deletes_files_kept_from_a_restore_that_was_given_up(tmp_path):
     second.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_podslice_disk_tier_under_chaos(make_slice, tmp_path):
     """Two JAX processes, host RAM of 12 chunks, the disk tier below it, and a storm: a slow disk on
@@ -192,6 +193,7 @@ def test_podslice_disk_tier_under_chaos(make_slice, tmp_path):
     assert totals[C.DISK_WRITE_FAILED] + totals[C.DISK_READ_FAILED] > 0, totals
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_podslice_restart_indexes_the_files_every_host_kept(make_slice, tmp_path):
     """Two JAX processes with host RAM, the disk tier and warm restart. Between the two starts one

@@ -51,6 +51,7 @@ def _rank_pids(pod: PodSlice) -> list[int]:
     return [p.pid for p in getattr(pod.scheduler, "processes", ())]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
     """DP 2 x TP 4 and attention-DP 4 x TP 2 over 2 hosts x 4 devices, and the same slice without
@@ -87,6 +88,7 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
     assert hit_rate["tp8"] > 0.05 and all(hit_rate[n] > 0.02 for n in ("dp2-tp4", "attndp4-tp2")), hit_rate
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_dp_chaos_failures_stay_with_their_rank_and_recompute_everywhere(make_slice):
     """DP 2 x TP 4 through DPScheduler under the chaos storm: failed device-to-host copies on host 0,

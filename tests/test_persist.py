@@ -1,10 +1,7 @@
 """Warm-restart checkpoints through orbax: byte-exact round trips on one and on two JAX processes,
 and every bad checkpoint (foreign fingerprint, partial, truncated, flipped byte, a host killed
 while writing) is refused with its reason, on every host, never restored as garbage.
-
-``python tests/test_persist.py --bench GIB [DIR] [--stores]`` measures write and restore GiB/s on
-this machine's JAX backend (one process; ``--stores``: the slots as one global store array in host
-memory, the engine's form, instead of a numpy array)."""
+(tools/bench_storage.py measures a checkpoint's write and restore speed.)"""
 
 from __future__ import annotations
 
@@ -404,6 +401,7 @@ def _run_hosts(mode: str, path: str, num_hosts: int = 2, timeout: float = 180.0,
     return reports
 
 
+@pytest.mark.slow
 def test_two_hosts_write_and_restore_byte_exact(tmp_path):
     path = str(tmp_path / "p")
     written = _run_hosts("save", path)
@@ -428,6 +426,7 @@ def test_two_hosts_write_and_restore_byte_exact(tmp_path):
     assert restored is None and "num_hosts: checkpoint 2, this deployment 1" in reason
 
 
+@pytest.mark.slow
 def test_two_hosts_stores_round_trip(tmp_path):
     """The engine's form: global store arrays in pinned host memory, sharded over both hosts (one
     store split by host, one replicated on both), saved as they are and restored onto the same
@@ -440,6 +439,7 @@ def test_two_hosts_stores_round_trip(tmp_path):
         assert r is not None and r["restored_seq"] == 1 and r["exact"] and r["index_ok"], (host, r)
 
 
+@pytest.mark.slow
 def test_host_killed_during_checkpoint_next_start_is_cold(tmp_path):
     path = str(tmp_path / "p")
     killed = _run_hosts("save_kill", path)
@@ -518,57 +518,6 @@ def _report_and_exit(report: dict) -> None:
     os._exit(0)
 
 
-def _bench(gib: float, path: str, form: str) -> None:
-    """One process: write and restore ``gib`` GiB of 4 MiB slots, as a numpy array ("rows") or as
-    one global store array in host memory ("stores", the engine's form)."""
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from test_disk_tier import _drop_caches
-
-    slot = 4 << 20
-    n = int(gib * 2**30) // slot
-    buf = np.empty(n * slot + 4096, np.uint8)  # 4096-aligned, as a host backend should allocate it
-    off = (-buf.ctypes.data) % 4096
-    storage = buf[off:off + n * slot].reshape(n, slot)
-    storage[...] = np.random.default_rng(0).integers(0, 256, slot, dtype=np.uint8)
-    tags = np.arange(n, dtype=np.int64)
-    fp = Fingerprint("bench", "bench", "uint8", 16, 1, slot)
-    p = Persister(path, fp)
-    if form == "stores":
-        device = jax.devices()[0]
-        kind = "pinned_host" if device.platform != "cpu" else None
-        sharding = NamedSharding(Mesh(np.array([device]), ("d",)), PartitionSpec(), memory_kind=kind)
-        data = {"group0": jax.device_put(storage[None], sharding)}
-        data["group0"].block_until_ready()
-        into = {"group0": jax.ShapeDtypeStruct(data["group0"].shape, np.uint8, sharding=sharding)}
-    else:
-        data, into = storage, np.zeros_like(storage)
-    assert p.restore(into)[0] is None  # start-up: nothing there yet
-    t0 = time.perf_counter()
-    r = p.save(data, tags, {}).result()
-    w = time.perf_counter() - t0
-    assert r.ok, r.reason
-    cache = _drop_caches()
-    t0 = time.perf_counter()
-    restored, reason = p.restore(into)
-    rs = time.perf_counter() - t0
-    assert restored is not None, reason
-    got = into if form == "rows" else np.asarray(restored.stores["group0"])[0]
-    assert np.array_equal(got, storage)
-    size = n * slot / 2**30
-    print(f"{jax.devices()[0].platform} {form}: {n} x 4 MiB = {size:.2f} GiB: write {size / w:.2f} GiB/s "
-          f"(blocking {r.blocking_s:.2f} s of {w:.2f} s), restore {size / rs:.2f} GiB/s ({rs:.2f} s, "
-          f"page cache {cache})")
-    p.close()
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "--host":
         _host_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], int(sys.argv[7]))
-    elif sys.argv[1] == "--bench":
-        import tempfile
-
-        args = [a for a in sys.argv[2:] if not a.startswith("--")]
-        with tempfile.TemporaryDirectory(dir=args[1] if len(args) > 1 else None) as d:
-            _bench(float(args[0]), d, "stores" if "--stores" in sys.argv else "rows")

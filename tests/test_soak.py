@@ -24,6 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOAK = os.path.join(REPO, "tools", "soak.py")
 TABLE_ROWS = ("runs", "steps", "requests", "chunks moved", "mismatches", "hangs", "leaks", "failed seeds")
 
+pytestmark = pytest.mark.slow  # soaks run as subprocesses, pod slices included
+
 
 def _tagged(tag: str) -> list[int]:
     """Pids of live processes whose environment carries ``tag``."""

@@ -1,4 +1,4 @@
-"""Warm restart wired into both halves (issue 10, part 1).
+"""Warm restart wired into both halves.
 
 * The manager's side on its own (manager/restart.py, ChunkIndex.adopt): only chunks every host
   restored alike become loadable, in their old recency order; saves wait for the restore and for a
@@ -324,6 +324,7 @@ def _serve(pod):
     return res.per_wave_loaded[0], res
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 2), (4, 1)])
 def test_podslice_restart_hits_restored_host_ram_byte_exact(make_slice, tmp_path, num_hosts, devices_per_host):
@@ -345,6 +346,7 @@ def test_podslice_restart_hits_restored_host_ram_byte_exact(make_slice, tmp_path
     assert warm_loaded > cold_loaded, (warm_loaded, cold_loaded)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_podslice_restart_under_chaos(make_slice, tmp_path):
     """The restarted slice runs a storm: slow and failing hosts, lost and doubled reports (the
@@ -362,6 +364,7 @@ def test_podslice_restart_under_chaos(make_slice, tmp_path):
     assert totals[C.RESTORED_READY] > 0 and totals[C.CHUNKS_LOADED] > 0, totals
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_podslice_refuses_a_corrupt_or_foreign_checkpoint_and_starts_cold(make_slice, tmp_path):
     persist = str(tmp_path / "ckpt")
@@ -401,6 +404,7 @@ def test_cli_checkpoint_command_asks_and_reports_no_answer(tmp_path, capsys):
     assert "no answer" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_podslice_host_killed_during_a_checkpoint_next_start_is_cold_and_correct(make_slice, tmp_path):
     from tpuoffload.persist.request import request_checkpoint

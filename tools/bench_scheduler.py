@@ -11,9 +11,9 @@ serving engine, where one scheduler runs per engine process:
   (a) none        no KV connector
   (b) offloading  vLLM's own OffloadingConnector, CPUOffloadingSpec backend
   (c) tpuoffload  tpuoffload.connector.TPUOffloadConnector
-  (d) null        a connector whose hooks do nothing (tpuoffload.sim.vllm_setup.NullConnector): what
+  (d) null        a connector whose hooks do nothing (tools/bench_connectors.py:NullConnector): what
                   vLLM itself adds for having a KV connector, a floor for (b) and (c)
-  (e) same hits   a connector that only finds hits (tpuoffload.sim.vllm_setup.SameHitsConnector:
+  (e) same hits   a connector that only finds hits (tools/bench_connectors.py:SameHitsConnector:
                   the prompt hashes of finished requests by first block, loads acknowledged at once,
                   nothing saved or moved): with hits, vLLM's own steps change (a request waits a
                   step for its load; each step then carries more requests than (a)'s), and (e)
@@ -250,6 +250,15 @@ class Sim:
             self.times.setdefault(phase, []).append((t1 - t0, t3 - t2, (c1 - c0) + (c3 - c2), h))
 
 
+def _bench_connectors() -> str:
+    """The module name vLLM's connector factory imports tools/bench_connectors.py by (tools/ goes
+    on sys.path: this file may be run as a script or loaded by path, as its test does)."""
+    tools = os.path.dirname(os.path.abspath(__file__))
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return "bench_connectors"
+
+
 def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
     from tpuoffload.manager.topology import host_chunk_bytes
     from tpuoffload.sim.vllm_setup import make_kv_cache_config, make_scheduler
@@ -267,7 +276,7 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
             sched = make_scheduler(connector_module_path=None, connector_class="", **common)
         elif kind in ("null", "hits"):
             cls = "NullConnector" if kind == "null" else "SameHitsConnector"
-            sched = make_scheduler(connector_module_path="tpuoffload.sim.vllm_setup", connector_class=cls, **common)
+            sched = make_scheduler(connector_module_path=_bench_connectors(), connector_class=cls, **common)
         elif kind == "offloading":
             # CPUOffloadingSpec: cpu_bytes_to_use is the total over all workers (each chunk holds
             # every worker's shard); one block per chunk (blocks_per_chunk=1, the default) like

@@ -26,7 +26,7 @@ length); the header holds the full hash, and a read checks it. Every file of one
 size (``file_bytes = HEADER_BYTES + slot_bytes``), so the byte budget is a whole number of files.
 
 Checksum: zlib.crc32 of the payload (and of the header). Measured with ``python
-tests/test_disk_tier.py --bench`` on 4 MiB pieces: on the H200 machine's 16-core host crc32 runs at
+tools/bench_storage.py disk`` on 4 MiB pieces: on the H200 machine's 16-core host crc32 runs at
 4.4 GiB/s on one thread and 26 GiB/s on 8 (it releases the GIL), blake2b at 0.64 and 3.3 GiB/s; on
 the 2-core development VM 2.4 versus 0.46 GiB/s. A disk read of one chunk thus costs a checksum
 well below the disk's own time, while blake2b would cap a reading thread below the 0.9-2 GiB/s the

@@ -282,7 +282,7 @@ class ChunkIndex:
     def adopt(self, keys: HashKeys, slots: np.ndarray, save_ids: np.ndarray) -> None:
         """Warm restart: chunks every host restored become READY in ``slots`` under ``save_ids``,
         the last listed the most recently used. The slots must be FREE and distinct, the keys
-        distinct and new to the index (scheduler/restart.py checks)."""
+        distinct and new to the index (manager/restart.py checks)."""
         slots = np.asarray(slots, dtype=np.int64)
         n = len(slots)
         if len(keys) != n or len(save_ids) != n:

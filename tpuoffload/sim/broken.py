@@ -13,7 +13,7 @@ from tpuoffload.worker.transfer_engine import TransferEngine
 #   host_order           the per-step dispatch digests differ (DigestMismatch names the step and op);
 #   background_dispatch  the ops land at a moment that depends on each host's timing: the digests
 #                        differ, or ops appear outside the connector hooks that may dispatch
-#                        (MisplacedDispatch, a DigestMismatch), or a host hangs (SliceError, timeout).
+#                        (MisplacedDispatch, a DigestMismatch); the test accepts nothing else.
 VARIANTS = ("host_order", "background_dispatch")
 
 
@@ -24,8 +24,8 @@ def break_engine(engine: TransferEngine, how: str, host: int) -> None:
         if host == 1:
             engine.save = lambda caches, b, s, i: save(caches, b[::-1], s[::-1], i[::-1])
     elif how == "background_dispatch":
-        # The bug of the seed PR: gather + device_put dispatched from a background thread, at a
-        # moment that depends on each host's timing.
+        # Gather + device_put dispatched from a background thread, at a moment that depends on
+        # each host's timing.
         rng = random.Random(host)
         engine._check_owner = lambda: None
 

@@ -5,7 +5,7 @@ them every step, and a mismatch names the first diverging op.
 
 ``record`` only keeps its arguments; the lines are formatted and hashed in ``finish_step``, off
 the dispatch path: formatting a 64-chunk save's line (two 64-int lists) and hashing it took the
-engine's main thread 0.02-0.03 ms per save on an H200 host (tools/probe_save_latency.py), after
+engine's main thread 0.02-0.03 ms per save on an H200 host (docs/performance.md), after
 its program was dispatched but before ``save()`` returned. The text and the digest are what eager
 formatting produced; callers hand over values they never mutate afterwards (the engine's fresh
 lists and tuples of ints).
