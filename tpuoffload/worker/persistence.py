@@ -12,7 +12,7 @@ files written under the same fingerprint are kept too (the disk tier reports tho
 becomes ``RESTORED_BASE + slot``: unique, never issued by the new scheduler (whose ids start at
 0), and the same on every host that restored that slot. The host reports its restored rows
 (``RESTORED_ROW``: slot, old save id, hash keys) once, in its first report; the scheduler makes
-loadable only the chunks every host restored identically (scheduler/restart.py).
+loadable only the chunks every host restored identically (manager/restart.py).
 
 Checkpoint (``checkpoint``, main thread, at a step the scheduler planned or at ``close``, the same
 point on every host): the background saves are drained first so every tag is final, then
