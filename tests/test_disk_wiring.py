@@ -164,7 +164,8 @@ def test_podslice_disk_tier_under_chaos(make_slice, tmp_path):
     host 0, failed disk writes and reads on host 1, slow and failing saves, lost and doubled
     reports, aborts. Byte-exact on every host, identical dispatch digests at every step, the disk
     budget never exceeded."""
-    from tpuoffload.sim.podslice import Chaos, SliceSpec
+    from tpuoffload.sim.podslice import SliceSpec
+    from tpuoffload.sim.chaos import Chaos
     from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 
     config = {"num_cpu_chunks": RAM_CHUNKS, "disk_path": str(tmp_path / "disk-{host}"), "disk_bytes_to_use": DISK_BYTES,

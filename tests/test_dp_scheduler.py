@@ -28,7 +28,8 @@ import pytest
 from tpuoffload.config import check_dp_config, parse_config
 from tpuoffload.messages import LoadRequest, OffloadMetadata, SaveBatch, StepPlan
 from tpuoffload.manager.topology import DPRank
-from tpuoffload.sim.podslice import Chaos, PodSlice, SliceSpec
+from tpuoffload.sim.podslice import PodSlice, SliceSpec
+from tpuoffload.sim.chaos import Chaos
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.worker.offload_worker import OffloadWorker

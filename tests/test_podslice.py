@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from tpuoffload.sim.podslice import (Chaos, DigestMismatch, MisplacedDispatch, PodSlice, PointFaults, SliceError,
-                                     SliceSpec, _misplaced_op)
+from tpuoffload.sim.podslice import DigestMismatch, MisplacedDispatch, PodSlice, SliceError, SliceSpec
+from tpuoffload.sim.chaos import Chaos, PointFaults
+from tpuoffload.sim.dispatch_marks import misplaced_op
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty
 
@@ -223,7 +224,7 @@ def test_misplaced_dispatch_detector():
     good = ["> bind_connector_metadata", "step n=3", "save", "load", "< bind_connector_metadata", "> forward",
             "< forward", "> start_load_kv", "< start_load_kv", "> wait_for_save", "save",
             "< wait_for_save", "> get_finished", "< get_finished", "> clear_connector_metadata"]
-    assert _misplaced_op(good) is None
-    assert _misplaced_op(good[:6] + ["save"] + good[6:]) == 6  # during the forward
-    assert _misplaced_op(["load"] + good) == 0  # between steps
-    assert _misplaced_op(good[:-1] + ["save", good[-1]]) == len(good) - 1  # after wait_for_save returned
+    assert misplaced_op(good) is None
+    assert misplaced_op(good[:6] + ["save"] + good[6:]) == 6  # during the forward
+    assert misplaced_op(["load"] + good) == 0  # between steps
+    assert misplaced_op(good[:-1] + ["save", good[-1]]) == len(good) - 1  # after wait_for_save returned

@@ -25,7 +25,6 @@ from tpuoffload.messages import (DISK_ROW, RESTORED_BASE, RESTORED_ROW, DiskRepo
                                  PersistReport, unpack_keys)
 from tpuoffload.persist.request import read_done, request_checkpoint
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
-from tpuoffload.manager.hash_table import HashKeys
 from tpuoffload.manager.index import READY, ChunkIndex
 from tpuoffload.manager.restart import WarmRestart
 
@@ -351,7 +350,7 @@ def test_podslice_restart_hits_restored_host_ram_byte_exact(make_slice, tmp_path
 def test_podslice_restart_under_chaos(make_slice, tmp_path):
     """The restarted slice runs a storm: slow and failing hosts, lost and doubled reports (the
     restore rows are repeated until the scheduler has every host's), aborts, preemptions."""
-    from tpuoffload.sim.podslice import Chaos
+    from tpuoffload.sim.chaos import Chaos
 
     persist = str(tmp_path / "ckpt")
     spec = _slice_spec(2, 2, persist)
@@ -408,7 +407,8 @@ def test_cli_checkpoint_command_asks_and_reports_no_answer(tmp_path, capsys):
 @pytest.mark.timeout(420)
 def test_podslice_host_killed_during_a_checkpoint_next_start_is_cold_and_correct(make_slice, tmp_path):
     from tpuoffload.persist.request import request_checkpoint
-    from tpuoffload.sim.podslice import Chaos, SliceError
+    from tpuoffload.sim.podslice import SliceError
+    from tpuoffload.sim.chaos import Chaos
 
     persist = str(tmp_path / "ckpt")
     spec = _slice_spec(2, 2, persist)

@@ -35,7 +35,7 @@ def per_source(stats) -> dict[str, Counter]:
 
 
 def chaos_for(args):
-    from tpuoffload.sim.podslice import Chaos
+    from tpuoffload.sim.chaos import Chaos
 
     if not args.chaos:
         return Chaos(seed=args.seed)

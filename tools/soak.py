@@ -252,7 +252,8 @@ def _progress(pod) -> tuple:
 
 def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> RunResult:
     """One run. Never raises: every failure becomes the result's kind and message."""
-    from tpuoffload.sim.podslice import Chaos, DigestMismatch, PodSlice, PointFaults, SliceError, SliceSpec
+    from tpuoffload.sim.podslice import DigestMismatch, PodSlice, SliceError, SliceSpec
+    from tpuoffload.sim.chaos import Chaos, PointFaults
     from tpuoffload.sim.vllm_setup import make_request
     from tpuoffload.sim.workload import expected_output
 

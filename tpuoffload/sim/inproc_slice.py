@@ -39,7 +39,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from tpuoffload.sim.podslice import Chaos, ChaosInjector, PodSlice, PointFaults, SliceError, SliceSpec, _mark_hooks
+from tpuoffload.sim.podslice import PodSlice, SliceError, SliceSpec
+from tpuoffload.sim.chaos import Chaos, ChaosInjector, PointFaults
+from tpuoffload.sim.dispatch_marks import mark_hooks
 from tpuoffload.sim.tpu_layouts import create_caches
 
 _LOG_DIR = os.path.join(tempfile.gettempdir(), "tpuoffload-inproc-slice")
@@ -92,7 +94,7 @@ class InProcSlice(PodSlice):
             injector = ChaosInjector(chaos, rank, self.point_faults)
             connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector)
             connector.register_runner(runner)
-            _mark_hooks(connector, runner)
+            mark_hooks(connector, runner)
             if chaos.broken:
                 from tpuoffload.sim.broken import break_engine
 
@@ -102,7 +104,7 @@ class InProcSlice(PodSlice):
         self.start_state = self.worker_state()
 
     def _serve(self, host: _Host, msg: tuple) -> Any:
-        """What a worker process of the pod slice answers to ``msg`` (podslice._worker_main)."""
+        """What a worker process of the pod slice answers to ``msg`` (slice_worker._worker_main)."""
         runner, connector = host.runner, host.connector
         if msg[0] == "step":
             if self.chaos.step_delay_s:

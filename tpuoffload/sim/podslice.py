@@ -28,24 +28,21 @@ import pickle
 import random
 import select
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 from tpuoffload.sim.engine import absorb_outputs
-from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, create_caches, scheduler_kv_shape, sharding_config,
+from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, scheduler_kv_shape, sharding_config,
                                         slice_page_bytes)
-from tpuoffload.backend.disk_tier import DiskFaults
-from tpuoffload.persist import PersistFaults
-from tpuoffload.worker.faults import FaultInjector, FaultPoint
+from tpuoffload.sim.chaos import Chaos, PointFaults
+from tpuoffload.sim.dispatch_marks import misplaced_op
+from tpuoffload.sim.frames import HEAD, HostPipe, free_port
 
 
 class SliceError(RuntimeError):
@@ -60,218 +57,6 @@ class MisplacedDispatch(DigestMismatch):
     """A host dispatched JAX work outside the connector hooks that may dispatch (bind, start_load,
     wait_for_save): from a background thread, or during the forward. Even when every host happens
     to do it at the same moment (so the digests agree), the order is a matter of timing."""
-
-
-@dataclass
-class Chaos:
-    """What can go wrong on which host. Everything is seeded, per host."""
-
-    seed: int = 0
-    write_delay_s: float = 0.0  # max random delay before each background write, every host
-    step_delay_s: float = 0.0  # max random delay before each step, every host
-    slow_host: int | None = None  # this host's writes are always slow ...
-    slow_host_delay_s: float = 0.0  # ... by this much
-    fail_d2h_host: int | None = None  # this host's background copies fail ...
-    fail_d2h_rate: float = 0.0  # ... with this probability
-    lose_slot_host: int | None = None  # this host loses slots before loads (local loss) ...
-    lose_slot_rate: float = 0.0  # ... with this probability per load
-    drop_report_rate: float = 0.0  # a worker's completion report is dropped on the way
-    duplicate_report_rate: float = 0.0  # a worker's output is delivered twice to the aggregator
-    broken: str | None = None  # negative controls: "host_order" or "background_dispatch"
-    abort_rate: float = 0.0  # per step: probability of aborting one random live request
-    slow_disk_host: int | None = None  # this host's disk tier is slow ...
-    slow_disk_s: float = 0.0  # ... by up to this much per chunk file written or read
-    fail_disk_host: int | None = None  # this host's disk writes and reads fail ...
-    fail_disk_rate: float = 0.0  # ... with this probability each
-    die_in_checkpoint_host: int | None = None  # this host is SIGKILLed while its checkpoint is being committed
-
-    @classmethod
-    def storm(cls, num_hosts: int, seed: int = 0) -> "Chaos":
-        """Everything at once, spread over the hosts (the chaos the pod-slice tests and
-        tools/podslice_run.py --chaos run); pair it with a tiny block pool for preemption storms and
-        a short ``save_timeout_s`` so saves whose reports were dropped expire."""
-        return cls(
-            seed=seed, write_delay_s=0.02, step_delay_s=0.01,
-            slow_host=num_hosts - 1, slow_host_delay_s=0.05,  # one persistently slow host
-            fail_d2h_host=0, fail_d2h_rate=0.25,  # failed device-to-host copies on host 0
-            lose_slot_host=1 % num_hosts, lose_slot_rate=0.3,  # local loss: load errors, recompute everywhere
-            drop_report_rate=0.05, duplicate_report_rate=0.1,  # reports lost (saves expire) and doubled
-            abort_rate=0.08,  # aborts at random steps
-            slow_disk_host=0, slow_disk_s=0.02,  # the disk tier (when on): one slow disk ...
-            fail_disk_host=num_hosts - 1, fail_disk_rate=0.2,  # ... and failed writes and reads on another
-        )
-
-
-class ChaosDiskFaults(DiskFaults):
-    """``Chaos``'s disk faults for one host's disk tier (runs on the tier's threads): a slow disk
-    sleeps before each write and read; a failing one raises with ``fail_disk_rate``."""
-
-    def __init__(self, chaos: Chaos, host: int) -> None:
-        self.slow = chaos.slow_disk_s if chaos.slow_disk_host == host else 0.0
-        self.fail = chaos.fail_disk_rate if chaos.fail_disk_host == host else 0.0
-        self._rng = random.Random(chaos.seed * 2000 + host)
-        self._lock = threading.Lock()  # guards _rng (several tier threads)
-
-    def _maybe(self, what: str) -> None:
-        with self._lock:
-            delay = self._rng.uniform(0, self.slow) if self.slow else 0.0
-            fail = self.fail > 0 and self._rng.random() < self.fail
-        if delay:
-            time.sleep(delay)
-        if fail:
-            raise OSError(f"injected disk {what} failure")
-
-    def before_write(self, key) -> None:
-        self._maybe("write")
-
-    def before_read(self, key) -> None:
-        self._maybe("read")
-
-
-class DieInCheckpoint(PersistFaults):
-    """The host dies (SIGKILL, no cleanup) right after it started writing its part of a checkpoint."""
-
-    def after_save_started(self, seq: int) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-@dataclass(frozen=True)
-class PointFaults:
-    """Exceptions at the worker's declared fault points on one host (beyond ``Chaos``):
-    at each point named in ``points``, the whole operation raises with probability ``rate``."""
-
-    host: int = 0
-    rate: float = 0.0
-    points: tuple[str, ...] = field(default_factory=lambda: tuple(p.name for p in FaultPoint))
-
-
-class ChaosInjector(FaultInjector):
-    """``Chaos`` (and optional ``PointFaults``) for one host, as the worker's ``FaultInjector``.
-
-    ================  ===========================================================
-    point             what this host does there
-    ================  ===========================================================
-    WRITE_SLOTS       sleeps up to ``write_delay_s`` (every host), plus
-                      ``slow_host_delay_s`` on ``slow_host``
-    D2H               raises with ``fail_d2h_rate`` on ``fail_d2h_host`` (the save fails)
-    READ_SLOTS        with ``lose_slot_rate`` on ``lose_slot_host``: one random position
-                      fails alone (a lost slot: a load error, recomputed on every host)
-    any point         raises with ``PointFaults.rate`` on ``PointFaults.host``
-    ================  ===========================================================
-
-    Seeded per host. ``hit`` runs on the engine's main thread and on its save threads.
-    """
-
-    def __init__(self, chaos: Chaos, host: int, point_faults: PointFaults | None = None) -> None:
-        self.chaos = chaos
-        self.host = host
-        self.point_faults = point_faults if point_faults is not None and point_faults.host == host else None
-        self._rng = random.Random(chaos.seed * 1000 + host)
-        self._lock = threading.Lock()  # guards _rng and hits (hit runs on the main thread and the save threads)
-        self.hits: dict[str, int] = {}  # point name -> faults injected there
-
-    def _draw(self, rate: float) -> bool:
-        return rate > 0 and self._rng.random() < rate
-
-    def hit(self, point: FaultPoint, n: int) -> set[int]:
-        c, name = self.chaos, point.name
-        delay, fail, lost = 0.0, None, set()
-        with self._lock:
-            pf = self.point_faults
-            if pf is not None and name in pf.points and self._draw(pf.rate):
-                fail = f"chaos: {name} failed on host {self.host}"
-            elif name == "WRITE_SLOTS":
-                if c.write_delay_s:
-                    delay = self._rng.uniform(0, c.write_delay_s)
-                if c.slow_host == self.host:
-                    delay += c.slow_host_delay_s
-            elif name == "D2H" and c.fail_d2h_host == self.host and self._draw(c.fail_d2h_rate):
-                fail = f"chaos: device-to-host copy failed on host {self.host}"
-            elif name == "READ_SLOTS" and c.lose_slot_host == self.host and n and self._draw(c.lose_slot_rate):
-                lost = {self._rng.randrange(n)}
-            if fail is not None or lost:
-                self.hits[name] = self.hits.get(name, 0) + 1
-        if delay:
-            time.sleep(delay)
-        if fail is not None:
-            raise RuntimeError(fail)
-        return lost
-
-
-# ---------------------------------------------------------------- framing over pipes
-_HEAD = struct.Struct("<Q")
-
-
-def _send(stream: BinaryIO, obj: Any) -> None:
-    """Blocking send (worker side)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEAD.pack(len(data)) + data)
-    stream.flush()
-
-
-def _read_exact(stream: BinaryIO, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = stream.read(n - len(buf))
-        if not chunk:
-            raise EOFError("peer closed the pipe")
-        buf += chunk
-    return buf
-
-
-def _recv(stream: BinaryIO) -> Any:
-    """Blocking receive (worker side)."""
-    (n,) = _HEAD.unpack(_read_exact(stream, _HEAD.size))
-    return pickle.loads(_read_exact(stream, n))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _HostPipe:
-    """The scheduler's end of one worker's pipes: non-blocking, framed, deadline-driven."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.rfd = proc.stdout.fileno()
-        self.wfd = proc.stdin.fileno()
-        os.set_blocking(self.rfd, False)
-        os.set_blocking(self.wfd, False)
-        self.inbuf = bytearray()
-        self.out = memoryview(b"")
-        self.eof = False
-
-    def take_frame(self) -> tuple[bool, Any]:
-        if len(self.inbuf) < _HEAD.size:
-            return False, None
-        (n,) = _HEAD.unpack_from(self.inbuf)
-        if len(self.inbuf) < _HEAD.size + n:
-            return False, None
-        data = bytes(self.inbuf[_HEAD.size:_HEAD.size + n])
-        del self.inbuf[:_HEAD.size + n]
-        return True, pickle.loads(data)
-
-    def fill(self) -> None:
-        try:
-            while True:
-                chunk = os.read(self.rfd, 1 << 20)
-                if not chunk:
-                    self.eof = True
-                    return
-                self.inbuf += chunk
-        except BlockingIOError:
-            pass
-
-    def flush(self) -> None:
-        while self.out:
-            try:
-                n = os.write(self.wfd, self.out)
-            except BlockingIOError:
-                return
-            self.out = self.out[n:]
 
 
 @dataclass
@@ -402,7 +187,7 @@ class PodSlice:
         self.aggregator = (KVOutputAggregator(spec.num_hosts) if self.dp_ranks > 1
                            else KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts))
         self.procs: list[subprocess.Popen] = []  # kept after close, so callers can check they are gone
-        self._pipes: list[_HostPipe] = []
+        self._pipes: list[HostPipe] = []
         self.steps = 0
         self.digests: list[list[str]] = []  # per step, per host
         self.outputs: dict[str, list[int]] = {}
@@ -468,11 +253,11 @@ class PodSlice:
         for rank in range(self.spec.num_hosts):
             with open(self.log_path(rank), "wb") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "tpuoffload.sim.podslice", str(rank), str(self.spec.num_hosts), str(port)],
+                    [sys.executable, "-m", "tpuoffload.sim.slice_worker", str(rank), str(self.spec.num_hosts), str(port)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
                 )
             self.procs.append(proc)
-            self._pipes.append(_HostPipe(proc))
+            self._pipes.append(HostPipe(proc))
         replies = self._exchange(init, self.spec.start_timeout_s, "start")
         for rank, msg in enumerate(replies):
             if msg != "ready":
@@ -533,7 +318,7 @@ class PodSlice:
 
     def _exchange_once(self, msg: Any, timeout: float, what: str) -> list[Any]:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = memoryview(_HEAD.pack(len(data)) + data)
+        frame = memoryview(HEAD.pack(len(data)) + data)
         for pipe in self._pipes:
             pipe.out = frame
         replies: dict[int, Any] = {}
@@ -661,7 +446,7 @@ class PodSlice:
         self.digests.append([d.digest for d in digests])
         if len({d.digest for d in digests}) == 1 and len({d.step for d in digests}) == 1:
             for rank, d in enumerate(digests):
-                bad = _misplaced_op(d.ops)
+                bad = misplaced_op(d.ops)
                 if bad is not None:
                     lines = [f"host {rank} dispatched outside the connector's dispatching hooks at step "
                              f"{self.steps} (connector step {d.step}), op #{bad}: a background thread or the "
@@ -725,149 +510,3 @@ class PodSlice:
         """Per host: mismatches, positions_verified, inflight_chunks, staging_bytes, backend_bytes,
         backend_slots_used, steps (after waiting up to 30 s for background writes)."""
         return self._exchange(("state",), self.spec.step_timeout_s + 30, f"worker_state after step {self.steps}")
-
-
-# ---------------------------------------------------------------- worker process
-_MARKED_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
-                 "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
-                 "clear_connector_metadata")
-
-
-_DISPATCHING_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save")
-
-
-def _misplaced_op(ops: Sequence[str]) -> int | None:
-    """Index of the first op (not a hook marker) recorded outside a dispatching hook, or None."""
-    open_hook = None
-    for i, op in enumerate(ops):
-        if op.startswith("> "):
-            open_hook = op[2:].strip()
-        elif op.startswith("< "):
-            open_hook = None
-        elif open_hook not in _DISPATCHING_HOOKS:
-            return i
-    return None
-
-
-def _mark_hooks(connector, runner) -> None:
-    """Interleave the connector hooks vLLM calls (and the forward) with the dispatched ops in the
-    step's digest. The hooks run on the main thread in an order fixed by the SchedulerOutput, so
-    the markers are identical on every host; what they add is *where* each dispatch happened. A
-    dispatch issued from a background thread lands between different markers on different hosts
-    (its timing is local), so the digests diverge even when the ops themselves are the same."""
-    log = lambda: connector.worker.engine.log  # noqa: E731  (the engine exists after register_runner)
-
-    def wrap(obj, name, label):
-        fn = getattr(obj, name)
-
-        def marked(*args, **kwargs):
-            log().record(f"> {label}")
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if name != "clear_connector_metadata":  # the step's digest is closed by then
-                    log().record(f"< {label}")
-        setattr(obj, name, marked)
-
-    for name in _MARKED_HOOKS:
-        wrap(connector, name, name)
-    wrap(runner, "_forward", "forward")
-
-
-def _watch_parent(parent: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def _worker_main(rank: int, num_hosts: int, port: int) -> None:
-    import traceback
-
-    # Keep the pipe for frames only: anything a library prints to fd 1 goes to the log instead.
-    stdout = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    stdin = sys.stdin.buffer
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
-
-    def receive():
-        try:
-            return _recv(stdin)
-        except EOFError:  # the scheduler is gone: do not linger in jax.distributed's shutdown
-            os._exit(0)
-
-    # The config carries tpu-inference's sharding config: its modules must import (see tpu_layouts).
-    from tpuoffload.sim.tpu_layouts import tpu_inference
-
-    tpu_inference()
-    init = receive()
-    try:
-        spec, chaos = SliceSpec(**init["spec"]), Chaos(**init["chaos"])
-        injector = ChaosInjector(chaos, rank, PointFaults(**init["point_faults"]) if init.get("point_faults") else None)
-
-        import jax
-
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_hosts, rank,
-                                   initialization_timeout=int(spec.start_timeout_s),
-                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        from tpuoffload.connector import TPUOffloadConnector
-        from tpuoffload.sim.runner import SyntheticRunner
-        from tpuoffload.worker.offload_worker import OffloadWorker
-        from tpuoffload.worker.persistence import Deployment
-
-        # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
-        caches, mesh = create_caches(spec.slice_layout(), jax.devices())
-        vllm_config = init["vllm_config"]
-        runner = SyntheticRunner(caches, mesh, block_size=spec.block_size,
-                                 dp_ranks=vllm_config.sharding_config.total_dp_size)
-        connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, init["kv_cache_config"])
-        connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
-            vllm_config.model_config.model, vllm_config.cache_config.block_size),
-            disk_faults=ChaosDiskFaults(chaos, rank),
-            persist_faults=DieInCheckpoint() if chaos.die_in_checkpoint_host == rank else None)
-        connector.register_runner(runner)
-        _mark_hooks(connector, runner)
-        if chaos.broken:
-            from tpuoffload.sim.broken import break_engine
-
-            break_engine(connector.worker.engine, chaos.broken, rank)
-    except Exception:
-        _send(stdout, ("error", traceback.format_exc()))
-        os._exit(1)
-    rng = random.Random(chaos.seed * 7 + rank)
-    _send(stdout, "ready")
-    while True:
-        msg = receive()
-        try:
-            if msg[0] == "step":
-                if chaos.step_delay_s:
-                    time.sleep(rng.uniform(0, chaos.step_delay_s))
-                out = runner.execute(msg[1], connector)
-                _send(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches))
-            elif msg[0] == "shutdown":  # vLLM's clean shutdown of a worker: the connector's last word
-                connector.shutdown()
-                _send(stdout, dict(connector.worker.totals))
-            elif msg[0] == "idle":
-                _send(stdout, connector.worker.wait_idle(msg[1]))
-            elif msg[0] == "state":
-                eng = connector.worker.engine
-                idle = connector.worker.wait_idle(30)
-                chunks, staging, _ = eng.inflight()
-                _send(stdout, {"host": rank, "mismatches": runner.stats.mismatches,
-                               "mismatched_requests": sorted(runner.stats.mismatched_requests),
-                               "positions_verified": runner.stats.positions_verified,
-                               "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
-                               "backend_bytes": eng.backend.nbytes,
-                               "backend_slots_used": eng.backend.num_used(),
-                               "steps": runner.stats.steps})
-            else:
-                raise ValueError(f"unknown message {msg[0]!r}")
-        except Exception:
-            _send(stdout, ("error", traceback.format_exc()))
-
-
-if __name__ == "__main__":
-    _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

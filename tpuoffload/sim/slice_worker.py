@@ -1,0 +1,116 @@
+"""One worker process of a simulated pod slice (``python -m tpuoffload.sim.slice_worker RANK N PORT``):
+joins the others with ``jax.distributed``, holds its shard of tpu-inference's cache, and runs each
+step's SchedulerOutput through the synthetic runner and tpuoffload's worker half, answering the
+driver (tpuoffload/sim/podslice.py) over framed pipes."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+
+from tpuoffload.sim.dispatch_marks import mark_hooks
+from tpuoffload.sim.chaos import Chaos, ChaosDiskFaults, ChaosInjector, DieInCheckpoint, PointFaults
+from tpuoffload.sim.frames import recv_frame, send_frame
+from tpuoffload.sim.podslice import SliceSpec
+from tpuoffload.sim.tpu_layouts import create_caches
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def _worker_main(rank: int, num_hosts: int, port: int) -> None:
+    import traceback
+
+    # Keep the pipe for frames only: anything a library prints to fd 1 goes to the log instead.
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    stdin = sys.stdin.buffer
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+
+    def receive():
+        try:
+            return recv_frame(stdin)
+        except EOFError:  # the scheduler is gone: do not linger in jax.distributed's shutdown
+            os._exit(0)
+
+    # The config carries tpu-inference's sharding config: its modules must import (see tpu_layouts).
+    from tpuoffload.sim.tpu_layouts import tpu_inference
+
+    tpu_inference()
+    init = receive()
+    try:
+        spec, chaos = SliceSpec(**init["spec"]), Chaos(**init["chaos"])
+        injector = ChaosInjector(chaos, rank, PointFaults(**init["point_faults"]) if init.get("point_faults") else None)
+
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_hosts, rank,
+                                   initialization_timeout=int(spec.start_timeout_s),
+                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from tpuoffload.connector import TPUOffloadConnector
+        from tpuoffload.sim.runner import SyntheticRunner
+        from tpuoffload.worker.offload_worker import OffloadWorker
+        from tpuoffload.worker.persistence import Deployment
+
+        # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
+        caches, mesh = create_caches(spec.slice_layout(), jax.devices())
+        vllm_config = init["vllm_config"]
+        runner = SyntheticRunner(caches, mesh, block_size=spec.block_size,
+                                 dp_ranks=vllm_config.sharding_config.total_dp_size)
+        connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, init["kv_cache_config"])
+        connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
+            vllm_config.model_config.model, vllm_config.cache_config.block_size),
+            disk_faults=ChaosDiskFaults(chaos, rank),
+            persist_faults=DieInCheckpoint() if chaos.die_in_checkpoint_host == rank else None)
+        connector.register_runner(runner)
+        mark_hooks(connector, runner)
+        if chaos.broken:
+            from tpuoffload.sim.broken import break_engine
+
+            break_engine(connector.worker.engine, chaos.broken, rank)
+    except Exception:
+        send_frame(stdout, ("error", traceback.format_exc()))
+        os._exit(1)
+    rng = random.Random(chaos.seed * 7 + rank)
+    send_frame(stdout, "ready")
+    while True:
+        msg = receive()
+        try:
+            if msg[0] == "step":
+                if chaos.step_delay_s:
+                    time.sleep(rng.uniform(0, chaos.step_delay_s))
+                out = runner.execute(msg[1], connector)
+                send_frame(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches))
+            elif msg[0] == "shutdown":  # vLLM's clean shutdown of a worker: the connector's last word
+                connector.shutdown()
+                send_frame(stdout, dict(connector.worker.totals))
+            elif msg[0] == "idle":
+                send_frame(stdout, connector.worker.wait_idle(msg[1]))
+            elif msg[0] == "state":
+                eng = connector.worker.engine
+                idle = connector.worker.wait_idle(30)
+                chunks, staging, _ = eng.inflight()
+                send_frame(stdout, {"host": rank, "mismatches": runner.stats.mismatches,
+                               "mismatched_requests": sorted(runner.stats.mismatched_requests),
+                               "positions_verified": runner.stats.positions_verified,
+                               "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
+                               "backend_bytes": eng.backend.nbytes,
+                               "backend_slots_used": eng.backend.num_used(),
+                               "steps": runner.stats.steps})
+            else:
+                raise ValueError(f"unknown message {msg[0]!r}")
+        except Exception:
+            send_frame(stdout, ("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
