@@ -39,6 +39,7 @@ The scheduler needs numba (and vLLM for its message types); the device machine h
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -89,7 +90,8 @@ def simulate(num_slots: int, step_chunks: int, seed: int = 0, params: ChurnParam
     history = {"save_runs": [], "load_runs": []}
 
     def new_hashes(k: int) -> list[bytes]:
-        return [next(next_hash).to_bytes(16, "little") for _ in range(k)]
+        # Content hashes look random, as vLLM's do (the table reserves small key words as markers).
+        return [hashlib.blake2b(next(next_hash).to_bytes(8, "little"), digest_size=16).digest() for _ in range(k)]
 
     def pick_return() -> int:
         back = min(int(rng.geometric(p.recent)) - 1, len(convs) - 1)
