@@ -311,8 +311,7 @@ def load_program_shape(monkeypatch):
 @pytest.mark.parametrize("slots", [[7, 3, 11, 0, 30, 12, 5, 9], [8, 9, 20, 21, 4, 5, 14, 15]],
                          ids=["scattered", "runs of 2"])
 @pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0), (1, 0)])
-@pytest.mark.parametrize("host_scatter", [True, False], ids=["host-scatter", "copies"])
-def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max, slots, host_scatter):
+def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, static_max, slots):
     """The programs' variants (one part or several: saves gathered and loads scattered part by
     part; reads and writes written out per copy or in fori_loops; one copy per slot or per run of
     slots) move the same bytes: valid rows exact, placeholders zero, every other block untouched,
@@ -320,7 +319,7 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     from tpuoffload.worker import programs
 
     load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max,
-                       SAVE_STATIC_MAX=256 - static_max, SAVE_HOST_SCATTER=host_scatter)
+                       SAVE_STATIC_MAX=256 - static_max)
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 20)
     eng = engines(caches)

@@ -78,13 +78,6 @@ SAVE_STATIC_MAX = 0
 # With slot runs (one copy per part), a 512 MiB save in one part took 13.0 ms against 12.2 in 4
 # and 12.6 in 2, and its main-thread dispatch was no shorter (0.69 ms against 0.70), so the value
 # stays (tools/bench_transfer.py --sizes-mib 512 2048 with the constant patched, one run each).
-# A save whose part would take more than one copy (slots not in one run: a churned store) writes
-# the part's rows with ONE scatter into the store instead of one dynamic-update-slice per slot
-# group. XLA runs a scatter whose operand lives in host memory as host compute after one
-# device-to-host transfer of the rows (host_offloader: "converting into host compute"); measured on
-# an H200 (tools/probe_host_scatter.py, 1024 rows of 512 KiB into random slots of a pinned store):
-# 10.7 ms against 10.5 for one contiguous device_put and 12.1 for a loop of one copy per row.
-SAVE_HOST_SCATTER = True
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4
@@ -293,26 +286,13 @@ class GroupPrograms:
         return n  # read, install: one part
 
     def _save(self, caches, store, ids, run: int = 1):
-        host_ids = ids
         ids = jax.device_put(ids, DEVICE)
         n = ids.shape[1]
         step = self.part_rows("save", n)
         for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
             rows = self._gather(ids[0, lo:lo + step], caches)
-            if SAVE_HOST_SCATTER and min(run, step) < step:  # more than one copy per part
-                store = self._scatter_rows_host(store, rows, host_ids, lo)
-            else:
-                store = self._write_rows(store, rows, ids, lo, run)
+            store = self._write_rows(store, rows, ids, lo, run)
         return store, _token(ids)
-
-    def _scatter_rows_host(self, store, rows, host_ids, lo: int):
-        """Write rows ``(shards, k, ...)`` into slots ``ids[1, lo:lo+k]`` with one scatter computed
-        where the store lives (host memory), after one transfer of the rows there. Padding rows
-        repeat earlier rows' slots with the same bytes, so the scatter is not told the slots are
-        unique."""
-        k = rows.shape[1]
-        slots = jax.device_put(host_ids[1, lo:lo + k], HOST)
-        return store.at[:, slots].set(jax.device_put(rows, HOST), mode="promise_in_bounds")
 
     def _install(self, rows, store, ids, run: int = 1):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
