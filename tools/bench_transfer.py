@@ -405,7 +405,7 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
     for pat in patterns:
         for k in ("save", "load", "save_main", "save_main_warm", "load_main"):
             times[f"{pat}_{k}"] = []
-    runs, moved = {}, {}
+    runs, moved, copies = {}, {}, {}
 
     def verify(path: str, cs) -> None:
         got = np.asarray(pick_jit(cs, dst_s)).view(np.uint8)
@@ -487,6 +487,11 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
         loads = [op for op in engine.finish_step().ops if op.startswith("load")]
         runs[pat] = {"save": sorted({int(m) for op in saves for m in re.findall(r"\brun=(\d+)", op)}),
                      "load": sorted({int(m) for op in loads for m in re.findall(r"\brun=(\d+)", op)})}
+        # Copies one save's / one load's programs issued (logged per program), summed over groups.
+        copies[pat] = {"save": sum(int(m) for op in saves for m in re.findall(r"\bcopies=(\d+)", op)) // 2,
+                       "load": sum(int(m) for op in loads for m in re.findall(r"\bcopies=(\d+)", op)),
+                       "save_structure": sorted({m for op in saves for m in re.findall(r"\bstructure=(\S+)", op)}),
+                       "load_structure": sorted({m for op in loads for m in re.findall(r"\bstructure=(\S+)", op)})}
         # Rows one save's programs moved (padding included), from the logged ids shapes; two saves.
         moved[pat] = sum(int(m) for op in saves for m in re.findall(r"shape=\(3, (\d+)\)", op)) // (
             2 * len(engine.layout.groups))
@@ -591,6 +596,7 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
         row[f"engine_{pat}_save_main_warm_ms"] = med[f"{pat}_save_main_warm"]
         row[f"engine_{pat}_runs"] = runs.get(pat, {})
         row[f"engine_{pat}_rows_moved"] = moved.get(pat)
+        row[f"engine_{pat}_copies"] = copies.get(pat)
     row["settle_after_check_ms"] = med["settle"]
     row["ids_ring_fallbacks"] = engine._ids.fallbacks
     row["samples_ms"] = {k: [round(x * 1e3, 4) for x in v] for k, v in times.items()}
@@ -622,6 +628,9 @@ def print_details(results) -> None:
                 run = ",".join(map(str, rs.get("save", []))) + "/" + ",".join(map(str, rs.get("load", [])))
                 if r[f"{path}_rows_moved"] is not None:
                     run += f"  {r[f'{path}_rows_moved']}/{r['blocks']}"
+                cp = r.get(f"{path}_copies") or {}
+                if cp:
+                    run += f"  copies {cp.get('save')}/{cp.get('load')}"
             print(f"{r['config']:<26} {step:>9} {path:<17} {fmt(r[f'{path}_save_ms'], '.2f'):>9} "
                   f"{fmt(r[f'{path}_save_gibps'], '.2f'):>10} {fmt(r[f'{path}_load_ms'], '.2f'):>9} "
                   f"{fmt(r[f'{path}_load_gibps'], '.2f'):>10} {main_s:>12} {main_w:>7} {main_l:>12}  {run}")

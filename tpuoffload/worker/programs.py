@@ -149,6 +149,133 @@ def slot_run(slots, padded: int) -> int:
     return run
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def copy_plan(slots) -> tuple[np.ndarray | None, tuple[tuple[int, int], ...]]:
+    """How a program moves the rows of a plan with these ``slots``: ``(order, copies)``.
+
+    The rows are taken in ascending slot order (a stable sort: a descending run becomes an
+    ascending one, runs listed apart that adjoin merge) and cut into maximal runs of consecutive
+    slots (a slot listed twice, as a load may read one slot into two blocks, breaks a run); each
+    run into power-of-two copies, widest first (26 -> 16 + 8 + 2). ``copies`` is the program's
+    static structure, ``((width, count), ...)`` with widths descending, power-of-two counts
+    (so few structures compile), rows in that order: the copies of each width, each copy one
+    slice of ``width`` consecutive slots. A width whose count is no power of two keeps the largest
+    power of two of its copies and splits the rest into two copies of half the width each (no
+    padding: one more copy, the same bytes); width 1 pads its count up to a power of two with
+    copies that repeat the last real row (a save rewrites the same bytes; a load's padding targets
+    no block), always the last rows of the program.
+
+    ``order[i]`` is the plan row that program row ``i`` moves (``len(order) - len(slots)``
+    padding rows at the end repeat real rows); None when it is the identity (the plan is one
+    ascending run, the usual fresh store: no numpy sort). A function of the slots alone, so every
+    host dispatches the same programs (invariant 1)."""
+    n = len(slots)
+    if not n:
+        return None, ()
+    if type(slots) is list and slots == list(range(slots[0], slots[0] + n)):
+        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
+    s = np.asarray(slots, np.int64)
+    order = np.argsort(s, kind="stable")
+    ss = s[order]
+    starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
+    lens = np.diff(np.concatenate((starts, [n])))
+    if len(starts) == 1 and order[0] == 0 and (order[1:] > order[:-1]).all():
+        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
+    # Copies of width 2**b start (sorted position) after the run's wider copies: start + the bits
+    # of its length above b.
+    top = int(lens.max()).bit_length()
+    at: dict[int, np.ndarray] = {}
+    for b in range(top):
+        has = (lens >> b) & 1 == 1
+        if has.any():
+            at[1 << b] = starts[has] + (lens[has] >> (b + 1) << (b + 1))
+    copies, positions = [], []
+    carry = np.zeros(0, np.int64)
+    for b in range(top - 1, -1, -1):
+        w = 1 << b
+        t = at.get(w, carry[:0])
+        if len(carry):
+            t = np.sort(np.concatenate((t, carry)))
+        if not len(t):
+            carry = t
+            continue
+        if w == 1:
+            k = _pow2_ceil(len(t))
+            t = np.concatenate((t, np.full(k - len(t), t[-1], np.int64)))
+            carry = t[:0]
+        else:
+            k = _pow2_floor(len(t))
+            rest = t[k:]
+            carry = np.concatenate((rest, rest + w // 2))
+            t = t[:k]
+        copies.append((w, k))
+        positions.append((t[:, None] + np.arange(w)).ravel())
+    return order[np.concatenate(positions)], tuple(copies)
+
+
+def copy_rows(copies) -> int:
+    """Rows a program of this structure moves (padding included)."""
+    return sum(w * c for w, c in copies)
+
+
+def cap_copies(copies, width: int) -> tuple[tuple[int, int], ...]:
+    """The same rows in copies no wider than ``width`` (a power of two): a wider copy is split
+    into consecutive ones. Derived from the structure alone (every host alike)."""
+    out: list[tuple[int, int]] = []
+    for w, c in copies:
+        if w > width:
+            w, c = width, c * (w // width)
+        if out and out[-1][0] == w:
+            out[-1] = (w, out[-1][1] + c)
+        else:
+            out.append((w, c))
+    return tuple(out)
+
+
+def split_parts(copies, parts: int) -> tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]:
+    """Cut a structure into up to ``parts`` consecutive parts at copy boundaries, each ending at
+    the first copy boundary at or past its share of the rows: ``((lo, hi, groups), ...)``, groups
+    ``((offset from lo, width, count), ...)``."""
+    total = copy_rows(copies)
+    flat = [w for w, c in copies for _ in range(c)]
+    out, lo, row, k = [], 0, 0, 1
+    bounds = []
+    for w in flat:
+        row += w
+        if k < parts and row * parts >= k * total:
+            bounds.append(row)
+            while k < parts and row * parts >= k * total:
+                k += 1
+    if not bounds or bounds[-1] != total:
+        bounds.append(total)
+    row, i = 0, 0
+    for hi in bounds:
+        groups: list[list[int]] = []
+        while row < hi:
+            w = flat[i]
+            if groups and groups[-1][1] == w:
+                groups[-1][2] += 1
+            else:
+                groups.append([row - lo, w, 1])
+            row += w
+            i += 1
+        out.append((lo, hi, tuple(map(tuple, groups))))
+        lo = hi
+    return tuple(out)
+
+
+def uniform_copies(run: int, rows: int) -> tuple[tuple[int, int], ...]:
+    """The structure of ``rows`` rows moved ``run`` consecutive slots per copy (``slot_run``)."""
+    return ((run, rows // run),)
+
+
 def pad_rows(ids: np.ndarray, n: int, run: int) -> None:
     """Fill rows ``n:`` (along the last axis) by repeating the last ``run`` rows (``run`` divides
     ``n``): each padding group is a copy of the last real group, so it holds consecutive slots when
@@ -256,105 +383,132 @@ class GroupPrograms:
                                       in_specs=(PartitionSpec(), PartitionSpec(), rows_spec, (cache_spec,) * n),
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
-        # ``run`` (static, keyword): the width of the slot groups each copy moves (module docstring).
-        self.save = jax.jit(self._save, donate_argnums=1, static_argnames="run",
+        # ``copies`` (static, keyword): the copy structure of the program's rows (``copy_plan``).
+        self.save = jax.jit(self._save, donate_argnums=1, static_argnames="copies",
                             out_shardings=(self.store_sharding, token_sharding))
-        self.load = jax.jit(self._load, donate_argnums=0, static_argnames="run",
+        self.load = jax.jit(self._load, donate_argnums=0, static_argnames="copies",
                             out_shardings=((group.sharding,) * n, token_sharding))
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
-        self.read = jax.jit(self._read, static_argnames="run", out_shardings=(self.device_sharding, token_sharding))
+        self.read = jax.jit(self._read, static_argnames="copies",
+                            out_shardings=(self.device_sharding, token_sharding))
         self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
-        self.install = jax.jit(self._install, donate_argnums=1, static_argnames="run",
+        self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize
+        self._parts_of: dict[tuple[str, tuple], tuple] = {}
 
     def allocate(self) -> jax.Array:
         """The zeroed store (one dispatch, main thread, same on every host)."""
         shape, dtype = self.store_shape, self.group.wire_dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
-    def part_rows(self, op: str, n: int) -> int:
-        """Rows of one part of program ``op`` on ``n`` (padded) rows: the widest ``run`` worth
-        compiling (a wider one moves the same copies)."""
-        if op == "save":
-            return n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
-        if op == "load":
-            return n // self.load_parts(n)
-        return n  # read, install: one part
+    def op_parts(self, op: str, rows: int) -> int:
+        """Parts program ``op`` moves ``rows`` rows in (a power of two up to MAX_PARTS, each part
+        at least SAVE_PART_BYTES / LOAD_PART_BYTES per device unless there is one)."""
+        part_bytes = {"save": SAVE_PART_BYTES, "load": LOAD_PART_BYTES}.get(op)
+        parts = 1
+        if part_bytes is not None:
+            while parts < MAX_PARTS and rows >= 2 * parts and rows * self.row_bytes // (2 * parts) >= part_bytes:
+                parts *= 2
+        return parts
 
-    def _save(self, caches, store, ids, run: int = 1):
+    def parts_of(self, op: str, copies) -> tuple:
+        """``split_parts`` of program ``op`` on structure ``copies``, copies first narrowed to a
+        part's rows (so that part k+1's gather or scatter overlaps part k's copies). A function of
+        the structure and the layout only; cached."""
+        key = (op, copies)
+        out = self._parts_of.get(key)
+        if out is None:
+            rows = copy_rows(copies)
+            parts = self.op_parts(op, rows)
+            if parts > 1:
+                copies = cap_copies(copies, _pow2_floor(-(-rows // parts)))
+            out = self._parts_of[key] = split_parts(copies, parts)
+        return out
+
+    def num_copies(self, op: str, copies) -> int:
+        """Copies program ``op`` issues for structure ``copies`` (after the parts' narrowing)."""
+        return sum(c for _, _, groups in self.parts_of(op, copies) for _, _, c in groups)
+
+    def _save(self, caches, store, ids, copies=()):
         ids = jax.device_put(ids, DEVICE)
-        n = ids.shape[1]
-        step = self.part_rows("save", n)
-        for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
-            rows = self._gather(ids[0, lo:lo + step], caches)
-            store = self._write_rows(store, rows, ids, lo, run)
+        parts = self.parts_of("save", copies)
+        total = sum(c for _, _, groups in parts for _, _, c in groups)
+        for lo, hi, groups in parts:  # part k+1's gather overlaps part k's copies to host memory
+            rows = self._gather(ids[0, lo:hi], caches)
+            store = self._write_rows(store, rows, ids, lo, groups, total)
         return store, _token(ids)
 
-    def _install(self, rows, store, ids, run: int = 1):
+    def _install(self, rows, store, ids, copies=()):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
         ids = jax.device_put(ids, DEVICE)
-        return self._write_rows(store, rows, ids, 0, run), _token(ids)
+        (_, _, groups), = self.parts_of("install", copies)
+        return self._write_rows(store, rows, ids, 0, groups, sum(c for _, _, c in groups)), _token(ids)
 
-    def _read(self, store, ids, run: int = 1):
-        """Slots ``ids[1]`` copied into device memory (the disk tier's spills; the store is not donated)."""
+    def _read(self, store, ids, copies=()):
+        """Slots ``ids[1]`` copied into device memory (the disk tier's spills, a load's reads
+        dispatched first; the store is not donated)."""
         ids = jax.device_put(ids, DEVICE)
-        return self._read_rows(store, ids, 0, ids.shape[1], run), _token(ids)
+        (lo, hi, groups), = self.parts_of("read", copies)
+        return self._read_rows(store, ids, lo, hi, groups, sum(c for _, _, c in groups)), _token(ids)
 
     def _scatter_rows(self, caches, rows, ids):
         """Scatter rows read by ``read`` (``(shards, P, ...)`` on the devices) into blocks ``ids[0]``."""
         ids = jax.device_put(ids, DEVICE)
         return self._scatter(ids[0], ids[2], rows, caches), _token(ids)
 
-    def _write_rows(self, store, rows, ids, lo: int, run: int):
-        """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``, ``run`` rows
-        (consecutive slots) per copy."""
-        k = rows.shape[1]
-        run = min(run, k)
-        copies = k // run
-        if copies == 1 or ids.shape[1] // run <= SAVE_STATIC_MAX:
-            for i in range(0, k, run):
-                group = jax.device_put(jax.lax.slice_in_dim(rows, i, i + run, axis=1), HOST)
-                store = jax.lax.dynamic_update_slice_in_dim(store, group, ids[1, lo + i], axis=1)
-            return store
+    def _write_rows(self, store, rows, ids, lo: int, groups, total: int):
+        """Write rows ``(shards, k, ...)`` into the store: each group ``(offset, width, count)``
+        is ``count`` copies of ``width`` rows into ``width`` consecutive slots starting at
+        ``ids[1, lo + offset + j * width]``; written out (one copy, or few in all), else a
+        fori_loop per group."""
+        for off, w, c in groups:
+            if c == 1 or total <= SAVE_STATIC_MAX:
+                for j in range(c):
+                    r = off + j * w
+                    group = jax.device_put(jax.lax.slice_in_dim(rows, r, r + w, axis=1), HOST)
+                    store = jax.lax.dynamic_update_slice_in_dim(store, group, ids[1, lo + r], axis=1)
+                continue
 
-        def write(j, st):
-            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * run, run, axis=1), HOST)
-            return jax.lax.dynamic_update_slice_in_dim(st, group, ids[1, lo + j * run], axis=1)
+            def write(j, st, off=off, w=w):
+                r = off + j * w
+                group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, r, w, axis=1), HOST)
+                return jax.lax.dynamic_update_slice_in_dim(st, group, ids[1, lo + r], axis=1)
 
-        return jax.lax.fori_loop(0, copies, write, store, unroll=min(SAVE_UNROLL, copies))
+            store = jax.lax.fori_loop(0, c, write, store, unroll=min(SAVE_UNROLL, c))
+        return store
 
-    def _load(self, caches, store, ids, run: int = 1):
+    def _load(self, caches, store, ids, copies=()):
         ids = jax.device_put(ids, DEVICE)
-        n = ids.shape[1]
-        step = self.part_rows("load", n)
-        for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
-            rows = self._read_rows(store, ids, lo, lo + step, run)
-            caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
+        parts = self.parts_of("load", copies)
+        total = sum(c for _, _, groups in parts for _, _, c in groups)
+        for lo, hi, groups in parts:  # part k's scatter overlaps part k+1's copies
+            rows = self._read_rows(store, ids, lo, hi, groups, total)
+            caches = self._scatter(ids[0, lo:hi], ids[2, lo:hi], rows, caches)
         return caches, _token(ids)
 
     def load_parts(self, n: int) -> int:
-        """Parts the load program moves ``n`` (padded) rows in."""
-        return num_parts(n, self.row_bytes, LOAD_PART_BYTES)
+        """Parts the load program moves ``n`` rows in."""
+        return self.op_parts("load", n)
 
-    def _read_rows(self, store, ids, lo: int, hi: int, run: int):
-        """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``,
-        ``run`` rows (consecutive slots) per copy."""
-        run = min(run, hi - lo)
-        copies = (hi - lo) // run
-        if ids.shape[1] // run <= LOAD_STATIC_MAX:
-            groups = [jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, i], run, axis=1), DEVICE)
-                      for i in range(lo, hi, run)]
-            return groups[0] if copies == 1 else jnp.concatenate(groups, axis=1)
+    def _read_rows(self, store, ids, lo: int, hi: int, groups, total: int):
+        """Rows ``lo:hi`` of the program, read from their slots into device memory
+        ``(shards, hi-lo, ...)``, by the copies of ``groups`` (as in ``_write_rows``)."""
+        if total <= LOAD_STATIC_MAX:
+            reads = [jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + off + j * w], w, axis=1), DEVICE)
+                     for off, w, c in groups for j in range(c)]
+            return reads[0] if len(reads) == 1 else jnp.concatenate(reads, axis=1)
         g = self.group
-        rows = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
-        rows = jax.lax.with_sharding_constraint(rows, self.device_sharding)
+        acc = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
+        acc = jax.lax.with_sharding_constraint(acc, self.device_sharding)
+        for off, w, c in groups:
+            def read(j, a, off=off, w=w):
+                r = off + j * w
+                group = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + r], w, axis=1), DEVICE)
+                return jax.lax.dynamic_update_slice_in_dim(a, group, r, axis=1)
 
-        def read(j, acc):
-            group = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + j * run], run, axis=1), DEVICE)
-            return jax.lax.dynamic_update_slice_in_dim(acc, group, j * run, axis=1)
-
-        return jax.lax.fori_loop(0, copies, read, rows, unroll=min(LOAD_UNROLL, copies))
+            acc = read(0, acc) if c == 1 else jax.lax.fori_loop(0, c, read, acc, unroll=min(LOAD_UNROLL, c))
+        return acc
