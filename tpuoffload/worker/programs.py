@@ -62,7 +62,11 @@ LOAD_UNROLL = 16
 # Measured again with host-memory ids (tools/probe_overhead.py, engine loads on the H200): written out
 # vs fori_loops unrolled 4 or 8 are within noise (64 MiB 86.1 / 85.6 / 85.7% of raw, 512 MiB 98.6 /
 # 97.4 / 98.0%, 2 GiB 95.8 / 96.0 / 95.9%), so the values stay.
-LOAD_STATIC_MAX = 256
+# With copy structures (copy_plan) a churned load issues a few hundred copies of mixed widths, one
+# loop per width: on the H200 (issue 24, tools/bench_transfer.py churned, qwen3-coder 512 MiB, 306
+# copies) loops took 27.7 ms, written out 19.4 (one copy per slot in one loop had taken 18.7);
+# gpt-oss 512 MiB, 661 copies, 19.3 against 20.1 (noise). Hence written out up to 1024 copies.
+LOAD_STATIC_MAX = 1024
 # The same for a save's writes into the store (a part moved in one copy has no loop); 0: always
 # fori_loops, which measured faster on the H200 (512 MiB, one copy per slot: 37.1 GiB/s written out
 # against 40.0 in loops; 2 GiB: 41.4 against 44.4).
