@@ -41,10 +41,11 @@ def test_cpu_run_verifies_bytes(bench, tmp_path, capsys):
                     "raw_save_ratio", "floor_save_ratio", "floor_load_ratio"):
             assert row[f"engine_{pat}_{key}"] > 0, (pat, key)
     assert row["floor_save_gibps"] > 0 and row["floor_load_gibps"] > 0 and row["raw_save_main_ms"] > 0
-    # 16 blocks in one run: one copy per call; 16 of 128 slots at random: one copy per slot.
+    # 16 blocks in one run: one copy per call; 16 of 128 slots at random: short runs (sorted by slot).
     assert row["engine_contiguous_runs"] == {"save": [16], "load": [16]}
-    assert row["engine_scattered_runs"]["save"] == [1]
-    assert row["engine_contiguous_rows_moved"] == row["engine_scattered_rows_moved"] == 16
+    assert row["engine_contiguous_copies"]["save"] == row["engine_contiguous_copies"]["load"] == 1
+    assert max(row["engine_scattered_runs"]["save"]) <= 4 and row["engine_scattered_copies"]["save"] <= 32
+    assert row["engine_contiguous_rows_moved"] == 16 and 16 <= row["engine_scattered_rows_moved"] < 32
     assert len(row["samples_ms"]["contiguous_save"]) == 7
 
 
