@@ -337,3 +337,21 @@ def test_lru_evicts_prefixes_from_the_tail():
     idx.unpin(slots)
     idx.add_saving(HashKeys.of([b"other"]), idx.allocate(1), 10)  # pool full: one eviction
     assert len(idx.ready_prefix(hashes)) == 2 and not idx.contains(b"p2")
+
+
+def test_index_allocate_hands_out_lru_victims_ascending_by_slot():
+    """The LRU picks which chunks go; their slots come back sorted ascending (so a step's saves name
+    runs of consecutive slots), free slots first; the evicted chunks are the same as before."""
+    idx = ChunkIndex(8)
+    slots = save(idx, [h(i) for i in range(8)], 0)
+    assert slots.tolist() == list(range(8))
+    order = [5, 2, 7, 0, 3, 6, 1, 4]  # recency: slot 5 oldest ... slot 4 newest
+    assert idx.mark_ready(arr(*order), idx.save_ids(arr(*order))) == 8
+    assert idx.lru_order() == order
+    got = idx.allocate(5)
+    assert got.tolist() == sorted(order[:5]) == [0, 2, 3, 5, 7]
+    gone = {int(slots[i]) for i in range(8) if idx.slot_of(h(i)) is None}
+    assert gone == set(order[:5]) and idx.counters[C.EVICTED] == 5
+    assert idx.lru_order() == order[5:]
+    idx.add_saving(HashKeys.of([h(10 + i) for i in range(5)]), got, 100)
+    assert [idx.slot_of(h(10 + i)) for i in range(5)] == [0, 2, 3, 5, 7]  # i-th new chunk, i-th slot

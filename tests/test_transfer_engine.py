@@ -233,12 +233,12 @@ def test_round_trip_more_blocks_than_bucket_permuted_subset(engines):
     caches = random_caches(BF16, 2)
     eng = engines(caches)
     src = host(caches)
-    blocks = list(range(5, 25))  # 20 blocks: padded to a bucket of 32
+    blocks = list(range(5, 25))  # 20 blocks in one descending run: copies of 16 + 4, no padding
     slots = list(range(31, 11, -1))
     ids = list(range(1000, 1020))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 32
+    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 20 and logged_copies(ops[0]) == 2
     caches = random_caches(BF16, 3)
     pick = [7, 0, 19, 3]
     caches, failed = eng.load(caches, [40, 41, 42, 43], [slots[p] for p in pick], [ids[p] for p in pick])
@@ -337,8 +337,9 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     assert failed == [per + 6, 9]
     # One part, or one copy per part: reads, then the scatter (two programs); otherwise one load
     # program overlapping them.
-    one_copy_per_part = parts == 1 or pm.slot_run(slots, 8) >= 8 // parts
-    assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if one_copy_per_part else ["load"])
+    reads_first = eng._reads_first(pm.copy_plan(slots)[1])
+    assert reads_first == (parts == 1 or eng._programs[0].num_copies("load", pm.copy_plan(slots)[1]) <= te.READS_FIRST_COPIES)
+    assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if reads_first else ["load"])
     after = host(caches)
     for b, t in zip(blocks, targets):
         if t in failed:
@@ -377,7 +378,8 @@ def test_transfer_buffer_bounds_each_piece(engines, monkeypatch, buffer_chunks, 
         assert op_shape(op)[1] <= per_piece  # the device-side batch never exceeds the buffer
         assert op_shape(op)[1] * layout.device_bytes_per_chunk <= max(buffer, layout.device_bytes_per_chunk)
         moved.append(logged_blocks(op))
-    assert [b for blk in moved[::groups] for b in blk] == blocks  # every block once, in order
+    # every block once, in ascending slot order (a plan of several pieces is sorted by slot first)
+    assert [b for blk in moved[::groups] for b in blk] == blocks[::-1]
 
     count.calls.clear()
     targets = list(range(40, 40 + n))
@@ -388,7 +390,7 @@ def test_transfer_buffer_bounds_each_piece(engines, monkeypatch, buffer_chunks, 
     assert count.programs() == Counter(read=groups * pieces, scatter=groups * pieces)
     assert all(op_shape(op)[1] <= per_piece for op in ops)
     scatters = [op for op in ops if op_names([op]) == ["load"]]
-    assert [b for op in scatters[::groups] for b in logged_blocks(op)] == targets
+    assert [b for op in scatters[::groups] for b in logged_blocks(op)] == targets[::-1]
     after = host(out)
     for b, t in zip(blocks, targets):
         assert np.array_equal(chunk(after, t), chunk(src, b)), (b, t)
@@ -480,6 +482,14 @@ def logged_run(op: str) -> int:
     return int(re.search(r"\brun=(\d+)", op).group(1))
 
 
+def logged_copies(op: str) -> int:
+    return int(re.search(r"\bcopies=(\d+)", op).group(1))
+
+
+def widest(slots) -> int:
+    return pm.copy_plan(list(slots))[1][0][0]
+
+
 def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]]:
     """Save sentinels, then the pattern's chunks (from both batch shards); load them back in the
     saved order, then in ascending slot order (another width), then the sentinels. Returns the
@@ -520,11 +530,11 @@ def test_slot_runs_round_trip_byte_exact(engines, pattern):
     """Whatever the slots (one run, a run that ends at the store's last slot or wraps past it, a
     run that is padded, descending slots, scattered ones), each chunk comes back byte-exact, loaded
     in the saved order or in another, and no neighbouring slot is touched; the save moves its slots
-    in groups of the width ``slot_run`` allows (1 for descending slots: never the fast path)."""
-    slots, run, _ = SLOT_PATTERNS[pattern]
+    in the copies ``copy_plan`` gives (rows sorted by slot: a descending run is one copy)."""
+    slots, _, _ = SLOT_PATTERNS[pattern]
     bad, runs = slot_pattern_round_trip(engines, pattern)
     assert bad == []
-    assert runs == [run, run, pm.slot_run(sorted(slots), 16 if len(slots) > 8 else 8)]
+    assert runs == [widest(slots)] * 3  # rows sorted by slot: the load in another order copies alike
 
 
 @pytest.mark.parametrize("src_slots,dst_slots", [
@@ -560,14 +570,101 @@ def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots
         assert np.array_equal(chunk(after, 60 + k), chunk(src, b)), keep[k]
 
 
-@pytest.mark.parametrize("pattern", ["wraps", "12 ascending", "descending"])
+@pytest.mark.parametrize("pattern", ["wraps", "two runs", "descending"])
 def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
-    """The round trip above catches a wrong width: an engine that takes every plan for one run
-    overwrites neighbouring slots (a run that wraps, or is padded) or stores a descending run
-    reversed (seen by the load in another order)."""
-    monkeypatch.setattr(te, "slot_run", lambda slots, padded: padded)
+    """The round trip above catches a wrong copy plan: an engine that takes every plan for one
+    ascending run in the listed order overwrites neighbouring slots (a run that wraps, two runs)
+    or stores a descending run reversed (seen by the load in another order)."""
+    n_bits = lambda n: tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)  # noqa: E731
+    monkeypatch.setattr(te, "copy_plan", lambda slots: (None, n_bits(len(slots))))
     bad, _ = slot_pattern_round_trip(engines, pattern)
     assert bad
+
+
+# ---------------------------------------------------------------- copy structures (issue 24)
+@pytest.mark.parametrize("slots,copies", [
+    (list(range(26)), ((16, 1), (8, 1), (2, 1))),  # one run, no power of two: 3 copies, no padding
+    (list(range(25, -1, -1)), ((16, 1), (8, 1), (2, 1))),  # the same run descending
+    ([30, 31, 0, 1, 2, 3, 4, 5], ((4, 1), (2, 2))),  # wraps: runs 0..5 and 30..31
+    ([9, 8, 7, 1, 2, 3], ((2, 2), (1, 2))),  # a descending and an ascending run of 3
+    ([3, 3, 4, 5], ((2, 1), (1, 2))),  # a slot read twice (a load) breaks the run
+    ([7, 3, 11, 0, 30], ((1, 8),)),  # scattered: 5 copies of one, padded to 8
+    ([6], ((1, 1),)), ([], ()),
+])
+def test_copy_plan_examples(slots, copies):
+    assert pm.copy_plan(slots)[1] == copies
+
+
+def test_copy_plan_rows_are_runs_and_counts_powers_of_two():
+    """Random plans (runs of random lengths in either direction, shuffled, some slots repeated):
+    every copy of the structure is ``width`` consecutive ascending slots, every plan row is moved
+    once, padding only repeats real rows at the end, counts are powers of two, widths descend;
+    a list and an array of the same slots give the same plan (the same programs on every host)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        runs, base = [], 0
+        for _ in range(int(rng.integers(1, 12))):
+            length = int(rng.integers(1, 40))
+            base += int(rng.integers(1, 30))
+            run = list(range(base, base + length))
+            runs.append(run[::-1] if rng.random() < 0.5 else run)
+            base += length
+        order = rng.permutation(len(runs))
+        slots = [s for k in order for s in runs[k]]
+        if trial % 5 == 0 and slots:
+            slots += [slots[0]]  # a load may read one slot twice
+        n = len(slots)
+        perm, copies = pm.copy_plan(slots)
+        rows = pm.copy_rows(copies)
+        o = np.arange(n) if perm is None else perm
+        assert len(o) == rows and sorted(o[:n].tolist()) == list(range(n)) and all(0 <= i < n for i in o[n:])
+        assert rows - n < max(1, n // 2)
+        widths = [w for w, _ in copies]
+        assert widths == sorted(widths, reverse=True) and all(c & (c - 1) == 0 for _, c in copies)
+        ss, at = np.asarray(slots)[o], 0
+        for w, c in copies:
+            for _ in range(c):
+                assert (ss[at:at + w] == ss[at] + np.arange(w)).all(), (slots, copies)
+                at += w
+        p2, c2 = pm.copy_plan(np.asarray(slots))
+        assert c2 == copies and np.array_equal(np.arange(n) if p2 is None else p2, o)
+
+
+@pytest.mark.parametrize("slots,save_copies", [
+    (list(range(NUM_SLOTS - 1, NUM_SLOTS - 27, -1)), 3),  # 26 descending, to the store's last slot: 16 + 8 + 2
+    (list(range(3, 29)), 3),  # 26 ascending: no power of two
+    (list(range(20, 32))[::-1] + list(range(0, 12)), 4),  # two descending/ascending runs of 12: 8 + 4 each
+])
+def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, save_copies):
+    """Issue 24: a descending run, or a run of no power-of-two length, moves in a few wide copies
+    (the count the engine logs), not one per slot; the chunks come back byte-exact, loaded in
+    another order (reversed), and the slots around them keep their chunks."""
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 60)
+    eng = engines(caches)
+    per = eng.layout.groups[0].blocks_per_shard
+    src = host(caches)
+    n = len(slots)
+    blocks = [(i % 2) * per + i for i in range(n)]
+    keep = [s for s in range(NUM_SLOTS) if s not in slots][:4]
+    sentinels = [26, 27, per + 26, per + 27]  # each loaded back within its batch shard
+    save_ok(eng, caches, sentinels, keep, [500, 501, 502, 503])
+    ids = list(range(900, 900 + n))
+    save_ok(eng, caches, blocks, slots, ids)
+    ops = eng.finish_step().ops
+    assert logged_copies(ops[-1]) == save_copies and op_shape(ops[-1])[1] == n  # no padding
+    pos = list(range(n))[::-1]
+    targets = [(i % 2) * per + i // 2 for i in pos]  # the source's batch shard, other blocks
+    out, failed = eng.load(random_caches(name, 61), targets + [20, 21, per + 20, per + 21],
+                           [slots[i] for i in pos] + keep, [ids[i] for i in pos] + [500, 501, 502, 503])
+    assert failed == []
+    ops = eng.finish_step().ops
+    assert sum(logged_copies(op) for op in ops if op.startswith("load.read") or "copies=" in op) <= save_copies + 4
+    after = host(out)
+    for i, t in zip(pos, targets):
+        assert np.array_equal(chunk(after, t), chunk(src, blocks[i])), (slots[i], t)
+    for b, t in zip(sentinels, [20, 21, per + 20, per + 21]):
+        assert np.array_equal(chunk(after, t), chunk(src, b))
 
 
 # ---------------------------------------------------------------- power-of-two pieces
@@ -620,10 +717,10 @@ PIECE_SLOTS = {  # slots of a plan of n chunks in a store of 256 slots
 @pytest.mark.parametrize("pattern", PIECE_SLOTS)
 @pytest.mark.parametrize("n", [1, 7, 9, 40, 100])
 def test_pieces_round_trip_byte_exact(engines, n, pattern):
-    """A plan that is no power of two moves as its power-of-two pieces (programs.piece_sizes):
-    each save and load program takes one piece, only the last is padded (here not at all: step 1),
-    each piece's slots give its own copy width, whether a run of slots continues across a piece
-    boundary or a new run starts at one. The chunks come back byte-exact; blocks and slots outside
+    """A plan larger than the transfer buffer (32 chunks here) moves in pieces of the buffer and a
+    rest, each save and load program one piece, the plan first sorted by slot (runs stay whole);
+    each piece's slots give its own copy structure (programs.copy_plan), whether a run of slots
+    continues across a piece boundary or a new run starts at one. The chunks come back byte-exact; blocks and slots outside
     the plan keep theirs; a save that overwrites the same slots right away (write-after-write across
     pieces) wins, and the older save's ids no longer load."""
     spec = dataclasses.replace(LAYOUTS[BF16], num_blocks=256)
@@ -631,11 +728,14 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     caches = [jax.device_put(rng.integers(0, 1 << 16, c.shape, np.uint16).view(c.dtype), c.sharding)
               for c in create_caches(spec)[0]]  # 256 blocks of random bytes
     src = host(caches)
-    eng = engines(caches, slots=256)
-    eng.piece_step = 1
+    eng = engines(caches, slots=256, transfer_buffer_bytes=32 * CacheLayout.from_caches(caches).device_bytes_per_chunk)
+    assert eng.max_chunks_per_transfer == 32
     slots = PIECE_SLOTS[pattern](n)
-    sizes = pm.piece_sizes(n, eng.max_chunks_per_transfer)
-    assert sum(sizes) == n
+    sizes = [32] * (n // 32) + ([n % 32] if n % 32 else [])
+    assert [p.stop - p.start for p in eng.pieces(n)] == sizes
+    listed = sorted(slots) if len(sizes) > 1 else slots
+    starts = np.cumsum([0] + sizes[:-1])
+    plans = [pm.copy_plan(listed[a:a + p])[1] for a, p in zip(starts, sizes)]
     sentinel = [s for s in range(256) if s not in slots][:2]
     save_ok(eng, caches, [250, 251], sentinel, [1, 2])
     older, newer = list(range(1000, 1000 + n)), list(range(2000, 2000 + n))
@@ -645,11 +745,8 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     assert {r.save_id for r in eng.drain_results() if r.ok} == set(older) | set(newer)
     ops = eng.finish_step().ops
     saves = ops[1:]
-    assert [op_shape(op)[1] for op in saves] == sizes * 2  # one program per piece, none padded
-    starts = np.cumsum([0] + sizes[:-1])
-    widths = [pm.slot_run(slots[a:a + p], p) for a, p in zip(starts, sizes)]
-    assert [logged_run(op) for op in saves] == [min(w, eng._programs[0].part_rows("save", p))
-                                                for w, p in zip(widths, sizes)] * 2
+    assert [op_shape(op)[1] for op in saves] == [pm.copy_rows(c) for c in plans] * 2  # one program per piece
+    assert [logged_copies(op) for op in saves] == [eng._programs[0].num_copies("save", c) for c in plans] * 2
     targets = list(range(120, 120 + n))
     fresh = random_caches(BF16, 51)
     fresh = [jax.device_put(np.concatenate([np.asarray(c)] * 4), caches[0].sharding) for c in fresh]
@@ -657,7 +754,7 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     out, failed = eng.load(fresh, targets, slots, newer)
     assert failed == []
     loads = eng.finish_step().ops
-    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == sizes
+    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == [pm.copy_rows(c) for c in plans]
     after = host(out)
     for i, t in enumerate(targets):
         assert np.array_equal(chunk(after, t), chunk(src, i)), (i, t)
@@ -687,17 +784,16 @@ def test_a_call_of_several_pieces_completes_once_and_checks_once(engines):
     whole plan, before its first scatter."""
     caches = random_caches(BF16, 52)
     faults = Recorder()
-    eng = engines(caches, faults=faults)
-    eng.piece_step = 1
-    n = 13  # 8 + 4 + 1
-    assert len(eng.pieces(n)) == 3
+    eng = engines(caches, faults=faults, transfer_buffer_bytes=4 * CacheLayout.from_caches(caches).device_bytes_per_chunk)
+    n = 13  # 4 + 4 + 4 + 1
+    assert len(eng.pieces(n)) == 4
     save_ok(eng, caches, list(range(n)), list(range(n)), list(range(100, 100 + n)))
     assert faults.calls == [(FaultPoint.D2H, n), (FaultPoint.WRITE_SLOTS, n)]
     assert len(set(eng._last_write.values())) == 1
     faults.calls.clear()
     out, failed = eng.load(caches, list(range(20, 20 + n)), list(range(n)), list(range(100, 100 + n)))
     assert failed == [] and faults.calls == [(FaultPoint.READ_SLOTS, n), (FaultPoint.H2D, n)]
-    assert op_names(eng.finish_step().ops) == ["save"] * 3 + small_load_ops(1) * 3
+    assert op_names(eng.finish_step().ops) == ["save"] * 4 + small_load_ops(1) * 4
 
 
 def test_a_completion_that_finishes_at_once_leaves_no_inflight_entry(engines):

@@ -200,13 +200,19 @@ class ChunkIndex:
         """Up to ``n`` slots for new saves: free slots first, then slots of LRU READY unpinned
         chunks, evicted here (counted in ``evicted``). Invariant 10: host RAM is a fixed number of
         slots, never exceeded; a chunk being saved, loaded (pinned) or revoked is never evicted. Fewer only when host RAM is full of chunks
-        that are saving, pinned or revoked. The slots stay FREE until ``add_saving``."""
+        that are saving, pinned or revoked. The slots stay FREE until ``add_saving``.
+
+        The victims are handed out sorted ascending by slot (which chunks are evicted is the LRU's
+        choice alone; only which new chunk gets which of their slots changes): a step's saves
+        then name runs of consecutive slots where the evicted chunks' slots adjoin, so the
+        worker moves them in a few wide copies (worker/programs.py) however the store churned."""
         slots = self._pool.take(n)
         short = n - len(slots)
         if short > 0:
             pins = self._pins
             victims = self._lru.pop_oldest(short, lambda s: pins[s] == 0)
             if len(victims):
+                victims = np.sort(victims)
                 self._evict(victims)
                 # The pool stays out of it: the victims go straight from their old chunk to the new.
                 slots = np.concatenate((slots, victims)) if len(slots) else victims

@@ -19,26 +19,16 @@ dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives 
 The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
 They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
-``P`` is a power of two so the programs compile a few times: the engine splits a plan into
-power-of-two pieces (``piece_sizes``), one program each, and pads only the last, smaller piece, by
-less than a piece step; padding rows repeat the last real rows (a save rewrites the same bytes; a
-load's padding targets no block).
 
-Slot runs: a program moves slots in groups of ``run`` rows (a static power of two), each group ONE
-copy of ``run`` consecutive slots: one dynamic slice of the store, one transfer, one update. This
-needs every aligned group of ``run`` rows of the plan to hold consecutive ascending slots;
-``slot_run`` finds the widest such ``run`` (1: one copy per slot, which is right for any slots).
-Slots come from the scheduler's free stack, which hands them out in ascending runs (a fresh pool,
-and the LRU victims of one earlier save), so a whole save or load is often one run: one copy per
-part instead of one per slot, and a few launched ops instead of hundreds. On the GPU each copy is
-an asynchronous XLA kernel that reads or writes the pinned store over PCIe (not a copy-engine
-DMA), and wider copies move faster (measured on an H200, tools/probe_overhead.py --only runs, 32
-layers of 8 MiB slots: reading 512 MiB one slot per copy 12.9 ms, 8 slots per copy 11.8, all 64 in
-one 10.5, where a ``device_put`` of a pinned array takes 11.0; saves of 64 MiB 2.69 -> 2.49 ms, of
-2 GiB 45.2 -> 43.9; the main thread's dispatch of a 512 MiB save program 0.47 -> 0.24 ms). The
-choice is a pure function of the arguments (every host receives the same slots), so every host
-dispatches the same variant; it is logged with the program. A shape compiles at most
-``log2(rows per part) + 1`` variants (the engine caps ``run`` at a part's rows).
+Copies: a program moves its rows as a few slices of consecutive slots, one dynamic slice of the
+store, one transfer and one update per copy. ``copy_plan`` sorts a plan's rows by slot, cuts them
+into maximal runs of consecutive slots and each run into power-of-two copies, with power-of-two
+copy counts per width so that few structures compile; the structure is a static argument of the
+program. Slots come from the manager's free slots and sorted LRU victims, so a fresh store's plan
+is one run and a churned store's a few runs per request. Per-copy cost is what limits small chunks
+on a churned store (docs/performance.md). The structure is a pure function of the slots (every
+host receives the same slots), so every host dispatches the same programs; it is logged with each
+program.
 """
 
 from __future__ import annotations
@@ -54,47 +44,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpuoffload.layout import GroupLayout, stacked_spec
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-SAVE_UNROLL = 4  # measured on an H200 (tools/probe_pinned.py): 92-97% of a raw device_put
+SAVE_UNROLL = 4  # the loop unrolling that measured fastest on the H200 (docs/performance.md)
 LOAD_UNROLL = 16
-# A load reads its slots with one dynamic slice per copy (a slot, or a run of them) written out in
-# the program (XLA issues them as asynchronous host-to-device copies, all in flight at once) up to
-# this many copies; more use fori_loops (one synchronous copy per iteration), to bound compile time.
-# Measured again with host-memory ids (tools/probe_overhead.py, engine loads on the H200): written out
-# vs fori_loops unrolled 4 or 8 are within noise (64 MiB 86.1 / 85.6 / 85.7% of raw, 512 MiB 98.6 /
-# 97.4 / 98.0%, 2 GiB 95.8 / 96.0 / 95.9%), so the values stay.
-LOAD_STATIC_MAX = 256
-# The same for a save's writes into the store (a part moved in one copy has no loop); 0: always
-# fori_loops, which measured faster on the H200 (512 MiB, one copy per slot: 37.1 GiB/s written out
-# against 40.0 in loops; 2 GiB: 41.4 against 44.4).
+# A load reads its slots with one dynamic slice per copy written out in the program (XLA issues
+# them as asynchronous host-to-device copies, all in flight at once) up to this many copies; more use
+# one fori_loop per width, to bound compile time. Written out measured faster for churned loads of a
+# few hundred copies on the H200 (docs/performance.md).
+LOAD_STATIC_MAX = 1024
+# The same for a save's writes into the store; 0: always fori_loops, which measured faster.
 SAVE_STATIC_MAX = 0
 # A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /
 # LOAD_PART_BYTES (bytes per device): a save gathers part k+1 while part k crosses to host memory; a
-# load scatters part k while part k+1's rows are still crossing. Measured on an H200 (32 layers,
-# 8 MiB slots, GiB/s): loads of 512 MiB in 2 parts 39.5, 4 parts 38.0, 8 parts 34.8, unsplit 38.5
-# (reads written out) / 34.8 (loops); of 2 GiB in 4 parts 40.6, 8 parts 40.3, 16 parts 39.7. Saves
-# of 512 MiB unsplit 39.2, 2 parts 40.6, 4 parts 42.5; of 2 GiB 41.5, 43.7, 45.1 (raw: 41.1, 44.4).
-# (Those are one copy per slot.) A load that this makes one part, or whose parts would each be one
-# copy (slot runs), runs as two programs instead, reads then scatter (TransferEngine._reads_first).
-# With slot runs (one copy per part), a 512 MiB save in one part took 13.0 ms against 12.2 in 4
-# and 12.6 in 2, and its main-thread dispatch was no shorter (0.69 ms against 0.70), so the value
-# stays (tools/bench_transfer.py --sizes-mib 512 2048 with the constant patched, one run each).
+# load scatters part k while part k+1's rows are still crossing. A load of few copies runs as two
+# programs instead, reads then scatter (TransferEngine._reads_first). Values: docs/performance.md.
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4
-# The fewest rows a program moves (``bucket`` pads its ids up to this). 1: a 1-chunk step moves one
-# chunk, not 8; it costs only the compiled shapes 1, 2 and 4. Measured on the H200 (32 layers, 8 MiB
-# chunks, tools/bench_transfer.py --iters 9, contiguous slots, % of the raw path, save / load): a
-# 1-chunk step padded to 8 rows 41% / 61%, moved as one row 88-129% / 74-136% (two runs).
+# The fewest rows a program moves (``bucket`` pads its ids up to this): a 1-chunk step moves one
+# chunk, at the cost of compiling the shapes 1, 2 and 4.
 MIN_ROWS = 1
-# A plan is split into power-of-two pieces (``piece_sizes``), one program each per layer group,
-# rather than padded to one power of two. Same measurement: 9 chunks padded to 16 rows 64% / 60%, as
-# 8 + 1 87-96% / 102-109%; 40 chunks padded to 64 66% / 69%, as 32 + 8 98-101% / 106-108%; 100
-# chunks padded to 128 78% / 84%, as 64 + 32 + 4 100-103% / 107-110%. Buckets of 4-7 x 2^k rows (one
-# program, under 25% padding, four times the compiled shapes) reached 98% / 106% at 40 chunks but
-# 89% / 89% at 100 (112 rows). Each piece costs the main thread another dispatch: a save 0.23-0.36
-# ms per piece, a load (reads, then scatter: two programs) 0.55-0.68 ms, so a remainder is split
-# only down to pieces of PIECE_BYTES per device (what the interconnect moves in about that time);
-# a smaller rest is padded (worker/transfer_engine.py turns this into rows: ``piece_step``).
+# A plan too large for the transfer buffer moves in pieces, one program each per layer group;
+# a remainder is split only down to pieces of PIECE_BYTES per device (a dispatch costs the main
+# thread about what the interconnect moves in that time).
 PIECE_BYTES = 16 << 20
 
 
@@ -147,6 +118,133 @@ def slot_run(slots, padded: int) -> int:
         if len(breaks):
             run = min(run, int((breaks & -breaks).min()))
     return run
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def copy_plan(slots) -> tuple[np.ndarray | None, tuple[tuple[int, int], ...]]:
+    """How a program moves the rows of a plan with these ``slots``: ``(order, copies)``.
+
+    The rows are taken in ascending slot order (a stable sort: a descending run becomes an
+    ascending one, runs listed apart that adjoin merge) and cut into maximal runs of consecutive
+    slots (a slot listed twice, as a load may read one slot into two blocks, breaks a run); each
+    run into power-of-two copies, widest first (26 -> 16 + 8 + 2). ``copies`` is the program's
+    static structure, ``((width, count), ...)`` with widths descending, power-of-two counts
+    (so few structures compile), rows in that order: the copies of each width, each copy one
+    slice of ``width`` consecutive slots. A width whose count is no power of two keeps the largest
+    power of two of its copies and splits the rest into two copies of half the width each (no
+    padding: one more copy, the same bytes); width 1 pads its count up to a power of two with
+    copies that repeat the last real row (a save rewrites the same bytes; a load's padding targets
+    no block), always the last rows of the program.
+
+    ``order[i]`` is the plan row that program row ``i`` moves (``len(order) - len(slots)``
+    padding rows at the end repeat real rows); None when it is the identity (the plan is one
+    ascending run, the usual fresh store: no numpy sort). A function of the slots alone, so every
+    host dispatches the same programs (invariant 1)."""
+    n = len(slots)
+    if not n:
+        return None, ()
+    if type(slots) is list and slots == list(range(slots[0], slots[0] + n)):
+        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
+    s = np.asarray(slots, np.int64)
+    order = np.argsort(s, kind="stable")
+    ss = s[order]
+    starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
+    lens = np.diff(np.concatenate((starts, [n])))
+    if len(starts) == 1 and order[0] == 0 and (order[1:] > order[:-1]).all():
+        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
+    # Copies of width 2**b start (sorted position) after the run's wider copies: start + the bits
+    # of its length above b.
+    top = int(lens.max()).bit_length()
+    at: dict[int, np.ndarray] = {}
+    for b in range(top):
+        has = (lens >> b) & 1 == 1
+        if has.any():
+            at[1 << b] = starts[has] + (lens[has] >> (b + 1) << (b + 1))
+    copies, positions = [], []
+    carry = np.zeros(0, np.int64)
+    for b in range(top - 1, -1, -1):
+        w = 1 << b
+        t = at.get(w, carry[:0])
+        if len(carry):
+            t = np.sort(np.concatenate((t, carry)))
+        if not len(t):
+            carry = t
+            continue
+        if w == 1:
+            k = _pow2_ceil(len(t))
+            t = np.concatenate((t, np.full(k - len(t), t[-1], np.int64)))
+            carry = t[:0]
+        else:
+            k = _pow2_floor(len(t))
+            rest = t[k:]
+            carry = np.concatenate((rest, rest + w // 2))
+            t = t[:k]
+        copies.append((w, k))
+        positions.append((t[:, None] + np.arange(w)).ravel())
+    return order[np.concatenate(positions)], tuple(copies)
+
+
+def copy_rows(copies) -> int:
+    """Rows a program of this structure moves (padding included)."""
+    return sum(w * c for w, c in copies)
+
+
+def cap_copies(copies, width: int) -> tuple[tuple[int, int], ...]:
+    """The same rows in copies no wider than ``width`` (a power of two): a wider copy is split
+    into consecutive ones. Derived from the structure alone (every host alike)."""
+    out: list[tuple[int, int]] = []
+    for w, c in copies:
+        if w > width:
+            w, c = width, c * (w // width)
+        if out and out[-1][0] == w:
+            out[-1] = (w, out[-1][1] + c)
+        else:
+            out.append((w, c))
+    return tuple(out)
+
+
+def split_parts(copies, parts: int) -> tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]:
+    """Cut a structure into up to ``parts`` consecutive parts at copy boundaries, each ending at
+    the first copy boundary at or past its share of the rows: ``((lo, hi, groups), ...)``, groups
+    ``((offset from lo, width, count), ...)``."""
+    total = copy_rows(copies)
+    flat = [w for w, c in copies for _ in range(c)]
+    out, lo, row, k = [], 0, 0, 1
+    bounds = []
+    for w in flat:
+        row += w
+        if k < parts and row * parts >= k * total:
+            bounds.append(row)
+            while k < parts and row * parts >= k * total:
+                k += 1
+    if not bounds or bounds[-1] != total:
+        bounds.append(total)
+    row, i = 0, 0
+    for hi in bounds:
+        groups: list[list[int]] = []
+        while row < hi:
+            w = flat[i]
+            if groups and groups[-1][1] == w:
+                groups[-1][2] += 1
+            else:
+                groups.append([row - lo, w, 1])
+            row += w
+            i += 1
+        out.append((lo, hi, tuple(map(tuple, groups))))
+        lo = hi
+    return tuple(out)
+
+
+def uniform_copies(run: int, rows: int) -> tuple[tuple[int, int], ...]:
+    """The structure of ``rows`` rows moved ``run`` consecutive slots per copy (``slot_run``)."""
+    return ((run, rows // run),)
 
 
 def pad_rows(ids: np.ndarray, n: int, run: int) -> None:
@@ -256,105 +354,132 @@ class GroupPrograms:
                                       in_specs=(PartitionSpec(), PartitionSpec(), rows_spec, (cache_spec,) * n),
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
-        # ``run`` (static, keyword): the width of the slot groups each copy moves (module docstring).
-        self.save = jax.jit(self._save, donate_argnums=1, static_argnames="run",
+        # ``copies`` (static, keyword): the copy structure of the program's rows (``copy_plan``).
+        self.save = jax.jit(self._save, donate_argnums=1, static_argnames="copies",
                             out_shardings=(self.store_sharding, token_sharding))
-        self.load = jax.jit(self._load, donate_argnums=0, static_argnames="run",
+        self.load = jax.jit(self._load, donate_argnums=0, static_argnames="copies",
                             out_shardings=((group.sharding,) * n, token_sharding))
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
-        self.read = jax.jit(self._read, static_argnames="run", out_shardings=(self.device_sharding, token_sharding))
+        self.read = jax.jit(self._read, static_argnames="copies",
+                            out_shardings=(self.device_sharding, token_sharding))
         self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
-        self.install = jax.jit(self._install, donate_argnums=1, static_argnames="run",
+        self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize
+        self._parts_of: dict[tuple[str, tuple], tuple] = {}
 
     def allocate(self) -> jax.Array:
         """The zeroed store (one dispatch, main thread, same on every host)."""
         shape, dtype = self.store_shape, self.group.wire_dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
-    def part_rows(self, op: str, n: int) -> int:
-        """Rows of one part of program ``op`` on ``n`` (padded) rows: the widest ``run`` worth
-        compiling (a wider one moves the same copies)."""
-        if op == "save":
-            return n // num_parts(n, self.row_bytes, SAVE_PART_BYTES)
-        if op == "load":
-            return n // self.load_parts(n)
-        return n  # read, install: one part
+    def op_parts(self, op: str, rows: int) -> int:
+        """Parts program ``op`` moves ``rows`` rows in (a power of two up to MAX_PARTS, each part
+        at least SAVE_PART_BYTES / LOAD_PART_BYTES per device unless there is one)."""
+        part_bytes = {"save": SAVE_PART_BYTES, "load": LOAD_PART_BYTES}.get(op)
+        parts = 1
+        if part_bytes is not None:
+            while parts < MAX_PARTS and rows >= 2 * parts and rows * self.row_bytes // (2 * parts) >= part_bytes:
+                parts *= 2
+        return parts
 
-    def _save(self, caches, store, ids, run: int = 1):
+    def parts_of(self, op: str, copies) -> tuple:
+        """``split_parts`` of program ``op`` on structure ``copies``, copies first narrowed to a
+        part's rows (so that part k+1's gather or scatter overlaps part k's copies). A function of
+        the structure and the layout only; cached."""
+        key = (op, copies)
+        out = self._parts_of.get(key)
+        if out is None:
+            rows = copy_rows(copies)
+            parts = self.op_parts(op, rows)
+            if parts > 1:
+                copies = cap_copies(copies, _pow2_floor(-(-rows // parts)))
+            out = self._parts_of[key] = split_parts(copies, parts)
+        return out
+
+    def num_copies(self, op: str, copies) -> int:
+        """Copies program ``op`` issues for structure ``copies`` (after the parts' narrowing)."""
+        return sum(c for _, _, groups in self.parts_of(op, copies) for _, _, c in groups)
+
+    def _save(self, caches, store, ids, copies=()):
         ids = jax.device_put(ids, DEVICE)
-        n = ids.shape[1]
-        step = self.part_rows("save", n)
-        for lo in range(0, n, step):  # part k+1's gather overlaps part k's copies to host memory
-            rows = self._gather(ids[0, lo:lo + step], caches)
-            store = self._write_rows(store, rows, ids, lo, run)
+        parts = self.parts_of("save", copies)
+        total = sum(c for _, _, groups in parts for _, _, c in groups)
+        for lo, hi, groups in parts:  # part k+1's gather overlaps part k's copies to host memory
+            rows = self._gather(ids[0, lo:hi], caches)
+            store = self._write_rows(store, rows, ids, lo, groups, total)
         return store, _token(ids)
 
-    def _install(self, rows, store, ids, run: int = 1):
+    def _install(self, rows, store, ids, copies=()):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
         ids = jax.device_put(ids, DEVICE)
-        return self._write_rows(store, rows, ids, 0, run), _token(ids)
+        (_, _, groups), = self.parts_of("install", copies)
+        return self._write_rows(store, rows, ids, 0, groups, sum(c for _, _, c in groups)), _token(ids)
 
-    def _read(self, store, ids, run: int = 1):
-        """Slots ``ids[1]`` copied into device memory (the disk tier's spills; the store is not donated)."""
+    def _read(self, store, ids, copies=()):
+        """Slots ``ids[1]`` copied into device memory (the disk tier's spills, a load's reads
+        dispatched first; the store is not donated)."""
         ids = jax.device_put(ids, DEVICE)
-        return self._read_rows(store, ids, 0, ids.shape[1], run), _token(ids)
+        (lo, hi, groups), = self.parts_of("read", copies)
+        return self._read_rows(store, ids, lo, hi, groups, sum(c for _, _, c in groups)), _token(ids)
 
     def _scatter_rows(self, caches, rows, ids):
         """Scatter rows read by ``read`` (``(shards, P, ...)`` on the devices) into blocks ``ids[0]``."""
         ids = jax.device_put(ids, DEVICE)
         return self._scatter(ids[0], ids[2], rows, caches), _token(ids)
 
-    def _write_rows(self, store, rows, ids, lo: int, run: int):
-        """Write rows ``(shards, k, ...)`` into the store's slots ``ids[1, lo:lo+k]``, ``run`` rows
-        (consecutive slots) per copy."""
-        k = rows.shape[1]
-        run = min(run, k)
-        copies = k // run
-        if copies == 1 or ids.shape[1] // run <= SAVE_STATIC_MAX:
-            for i in range(0, k, run):
-                group = jax.device_put(jax.lax.slice_in_dim(rows, i, i + run, axis=1), HOST)
-                store = jax.lax.dynamic_update_slice_in_dim(store, group, ids[1, lo + i], axis=1)
-            return store
+    def _write_rows(self, store, rows, ids, lo: int, groups, total: int):
+        """Write rows ``(shards, k, ...)`` into the store: each group ``(offset, width, count)``
+        is ``count`` copies of ``width`` rows into ``width`` consecutive slots starting at
+        ``ids[1, lo + offset + j * width]``; written out (one copy, or few in all), else a
+        fori_loop per group."""
+        for off, w, c in groups:
+            if c == 1 or total <= SAVE_STATIC_MAX:
+                for j in range(c):
+                    r = off + j * w
+                    group = jax.device_put(jax.lax.slice_in_dim(rows, r, r + w, axis=1), HOST)
+                    store = jax.lax.dynamic_update_slice_in_dim(store, group, ids[1, lo + r], axis=1)
+                continue
 
-        def write(j, st):
-            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * run, run, axis=1), HOST)
-            return jax.lax.dynamic_update_slice_in_dim(st, group, ids[1, lo + j * run], axis=1)
+            def write(j, st, off=off, w=w):
+                r = off + j * w
+                group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, r, w, axis=1), HOST)
+                return jax.lax.dynamic_update_slice_in_dim(st, group, ids[1, lo + r], axis=1)
 
-        return jax.lax.fori_loop(0, copies, write, store, unroll=min(SAVE_UNROLL, copies))
+            store = jax.lax.fori_loop(0, c, write, store, unroll=min(SAVE_UNROLL, c))
+        return store
 
-    def _load(self, caches, store, ids, run: int = 1):
+    def _load(self, caches, store, ids, copies=()):
         ids = jax.device_put(ids, DEVICE)
-        n = ids.shape[1]
-        step = self.part_rows("load", n)
-        for lo in range(0, n, step):  # part k's scatter overlaps part k+1's copies
-            rows = self._read_rows(store, ids, lo, lo + step, run)
-            caches = self._scatter(ids[0, lo:lo + step], ids[2, lo:lo + step], rows, caches)
+        parts = self.parts_of("load", copies)
+        total = sum(c for _, _, groups in parts for _, _, c in groups)
+        for lo, hi, groups in parts:  # part k's scatter overlaps part k+1's copies
+            rows = self._read_rows(store, ids, lo, hi, groups, total)
+            caches = self._scatter(ids[0, lo:hi], ids[2, lo:hi], rows, caches)
         return caches, _token(ids)
 
     def load_parts(self, n: int) -> int:
-        """Parts the load program moves ``n`` (padded) rows in."""
-        return num_parts(n, self.row_bytes, LOAD_PART_BYTES)
+        """Parts the load program moves ``n`` rows in."""
+        return self.op_parts("load", n)
 
-    def _read_rows(self, store, ids, lo: int, hi: int, run: int):
-        """Rows ``lo:hi`` of the load, read from their slots into device memory ``(shards, hi-lo, ...)``,
-        ``run`` rows (consecutive slots) per copy."""
-        run = min(run, hi - lo)
-        copies = (hi - lo) // run
-        if ids.shape[1] // run <= LOAD_STATIC_MAX:
-            groups = [jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, i], run, axis=1), DEVICE)
-                      for i in range(lo, hi, run)]
-            return groups[0] if copies == 1 else jnp.concatenate(groups, axis=1)
+    def _read_rows(self, store, ids, lo: int, hi: int, groups, total: int):
+        """Rows ``lo:hi`` of the program, read from their slots into device memory
+        ``(shards, hi-lo, ...)``, by the copies of ``groups`` (as in ``_write_rows``)."""
+        if total <= LOAD_STATIC_MAX:
+            reads = [jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + off + j * w], w, axis=1), DEVICE)
+                     for off, w, c in groups for j in range(c)]
+            return reads[0] if len(reads) == 1 else jnp.concatenate(reads, axis=1)
         g = self.group
-        rows = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
-        rows = jax.lax.with_sharding_constraint(rows, self.device_sharding)
+        acc = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
+        acc = jax.lax.with_sharding_constraint(acc, self.device_sharding)
+        for off, w, c in groups:
+            def read(j, a, off=off, w=w):
+                r = off + j * w
+                group = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + r], w, axis=1), DEVICE)
+                return jax.lax.dynamic_update_slice_in_dim(a, group, r, axis=1)
 
-        def read(j, acc):
-            group = jax.device_put(jax.lax.dynamic_slice_in_dim(store, ids[1, lo + j * run], run, axis=1), DEVICE)
-            return jax.lax.dynamic_update_slice_in_dim(acc, group, j * run, axis=1)
-
-        return jax.lax.fori_loop(0, copies, read, rows, unroll=min(LOAD_UNROLL, copies))
+            acc = read(0, acc) if c == 1 else jax.lax.fori_loop(0, c, read, acc, unroll=min(LOAD_UNROLL, c))
+        return acc

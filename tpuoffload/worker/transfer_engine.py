@@ -7,11 +7,11 @@ Threading contract (invariants 1-4):
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
   scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
   group, dispatched before the checks, then a scatter program per group); see worker/programs.py.
-  Each program moves its slots in groups of ``run`` consecutive slots, one copy per group; ``run``
-  is a function of the slots alone (programs.slot_run), so it too is the same on every host. Calls
-  from any other thread raise RuntimeError before touching JAX.
-* A plan moves in pieces (programs.piece_sizes: powers of two within the transfer buffer, only
-  the last padded), a function of its length and the layout alone.
+  Each program moves its slots in copies of consecutive slots (programs.copy_plan), a function of
+  the slots alone, so the same on every host. Calls from any other thread raise RuntimeError before
+  touching JAX.
+* A plan larger than the transfer buffer moves in pieces, a function of its length and the layout
+  alone.
 * The bytes never pass through a host thread: the programs read and write the store, and the
   runtime orders each program after the one that produced the store version it takes, so writes
   land in issue order and a load sees every earlier write. Background threads only wait for a
@@ -51,8 +51,8 @@ from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
 from tpuoffload.worker import programs as programs_module
-from tpuoffload.worker.programs import (bucket, load_plan_ids, pad_rows, piece_sizes, programs_for, save_plan_ids,
-                                        slot_run)
+from tpuoffload.worker.programs import (bucket, copy_plan, copy_rows, load_plan_ids, pad_rows, programs_for,
+                                        save_plan_ids, slot_run, uniform_copies)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,38 @@ logger = logging.getLogger(__name__)
 class SaveResult:
     save_id: int
     ok: bool
+
+
+# A load of at most this many copies (per layer group) reads first, then scatters (two programs):
+# see TransferEngine._reads_first.
+READS_FIRST_COPIES = 8
+
+
+def _by_slot(key: list[int], *lists: list) -> tuple[np.ndarray, tuple[list, ...]]:
+    """The permutation that sorts ``key`` ascending (stable) and ``lists`` in that order."""
+    perm = np.argsort(np.asarray(key, np.int64), kind="stable")
+    idx = perm.tolist()
+    return perm, tuple([seq[i] for i in idx] for seq in lists)
+
+
+def _plan_ids(order, copies, block_ids, slots, valid, pad_block: int | None = None) -> np.ndarray:
+    """``(3, rows)`` int32 ids of a program of structure ``copies``: row ``i`` moves plan row
+    ``order[i]`` (identity when None); rows past the plan repeat real rows (``copy_plan``): a
+    save's rewrite the same bytes, a load's (``pad_block`` given) target ``pad_block``, outside
+    every batch shard, and are not valid."""
+    n = len(slots)
+    rows = copy_rows(copies)
+    ids = np.empty((3, rows), np.int32)
+    if order is None:
+        ids[0, :n], ids[1, :n], ids[2, :n] = block_ids, slots, valid
+        if rows > n:  # (not produced by copy_plan: the identity has no padding)
+            ids[:, n:] = ids[:, n - 1:n]
+    else:
+        ids[0], ids[1], ids[2] = (np.asarray(block_ids, np.int32)[order], np.asarray(slots, np.int32)[order],
+                                  np.asarray(valid, np.int32)[order])
+    if pad_block is not None and rows > n:
+        ids[0, n:], ids[2, n:] = pad_block, 0
+    return ids
 
 
 def _pow2_ceil(n: int) -> int:
@@ -114,7 +146,7 @@ class TransferEngine:
 
         # Layer groups whose layers are all the cache's, in order, take ``tuple(kv_caches)`` as is.
         self._whole = [g.layers == tuple(range(self.layout.num_layers)) for g in self.layout.groups]
-        self._run_caps_of: dict[tuple[str, int], tuple[int, ...]] = {}  # (op, padded rows) -> ``_run_caps``
+        self._run_caps_of: dict[tuple, dict] = {}  # (program, op, copies) -> ``_copies_fields``
 
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
         self._last_write: dict[int, futures.Future] = {}  # slot -> newest write; main thread only
@@ -176,50 +208,50 @@ class TransferEngine:
         self._check_plan(block_ids, slots, save_ids, unique="slots")
         if not len(slots):
             return
-        block_ids, slots = list(map(int, block_ids)), list(map(int, slots))
+        block_ids, slots, save_ids = list(map(int, block_ids)), list(map(int, slots)), list(map(int, save_ids))
         pieces = self._pieces(len(slots))
         if len(pieces) == 1:  # the usual plan: no slicing
             tokens = self._dispatch_save(kv_caches, block_ids, slots)
-        else:
+        else:  # pieces of a plan sorted by slot: runs stay whole across the pieces (rows' order is free)
+            block_ids, slots, save_ids = _by_slot(slots, block_ids, slots, save_ids)[1]
             tokens = []
             for piece in pieces:
                 tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
-        self._complete_in_background(tokens, block_ids, slots, list(map(int, save_ids)))
+        self._complete_in_background(tokens, block_ids, slots, save_ids)
 
     def pieces(self, n: int) -> list[slice]:
-        """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``, a
-        power of two but maybe the last (programs.piece_sizes)."""
+        """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``:
+        as many full buffers as fit, then the rest (one program each per layer group; the copy
+        structure moves any number of rows with little padding, programs.copy_plan)."""
         return self._pieces(n)
 
     def _pieces(self, n: int) -> list[slice]:
-        out, start = [], 0
-        for size in piece_sizes(n, self.max_chunks_per_transfer, self.piece_step):
-            out.append(slice(start, start + size))
-            start += size
-        return out
+        cap = self.max_chunks_per_transfer
+        return [slice(start, min(n, start + cap)) for start in range(0, n, cap)]
 
     def _dispatch_save(self, kv_caches, block_ids: list[int], slots: list[int]) -> list[jax.Array]:
         """One piece's save program per layer group; returns their tokens."""
-        cap = self.max_chunks_per_transfer
-        run = slot_run(slots, bucket(len(slots), cap))
-        ids, entry = self._ids.put(save_plan_ids(block_ids, slots, cap, run))
-        runs = [min(run, r) for r in self._run_caps("save", ids.shape[1])]
+        order, copies = copy_plan(slots)
+        ids, entry = self._ids.put(_plan_ids(order, copies, block_ids, slots, [1] * len(slots)))
         tokens = []
         for i, prog in enumerate(self._programs):
-            self._stores[i], token = prog.save(self._group_caches(kv_caches, i), self._stores[i], ids, run=runs[i])
+            self._stores[i], token = prog.save(self._group_caches(kv_caches, i), self._stores[i], ids, copies=copies)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
-        for i, r in enumerate(runs):  # logged after the dispatch (formatted at finish_step)
-            self.log.record("save", shape=ids.shape, group=i, run=r, blocks=block_ids, slots=slots)
+        for i, prog in enumerate(self._programs):  # logged after the dispatch (formatted at finish_step)
+            self.log.record("save", shape=ids.shape, group=i, **self._copies_fields(prog, "save", copies),
+                            blocks=block_ids, slots=slots)
         return tokens
 
-    def _run_caps(self, op: str, padded: int) -> tuple[int, ...]:
-        """Each group's rows per part of program ``op`` on ``padded`` rows (GroupPrograms.part_rows):
-        the widest ``run`` worth compiling. Cached: a function of the layout and the width only."""
-        caps = self._run_caps_of.get((op, padded))
-        if caps is None:
-            caps = self._run_caps_of[op, padded] = tuple(p.part_rows(op, padded) for p in self._programs)
-        return caps
+    def _copies_fields(self, prog, op: str, copies) -> dict:
+        """What the log says of a program's copies: the widest, how many, the structure."""
+        key = (id(prog), op, copies)
+        out = self._run_caps_of.get(key)
+        if out is None:
+            groups = [(w, c) for _, _, gs in prog.parts_of(op, copies) for _, w, c in gs]
+            out = self._run_caps_of[key] = {"run": max(w for w, _ in groups), "copies": sum(c for _, c in groups),
+                                            "structure": "+".join(f"{w}x{c}" for w, c in copies)}
+        return out
 
     def _complete_in_background(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
                                 save_ids: list[int], missing: frozenset[int] = frozenset()) -> None:
@@ -314,24 +346,29 @@ class TransferEngine:
             return list(kv_caches), []
         t0 = time.monotonic()
         block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
-        cap = self.max_chunks_per_transfer
         pieces = self._pieces(n)
-        runs = [slot_run(slots[p], bucket(p.stop - p.start, cap)) for p in pieces]  # once per piece
-        rows = self._maybe_read_first(slots[pieces[0]], runs[0])  # before the checks: the copies start now
+        perm, listed = None, block_ids
+        if len(pieces) > 1:  # pieces of a plan sorted by slot (runs stay whole); failures map back
+            save_ids = list(save_ids)
+            perm, (block_ids, slots, save_ids) = _by_slot(slots, block_ids, slots, save_ids)
+        plans = [copy_plan(slots[p]) for p in pieces]  # once per piece
+        rows = self._maybe_read_first(slots[pieces[0]], plans[0])  # before the checks: the copies start now
         failed = self._load_failures(block_ids, slots, save_ids)
         caches = list(kv_caches)
         for k, piece in enumerate(pieces):
             if k:  # later pieces read after the previous piece's scatter: one piece's rows at a time
-                rows = self._maybe_read_first(slots[piece], runs[k])
+                rows = self._maybe_read_first(slots[piece], plans[k])
             valid = [0 if i in failed else 1 for i in range(piece.start, piece.stop)]
-            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid, rows, runs[k])
+            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid, rows, plans[k])
         self._known_caches = tuple(map(weakref.ref, caches))
+        if perm is not None:
+            failed = {int(perm[i]) for i in failed}
         with self._lock:
             self.counters[C.CHUNKS_LOADED] += n - len(failed)
             self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
             self.counters[C.LOAD_ERRORS] += len(failed)
             self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
-        return caches, [block_ids[i] for i in sorted(failed)]
+        return caches, [listed[i] for i in sorted(failed)]
 
     def _load_failures(self, block_ids: list[int], slots: list[int], save_ids: Sequence[int]) -> set[int]:
         """Positions of a load that become placeholders: late writes, injected faults, slots that
@@ -348,24 +385,23 @@ class TransferEngine:
             failed = set(range(n))
         return failed
 
-    def _maybe_read_first(self, slots: list[int], run: int) -> list[jax.Array] | None:
+    def _maybe_read_first(self, slots: list[int], plan) -> list[jax.Array] | None:
         """A piece's reads (``_read_first``) when it runs as reads then scatter, else None
-        (``run``: the piece's ``slot_run``)."""
-        return self._read_first(slots, run) if self._reads_first(len(slots), run) else None
+        (``plan``: the piece's ``copy_plan``)."""
+        return self._read_first(slots, plan) if self._reads_first(plan[1]) else None
 
     def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: list[int], slots: list[int], valid: list[int],
-                       rows: list[jax.Array] | None, run: int) -> list[jax.Array]:
+                       rows: list[jax.Array] | None, plan) -> list[jax.Array]:
         """One piece's load program per layer group, or its scatter program of ``rows`` already
-        read; returns the new caches (``run``: the piece's ``slot_run``)."""
-        cap = self.max_chunks_per_transfer
-        ids, entry = self._ids.put(load_plan_ids(block_ids, slots, valid, self.num_blocks, cap, run))
-        caps = self._run_caps("load", ids.shape[1])
+        read; returns the new caches (``plan``: the piece's ``copy_plan``)."""
+        order, copies = plan
+        ids, entry = self._ids.put(_plan_ids(order, copies, block_ids, slots, valid, self.num_blocks))
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
-                r = min(run, caps[i])
-                out, token = prog.load(self._group_caches(kv_caches, i), self._stores[i], ids, run=r)
-                self.log.record("load", shape=ids.shape, group=i, run=r, blocks=block_ids, slots=slots)
+                out, token = prog.load(self._group_caches(kv_caches, i), self._stores[i], ids, copies=copies)
+                self.log.record("load", shape=ids.shape, group=i, **self._copies_fields(prog, "load", copies),
+                                blocks=block_ids, slots=slots)
             else:
                 out, token = prog.scatter(self._group_caches(kv_caches, i), rows[i], ids)
                 self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
@@ -375,36 +411,41 @@ class TransferEngine:
         self._ids.read_by(entry, tokens)
         return new
 
-    def _reads_first(self, n: int, run: int = 1) -> bool:
-        """Whether a load of ``n`` chunks whose slots allow copies of ``run`` (programs.slot_run)
+    def _reads_first(self, copies) -> bool:
+        """Whether a load whose rows have copy structure ``copies`` (programs.copy_plan) runs as
+        two programs, reads then scatter, rather than as one load program: when that program
+        would have one part, or at most READS_FIRST_COPIES copies in all (nothing much to overlap
+        inside: the copies start before the checks and the scatter's dispatch). The earlier rule
+        (one part, or one copy per part) and its measurements:
+        Whether a load of ``n`` chunks whose slots allow copies of ``run`` (programs.slot_run)
         runs as two programs, reads then scatter, rather than as one load program: when that
         program would move each of its parts in one copy or has one part (nothing to overlap
         inside), since then the copies start before the checks and the scatter's dispatch, and
         one copy of the whole load is the fastest copy. Measured on the H200
-        (tools/probe_overhead.py): 64 MiB 103-105% of the raw path against 90-91% for one program;
+        (docs/performance.md): 64 MiB 103-105% of the raw path against 90-91% for one program;
         one copy per slot, 512 MiB (2 parts) 85% against 98%. Slots in one run, with the unique
         scatter (two runs of a scratch probe, 11 iterations each): 512 MiB 11.6 ms against 12.1
         and 12.4; 2 GiB 44.3 and 44.5 against 45.0 and 45.1. One copy per slot stays one program:
         at 2 GiB reading first took 52.4-52.5 ms against 50.4-50.6."""
-        padded = bucket(n, self.max_chunks_per_transfer)
-        return all(cap == padded or run >= cap for cap in self._run_caps("load", padded))  # one part, or one copy each
+        return all(prog.op_parts("load", copy_rows(copies)) == 1 or prog.num_copies("load", copies) <= READS_FIRST_COPIES
+                   for prog in self._programs)
 
-    def _read_first(self, slots: list[int], run: int) -> list[jax.Array]:
+    def _read_first(self, slots: list[int], plan) -> list[jax.Array]:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
         version each takes orders it after every earlier save's writes; the checks only decide
         which rows count. The copies run while this thread checks and dispatches the scatter."""
-        return self._read_programs("load.read", slots, [1] * len(slots), self.max_chunks_per_transfer, run)
+        order, copies = plan
+        ids = _plan_ids(order, copies, [self.num_blocks] * len(slots), slots, [1] * len(slots), self.num_blocks)
+        return self._read_programs("load.read", ids, copies, slots)
 
-    def _read_programs(self, op: str, slots: list[int], valid: list[int], cap: int, run: int) -> list[jax.Array]:
-        """One read program per layer group: ``slots`` copied into device rows (zeros where not
-        ``valid``), ``run`` (``slot_run`` of the slots padded to ``bucket(len(slots), cap)``) slots
-        per copy; the stores are read, not donated."""
-        n = len(slots)
-        ids, entry = self._ids.put(load_plan_ids([self.num_blocks] * n, slots, valid, self.num_blocks, cap, run))
+    def _read_programs(self, op: str, ids_np: np.ndarray, copies, slots: list[int]) -> list[jax.Array]:
+        """One read program per layer group: the slots of ``ids_np`` copied into device rows by
+        the copies of ``copies``; the stores are read, not donated."""
+        ids, entry = self._ids.put(ids_np)
         rows, tokens = [], []
         for i, prog in enumerate(self._programs):
-            group_rows, token = prog.read(self._stores[i], ids, run=run)
-            self.log.record(op, shape=ids.shape, group=i, run=run, slots=slots)
+            group_rows, token = prog.read(self._stores[i], ids, copies=copies)
+            self.log.record(op, shape=ids.shape, group=i, **self._copies_fields(prog, "read", copies), slots=slots)
             rows.append(group_rows)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
@@ -461,7 +502,9 @@ class TransferEngine:
         ok, _ = self.backend.lookup(slots, save_ids)
         valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
         cap = _pow2_ceil(len(slots))
-        rows = self._read_programs("read", slots, valid, cap, slot_run(slots, bucket(len(slots), cap)))
+        run = slot_run(slots, bucket(len(slots), cap))  # rows in the listed order: rows_to_payloads reads them so
+        ids = load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks, cap, run)
+        rows = self._read_programs("read", ids, uniform_copies(run, ids.shape[1]), slots)
         return rows, [bool(v) for v in valid]
 
     def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
@@ -504,7 +547,7 @@ class TransferEngine:
                 offset += size
             shape = (prog.group.num_shards, cap, *prog.store_shape[2:])
             rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
-            self._stores[i], token = prog.install(rows, self._stores[i], ids, run=run)
+            self._stores[i], token = prog.install(rows, self._stores[i], ids, copies=uniform_copies(run, cap))
             self.log.record("install", shape=ids.shape, group=i, run=run, slots=slots)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
