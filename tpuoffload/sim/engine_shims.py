@@ -156,7 +156,8 @@ def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, 
                                       k_scale=None, v_scale=None, out_dtype=None, **_kernel_tuning):
     """Same signature and results as the v3 kernel's ``ragged_paged_attention`` (the kernel's tuning
     arguments are ignored); the computation is ``ref_ragged_paged_attention`` from the same module,
-    called on concrete arrays from inside the jitted step."""
+    called on concrete arrays from inside the jitted step, on the last CPU device, which must be
+    outside the runner's mesh (``real_engine`` gives JAX one device more than it uses)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -173,13 +174,18 @@ def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, 
         full = np.zeros(out_spec.shape, out_spec.dtype)  # the kernel leaves padding rows; zeros here
         if int(dist[-1]) == 0:
             return full, cache
-        out, new_cache = kernel.ref_ragged_paged_attention(
-            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cache), jnp.asarray(lens),
-            jnp.asarray(pages), jnp.asarray(cu), np.asarray(dist), use_causal_mask=use_causal_mask,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, out_dtype=out_dtype,
-            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-        full[:out.shape[0]] = np.asarray(out)
-        return full, np.asarray(new_cache)
+        # The reference's eager ops run on a CPU device outside the runner's mesh: queued behind the
+        # step program on a mesh device (which waits for this callback), they would never run.
+        scratch = jax.devices()[-1]
+        with jax.default_device(scratch):
+            out, new_cache = kernel.ref_ragged_paged_attention(
+                jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cache), jnp.asarray(lens),
+                jnp.asarray(pages), jnp.asarray(cu), np.asarray(dist), use_causal_mask=use_causal_mask,
+                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, out_dtype=out_dtype,
+                q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            full[:out.shape[0]] = np.asarray(out)
+            # a copy numpy owns: XLA reads the result after this returns, when new_cache may be freed
+            return full, np.array(new_cache, copy=True)
 
     return jax.pure_callback(on_host, (out_spec, cache_spec), queries, keys, values, kv_cache, kv_lens,
                              page_indices, cu_q_lens, distribution)

@@ -120,8 +120,8 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> d
     import jax
     from vllm import LLM, SamplingParams
 
-    if len(jax.devices()) < tp:
-        raise RuntimeError(f"tensor parallel {tp} needs {tp} CPU devices, JAX has {len(jax.devices())} "
+    if len(jax.devices()) < tp + 1:  # the mesh's devices and the reference attention's scratch device
+        raise RuntimeError(f"tensor parallel {tp} needs {tp + 1} CPU devices, JAX has {len(jax.devices())} "
                            "(XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     kwargs: dict[str, Any] = {}
     if connector:
@@ -138,8 +138,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> d
     try:
         halves = _connector_halves(llm) if connector else None
         runner = _check_real_path(llm, halves)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
-                                logprobs=0)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         prompts = make_prompts(seed)
         passes = []
         resets = {2: "reset_prefix_cache()", 3: "reset_prefix_cache(reset_connector=True)",
@@ -153,8 +152,6 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> d
             wall = time.monotonic() - t
             entry = {"pass": n, "after": resets.get(n, "start"), "seconds": round(wall, 2),
                      "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                     "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                                  for o in outs],
                      "num_cached_tokens": [o.num_cached_tokens for o in outs]}
             if connector:
                 assert halves["worker"].wait_idle(30.0), "saves still in flight 30 s after the pass"
@@ -252,7 +249,7 @@ def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.
     out_json, log_path = os.path.join(workdir, "report.json"), os.path.join(workdir, "engine.log")
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(tps)}",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(tps) + 1}",
                VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"))  # tpu-inference's compile cache: not ~/.cache
     env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
     cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model-dir", model_dir, "--json", out_json,
@@ -293,11 +290,58 @@ def summarize(base: dict[str, Any], conn: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def demo(argv: list[str] | None = None) -> int:
+    """``python -m tpuoffload.demo --engine [--tp 1 2]``: run the engines in a child process and
+    print what happened, pass by pass."""
+    ap = argparse.ArgumentParser(prog="python -m tpuoffload.demo --engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
+    ap.add_argument("--workdir", default=None, help="model, report and engine log (default: a temp dir)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="outside timeout for the child, seconds")
+    args = ap.parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-engine-")
+    print(f"tpuoffload inside the real engine: vLLM {_version('vllm')} LLM on tpu-inference {_version('tpu-inference')}"
+          f" (TpuPlatform, TPUWorker, TPUModelRunner, uni executor) on CPU JAX {_version('jax')}; tiny Qwen3 "
+          f"(2 layers, 4 query / 2 KV heads of 128, {DTYPE}) written to {workdir}/model; tensor parallel {args.tp}")
+    print(f"log: {workdir}/engine.log", flush=True)
+    t0 = time.monotonic()
+    report = run_child(workdir, tuple(args.tp), args.timeout)
+    wall = time.monotonic() - t0
+    first = next(iter(report["runs"].values()))
+    print("\nshims (tpuoffload/sim/engine_shims.py, the only ones):")
+    for line in first["shims"]:
+        print(f"  - {line}")
+    ok = True
+    for tp in args.tp:
+        base, conn = report["runs"][config_name(tp, False)], report["runs"][config_name(tp, True)]
+        s = summarize(base, conn)
+        print(f"\ntensor parallel {tp}: mesh {conn['mesh']} on {conn['devices']}; KV cache per layer "
+              f"{conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
+        print(f"  {'pass':<46} {'tokens = baseline':>17} {'HBM-cached':>10} {'hit tokens':>10} {'loaded':>7} "
+              f"{'saved':>6}")
+        for e in conn["passes"]:
+            n = e["pass"]
+            label = f"{n} (after {e['after']})" if n > 1 else "1 (cold)"
+            print(f"  {label:<46} {str(s['tokens_equal'][n]):>17} {sum(e['num_cached_tokens']):>10} "
+                  f"{s['hit_tokens'][n]:>10} {s['chunks_loaded'][n]:>7} {s['chunks_saved'][n]:>6}")
+        print(f"  reset_connector revoked {s['revoked_at_reset']} chunks; load errors {s['load_errors']}, save "
+              f"failures {s['save_failures']}; worker idle {conn['worker_idle']}")
+        ok &= all(s["tokens_equal"].values()) and s["chunks_loaded"][2] > 0 and s["chunks_loaded"][3] == 0
+    print(f"\n{'OK' if ok else 'MISMATCH'}: {wall:.0f} s in all (report: {workdir}/report.json)")
+    return 0 if ok else 1
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tpuoffload.sim.real_engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes over CPU devices "
-                    "(XLA_FLAGS=--xla_force_host_platform_device_count must offer the largest)")
+                    "(XLA_FLAGS=--xla_force_host_platform_device_count must offer the largest + 1)")
     ap.add_argument("--only", choices=("baseline", "connector"), default=None, help="run just one of the two")
     ap.add_argument("--model-dir", default=None, help="where the tiny model is (written there if absent)")
     ap.add_argument("--json", default=None, help="write the report here (default: stdout)")
