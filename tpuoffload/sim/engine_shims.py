@@ -170,7 +170,10 @@ def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, 
     out_spec = jax.ShapeDtypeStruct(queries.shape, out_dtype)
     cache_spec = jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)
 
-    def on_host(q, k, v, cache, lens, pages, cu, dist):
+    def on_host(*args):
+        # Owned copies in and out: XLA's argument buffers are only lent for the call, and it reads
+        # the results after the call returns, when the arrays they came from may be gone.
+        q, k, v, cache, lens, pages, cu, dist = (np.array(a, copy=True) for a in args)
         full = np.zeros(out_spec.shape, out_spec.dtype)  # the kernel leaves padding rows; zeros here
         if int(dist[-1]) == 0:
             return full, cache
@@ -179,12 +182,11 @@ def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, 
         scratch = jax.devices()[-1]
         with jax.default_device(scratch):
             out, new_cache = kernel.ref_ragged_paged_attention(
-                jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cache), jnp.asarray(lens),
-                jnp.asarray(pages), jnp.asarray(cu), np.asarray(dist), use_causal_mask=use_causal_mask,
+                jnp.array(q), jnp.array(k), jnp.array(v), jnp.array(cache), jnp.array(lens),
+                jnp.array(pages), jnp.array(cu), dist, use_causal_mask=use_causal_mask,
                 sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, out_dtype=out_dtype,
                 q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
             full[:out.shape[0]] = np.asarray(out)
-            # a copy numpy owns: XLA reads the result after this returns, when new_cache may be freed
             return full, np.array(new_cache, copy=True)
 
     return jax.pure_callback(on_host, (out_spec, cache_spec), queries, keys, values, kv_cache, kv_lens,
