@@ -109,7 +109,7 @@ def install() -> list[str]:
         _stub_module("tokamax._src.ops.experimental.gmm_v2.gmm_v2", gmm_v2=_not_on_cpu("tokamax gmm_v2"),
                      calculate_tiling=_not_on_cpu("tokamax gmm_v2 calculate_tiling"))
         INSTALLED.append("tokamax._src.ops.experimental.gmm_v2: stub (TPU grouped-matmul kernel for MoE and "
-                         "quantized layers, absent from tokamax 0.0.12; the bf16 dense model never calls it)")
+                         "quantized layers, absent from tokamax 0.0.12; the dense unquantized model never calls it)")
 
     # (4) tpu-inference's Gemma 4 multimodal module: a stub; its image processor needs torchvision (no CPU build here).
     _stub_module("tpu_inference.models.jax.gemma4_mm",
