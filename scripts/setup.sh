@@ -18,3 +18,12 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpuoffload, vllm, 
   .venv/bin/pip install -q "flax==0.12.8"
   .venv/bin/pip install -q --no-deps "tpu-inference==0.32.0" "torchax==0.0.13"
 fi
+# The real-engine test and demo (tests/test_real_engine.py, tpuoffload.sim.real_engine) import
+# tpu-inference's runner and models, which need qwix and tokamax (and their pure-Python
+# dependencies). Exact versions, --no-deps, so jax/torch/vllm stay as they are; tokamax 0.0.12 is the
+# newest on the registry (tpu-inference pins 0.0.17.dev; tpuoffload/sim/engine_shims.py stubs the one
+# module 0.0.12 lacks).
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('qwix', 'tokamax', 'einshape', 'jaxtyping', 'wadler_lindig', 'typeguard', 'immutabledict', 'tensorboardX')))" 2>/dev/null; then
+  .venv/bin/pip install -q --no-deps "qwix==0.1.2" "tokamax==0.0.12" "einshape==1.0" "jaxtyping==0.3.11" \
+    "wadler_lindig==0.1.8" "typeguard==2.13.3" "immutabledict==4.3.1" "tensorboardX==2.6.5"
+fi

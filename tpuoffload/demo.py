@@ -32,8 +32,16 @@ def _progress_bar(total: int, t0: float):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--engine" in argv:  # the real engine: vLLM + tpu-inference's worker and runner (tpuoffload.sim.real_engine)
+        from tpuoffload.sim.real_engine import demo
+
+        return demo([a for a in argv if a != "--engine"])
     p = argparse.ArgumentParser(prog="python -m tpuoffload.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", action="store_true", help="instead: tpuoffload inside vLLM's engine on tpu-inference's "
+                   "worker and model runner (a tiny Qwen3 on CPU JAX), with and without the connector; "
+                   "`--engine --help` lists its options")
     p.add_argument("--hosts", type=int, default=2, help="JAX processes, one per simulated host (default 2)")
     p.add_argument("--devices-per-host", type=int, default=2)
     p.add_argument("--prompts", type=int, default=48)

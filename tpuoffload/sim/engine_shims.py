@@ -1,0 +1,193 @@
+"""Every shim that lets vLLM's engine run tpu-inference's TPU worker and model runner on CPU JAX.
+
+ALL of them live here, each with one line saying what it replaces and why. Only
+``tpuoffload.sim.real_engine`` (the real-engine test and demo) calls ``install()``; product code
+never imports this module. Nothing here touches the code paths around the connector: vLLM's
+``LLM`` / ``EngineCore`` / ``UniProcExecutor`` / ``Scheduler``, tpu-inference's ``TpuPlatform``
+(its ``check_and_update_config`` runs as is), ``TPUWorker``, ``TPUModelRunner`` (its connector
+hooks, ``register_runner``, ``initialize_kv_cache``), its JAX Qwen3 model, its weight loader and its
+sampler are the installed ones. What is replaced is device detection, TPU-only compiler flags,
+two imports with no CPU build here, and the Pallas attention kernel (by tpu-inference's own
+pure-JAX reference of the same kernel).
+
+``install()`` must run before ``vllm.platforms.current_platform`` is first resolved and before
+tpu-inference's model and sampling modules are imported (the compiler-options shim is read at
+their import); it is idempotent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+# The CPU "HBM" every device reports to tpu-inference's memory accounting (the KV cache size is set
+# by num_gpu_blocks_override anyway).
+CPU_HBM_BYTES_PER_DEVICE = 1 << 30
+
+# torchax 0.0.13 names these named-tensor (Dimname) overloads of aten ops, which torch 2.13 no longer has.
+_REMOVED_ATEN_OVERLOADS = {
+    "all": ("dimname", "dimname_out"),
+    "index_add": ("dimname",),
+    "index_copy": ("dimname",),
+    "index_copy_": ("dimname",),
+    "index_fill": ("Dimname_Scalar", "Dimname_Tensor"),
+    "index_fill_": ("Dimname_Scalar", "Dimname_Tensor"),
+    "norm": ("names_ScalarOpt_dim", "names_ScalarOpt_dim_dtype", "names_dtype_out", "names_out"),
+    "prod": ("dim_Dimname",),
+    "std": ("correction_names", "correction_names_out", "names_dim", "names_out"),
+    "std_mean": ("correction_names", "names_dim"),
+    "unbind": ("Dimname",),
+}
+
+INSTALLED: list[str] = []  # names of the shims installed, in order (the demo prints them)
+
+
+class _RemovedOverload:
+    """An inert stand-in for an aten overload this torch does not have: hashable, never called."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<aten overload {self.name} absent from this torch>"
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} does not exist in this torch build")
+
+
+def _stub_module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__path__ = []  # a package, so that deeper stubs can hang below it
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, mod)
+    return mod
+
+
+def _not_on_cpu(what: str):
+    def fail(*args, **kwargs):
+        raise NotImplementedError(f"{what} is a TPU-only kernel; the real-engine model on CPU never calls it")
+    return fail
+
+
+def install() -> list[str]:
+    if INSTALLED:
+        return INSTALLED
+    if "vllm.platforms" in sys.modules and sys.modules["vllm.platforms"]._current_platform is not None:
+        raise RuntimeError("engine_shims.install() must run before vLLM resolves its platform")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    # (1) tpu_info: env values in place of GCE metadata-server lookups (there is no TPU VM to ask).
+    for key, value in {"TPU_ACCELERATOR_TYPE": "v6e-8", "TPU_NAME": "cpu", "TPU_WORKER_ID": "0"}.items():
+        os.environ.setdefault(key, value)
+    INSTALLED.append("tpu_info env (TPU_ACCELERATOR_TYPE/TPU_NAME/TPU_WORKER_ID) instead of GCE metadata lookups")
+
+    # (2) torch: inert placeholders for the named-tensor overloads torchax 0.0.13 lists but torch 2.13 removed.
+    import torch
+    for op, overloads in _REMOVED_ATEN_OVERLOADS.items():
+        packet = getattr(torch.ops.aten, op)
+        for ov in overloads:
+            if ov not in packet.overloads():
+                setattr(packet, ov, _RemovedOverload(f"aten.{op}.{ov}"))
+    INSTALLED.append("torch.ops.aten.*.<Dimname overloads>: placeholders for overloads torch 2.13 removed "
+                     "(torchax 0.0.13's amp/decomposition tables name them at import)")
+
+    # (3) tokamax: a stub gmm_v2 module; the registry's tokamax 0.0.12 predates it (tpu-inference pins 0.0.17.dev).
+    try:
+        importlib.import_module("tokamax._src.ops.experimental.gmm_v2.gmm_v2")
+    except ModuleNotFoundError:
+        importlib.import_module("tokamax._src.ops")
+        for name in ("tokamax._src.ops.experimental", "tokamax._src.ops.experimental.gmm_v2"):
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError:
+                _stub_module(name)
+        _stub_module("tokamax._src.ops.experimental.gmm_v2.gmm_v2", gmm_v2=_not_on_cpu("tokamax gmm_v2"),
+                     calculate_tiling=_not_on_cpu("tokamax gmm_v2 calculate_tiling"))
+        INSTALLED.append("tokamax._src.ops.experimental.gmm_v2: stub (TPU grouped-matmul kernel for MoE and "
+                         "quantized layers, absent from tokamax 0.0.12; the dense unquantized model never calls it)")
+
+    # (4) tpu-inference's Gemma 4 multimodal module: a stub; its image processor needs torchvision (no CPU build here).
+    _stub_module("tpu_inference.models.jax.gemma4_mm",
+                 Gemma4ForConditionalGeneration=type("Gemma4ForConditionalGeneration", (), {
+                     "__init__": _not_on_cpu("Gemma4ForConditionalGeneration (needs torchvision)")}))
+    INSTALLED.append("tpu_inference.models.jax.gemma4_mm: stub (imported by the model registry; its image "
+                     "processor needs torchvision, which has no build for the CPU torch 2.13)")
+
+    # (5) compiler options: none instead of xla_tpu_* flags, which the CPU XLA compiler rejects.
+    compiler_options = importlib.import_module("tpu_inference.models.common.compiler_options")
+    for name in ("model_loader", "sampling", "decode_loop"):
+        assert not any(m.endswith(name) and m.startswith("tpu_inference") for m in sys.modules), (
+            f"install() must run before tpu-inference imports {name}")
+    compiler_options.get_step_fn_compiler_options = lambda: {}
+    compiler_options.get_sampling_compiler_options = lambda: {}
+    INSTALLED.append("tpu_inference.models.common.compiler_options: {} instead of xla_tpu_* flags "
+                     "(unknown to the CPU compiler)")
+
+    # (6) HBM size: a fixed CPU budget instead of the per-TPU-generation table (raises on a non-TPU device).
+    utils = importlib.import_module("tpu_inference.utils")
+    utils.get_device_hbm_limit = lambda: CPU_HBM_BYTES_PER_DEVICE
+    INSTALLED.append(f"tpu_inference.utils.get_device_hbm_limit: {CPU_HBM_BYTES_PER_DEVICE >> 20} MiB per CPU "
+                     "device instead of the TPU generation's HBM (CPU devices report no memory stats)")
+
+    # (7) platform: tpu-inference's TpuPlatform directly; vLLM detects it by importing libtpu (no TPU here).
+    import vllm.platforms
+    from tpu_inference.platforms import TpuPlatform
+    vllm.platforms._current_platform = TpuPlatform()
+    INSTALLED.append("vllm.platforms.current_platform = tpu_inference TpuPlatform (vLLM's TPU detection "
+                     "imports libtpu)")
+
+    # (8) attention: tpu-inference's pure-JAX reference of its ragged paged attention kernel (Pallas needs a TPU).
+    attention_interface = importlib.import_module("tpu_inference.layers.common.attention_interface")
+    attention_interface.ragged_paged_attention = _reference_ragged_paged_attention
+    INSTALLED.append("tpu_inference attention_interface.ragged_paged_attention -> the kernel module's own "
+                     "ref_ragged_paged_attention, run through jax.pure_callback (the Pallas kernel needs a "
+                     "TPU; the reference loops over a concrete sequence count, so it cannot be traced)")
+    return INSTALLED
+
+
+def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                                      distribution, *, use_causal_mask=True, update_kv_cache=True,
+                                      sm_scale=1.0, sliding_window=None, soft_cap=None, q_scale=None,
+                                      k_scale=None, v_scale=None, out_dtype=None, **_kernel_tuning):
+    """Same signature and results as the v3 kernel's ``ragged_paged_attention`` (the kernel's tuning
+    arguments are ignored); the computation is ``ref_ragged_paged_attention`` from the same module,
+    called on concrete arrays from inside the jitted step, on the last CPU device, which must be
+    outside the runner's mesh (``real_engine`` gives JAX one device more than it uses)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
+
+    if not update_kv_cache:
+        raise NotImplementedError("the reference attention always writes the new KV (update_kv_cache=False)")
+    if out_dtype is None:  # the kernel's default
+        out_dtype = jnp.float32 if queries.dtype == jnp.float32 else jnp.bfloat16
+    out_spec = jax.ShapeDtypeStruct(queries.shape, out_dtype)
+    cache_spec = jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)
+
+    def on_host(*args):
+        # Owned copies in and out: XLA's argument buffers are only lent for the call, and it reads
+        # the results after the call returns, when the arrays they came from may be gone.
+        q, k, v, cache, lens, pages, cu, dist = (np.array(a, copy=True) for a in args)
+        full = np.zeros(out_spec.shape, out_spec.dtype)  # the kernel leaves padding rows; zeros here
+        if int(dist[-1]) == 0:
+            return full, cache
+        # The reference's eager ops run on a CPU device outside the runner's mesh: queued behind the
+        # step program on a mesh device (which waits for this callback), they would never run.
+        scratch = jax.devices()[-1]
+        with jax.default_device(scratch):
+            out, new_cache = kernel.ref_ragged_paged_attention(
+                jnp.array(q), jnp.array(k), jnp.array(v), jnp.array(cache), jnp.array(lens),
+                jnp.array(pages), jnp.array(cu), dist, use_causal_mask=use_causal_mask,
+                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, out_dtype=out_dtype,
+                q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            full[:out.shape[0]] = np.asarray(out)
+            return full, np.array(new_cache, copy=True)
+
+    return jax.pure_callback(on_host, (out_spec, cache_spec), queries, keys, values, kv_cache, kv_lens,
+                             page_indices, cu_q_lens, distribution)

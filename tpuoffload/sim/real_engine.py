@@ -1,0 +1,374 @@
+"""tpuoffload inside the real engine: vLLM's ``LLM`` on tpu-inference's platform, worker and model
+runner, on CPU JAX, with a tiny Qwen3 whose random weights are written here (nothing downloaded).
+
+One engine per process (the platform and vLLM's parallel state are process-wide), so
+``compare()`` starts one child process per configuration (``python -m tpuoffload.sim.real_engine``)
+under an outside timeout and compares what they report. Each child runs the same passes over the
+same prompts, greedy:
+
+    pass 1  cold: computes every prompt (the connector saves the full blocks)
+            llm.reset_prefix_cache()                      (drops vLLM's HBM prefix cache only)
+    pass 2  the prefixes come back from host RAM (connector) / are recomputed (baseline)
+            llm.reset_prefix_cache(reset_connector=True)  (what a weight update does)
+    pass 3  nothing saved before the reset may load: everything is computed and saved again
+            llm.reset_prefix_cache()
+    pass 4  served from host RAM again, from the chunks saved in pass 3
+
+and reports the generated token ids of every pass and, with the connector, the counters of both
+connector halves per pass (deltas of their totals, read in this process: the ``uni`` executor
+runs the worker here).
+
+What is real and what is shimmed: ``tpuoffload.sim.engine_shims`` (the one module that holds every
+shim). Used by ``tests/test_real_engine.py`` and ``python -m tpuoffload.demo --engine``.
+
+    python -m tpuoffload.sim.real_engine [--connector] [--tp 2] [--json OUT]   # one engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 160  # KV cache blocks (num_gpu_blocks_override): small, so the CPU attention stays cheap
+MAX_TOKENS = 6
+PROMPT_BLOCKS = 4
+VOCAB = 512
+# Tiny Qwen3 (an architecture tpu-inference runs as a JAX model): 2 layers, 4 query and 2 KV heads of 128.
+MODEL_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=VOCAB, hidden_size=256,
+    intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+    max_position_embeddings=1024, max_window_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, torch_dtype="float32", hidden_act="silu", attention_bias=False,
+    attention_dropout=0.0, use_sliding_window=False, bos_token_id=0, eos_token_id=1,
+)
+CPU_BYTES = 8 << 20
+# float32: bit-for-bit equal KV still leaves the batch shapes different with and without hits, and
+# bf16 rounding of those differences can flip a near-tie argmax; in float32 it does not.
+DTYPE = "float32"  # host RAM for offloaded KV (cpu_bytes_to_use)
+
+
+def write_tiny_qwen3(path: str, seed: int = 0) -> str:
+    """config.json + model.safetensors with random float32 weights, HF Qwen3 names."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    cfg = MODEL_CONFIG
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def rand(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.float32)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.float32)
+
+    weights = {"model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0), "model.norm.weight": ones(hidden),
+               "lm_head.weight": rand(VOCAB, hidden, scale=0.2)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        weights.update({
+            p + "self_attn.q_proj.weight": rand(nq * hd, hidden), p + "self_attn.k_proj.weight": rand(nkv * hd, hidden),
+            p + "self_attn.v_proj.weight": rand(nkv * hd, hidden), p + "self_attn.o_proj.weight": rand(hidden, nq * hd),
+            p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
+        })
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Four prompts of PROMPT_BLOCKS full blocks: two share all but their last block, two are their
+    own. One length for all keeps the reference attention's shapes (and so its compiles) few."""
+    import random
+
+    rng = random.Random(seed)
+
+    def toks(n):
+        return [rng.randrange(2, VOCAB) for _ in range(n)]
+
+    shared = toks((PROMPT_BLOCKS - 1) * BLOCK_SIZE)
+    return [shared + toks(BLOCK_SIZE), shared + toks(BLOCK_SIZE), toks(PROMPT_BLOCKS * BLOCK_SIZE),
+            toks(PROMPT_BLOCKS * BLOCK_SIZE)]
+
+
+def kv_transfer_config(cpu_bytes: int = CPU_BYTES) -> dict[str, Any]:
+    return {"kv_connector": "TPUOffloadConnector", "kv_connector_module_path": "tpuoffload.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+
+
+# ---------------------------------------------------------------- engines, in this process
+def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> dict[str, Any]:
+    """Build vLLM's LLM on tpu-inference (shims installed first), run the four passes, shut it down."""
+    from tpuoffload.sim import engine_shims
+
+    shims = list(engine_shims.install())
+    import jax
+    from vllm import LLM, SamplingParams
+
+    if len(jax.devices()) < tp + 1:  # the mesh's devices and the reference attention's scratch device
+        raise RuntimeError(f"tensor parallel {tp} needs {tp + 1} CPU devices, JAX has {len(jax.devices())} "
+                           "(XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    kwargs: dict[str, Any] = {}
+    if connector:
+        kwargs["kv_transfer_config"] = kv_transfer_config()
+    t0 = time.monotonic()
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=DTYPE, seed=seed, max_model_len=256,
+              max_num_seqs=8, max_num_batched_tokens=512, block_size=BLOCK_SIZE, enable_prefix_caching=True,
+              num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5, enforce_eager=True,
+              tensor_parallel_size=tp,
+              # the runner's own explicit device order (CPU devices have no TPU coordinates to sort by)
+              additional_config={"sharding": {"sharding_strategy": {"device_indexes": list(range(tp))}}},
+              **kwargs)
+    init_s = time.monotonic() - t0
+    try:
+        halves = _connector_halves(llm) if connector else None
+        runner = _check_real_path(llm, halves)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+        prompts = make_prompts(seed)
+        passes = []
+        resets = {2: "reset_prefix_cache()", 3: "reset_prefix_cache(reset_connector=True)",
+                  4: "reset_prefix_cache()"}
+        for n in (1, 2, 3, 4):
+            before = _totals(halves) if connector else None
+            if n in resets:
+                assert llm.reset_prefix_cache(reset_connector=(n == 3)), f"vLLM refused {resets[n]} before pass {n}"
+            t = time.monotonic()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            wall = time.monotonic() - t
+            entry = {"pass": n, "after": resets.get(n, "start"), "seconds": round(wall, 2),
+                     "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                     "num_cached_tokens": [o.num_cached_tokens for o in outs]}
+            if connector:
+                assert halves["worker"].wait_idle(30.0), "saves still in flight 30 s after the pass"
+                entry["counters"] = _delta(before, _totals(halves))
+            passes.append(entry)
+        result = {"connector": connector, "tp": tp, "dtype": DTYPE, "init_seconds": round(init_s, 2),
+                  "devices": [str(d) for d in runner.devices], "mesh": dict(runner.mesh.shape),
+                  "kv_cache_shapes": [list(c.shape) for c in runner.kv_caches],
+                  "kv_cache_sharding": str(runner.kv_caches[0].sharding.spec),
+                  "prompts": prompts, "passes": passes, "shims": shims,
+                  "platform": type(_current_platform()).__module__ + "." + type(_current_platform()).__name__}
+        if connector:
+            result["worker_idle"] = halves["worker"].idle_report()
+            result["scheduler_leaks"] = halves["scheduler"].leak_report()
+        return result
+    finally:
+        _shutdown(llm)
+
+
+def _current_platform():
+    from vllm.platforms import current_platform
+
+    return current_platform
+
+
+def _shutdown(llm) -> None:
+    """Tear the engine down so that the next one can start in this process."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()  # the worker's connector shutdown() (tpu-inference's worker does not call it)
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _connector_halves(llm) -> dict[str, Any]:
+    """The two TPUOffloadConnector instances vLLM built: the scheduler's (in EngineCore's Scheduler)
+    and the worker's (the uni executor's worker, in this process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
+    sched_conn = core.scheduler.connector
+    worker_conn = get_kv_transfer_group()
+    return {"scheduler": sched_conn.scheduler, "worker": worker_conn.worker,
+            "scheduler_connector": sched_conn, "worker_connector": worker_conn, "core": core}
+
+
+def _check_real_path(llm, halves):
+    """The pieces around the connector are vLLM's and tpu-inference's own classes."""
+    from tpu_inference.runner.tpu_runner import TPUModelRunner
+    from tpu_inference.worker.tpu_worker import TPUWorker
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from tpuoffload.connector import TPUOffloadConnector
+
+    core = llm.llm_engine.engine_core.engine_core
+    worker = core.model_executor.driver_worker.worker
+    assert isinstance(core.model_executor, UniProcExecutor), type(core.model_executor)
+    assert isinstance(core.scheduler, Scheduler), type(core.scheduler)
+    assert isinstance(worker, TPUWorker), type(worker)
+    assert isinstance(worker.model_runner, TPUModelRunner), type(worker.model_runner)
+    if halves is not None:
+        assert isinstance(halves["scheduler_connector"], TPUOffloadConnector)
+        assert isinstance(halves["worker_connector"], TPUOffloadConnector)
+        # register_runner ran (tpu-inference's initialize_kv_cache calls it) on the runner's own caches
+        assert halves["worker"].engine is not None, "register_runner was never called"
+    return worker.model_runner
+
+
+def _totals(halves) -> Counter:
+    totals = Counter(halves["scheduler"].snapshot()["totals"])
+    totals.update(halves["worker"].snapshot()["totals"])
+    return totals
+
+
+def _delta(before: Counter, after: Counter) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] != before.get(k, 0)}
+
+
+# ---------------------------------------------------------------- the child process
+def config_name(tp: int, connector: bool) -> str:
+    return f"tp{tp}-{'connector' if connector else 'baseline'}"
+
+
+def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.0) -> dict[str, Any]:
+    """One child process (``python -m tpuoffload.sim.real_engine``) under an outside timeout (its
+    process group is killed when it runs past it) runs, one after another, the engine without and
+    with the connector for each tensor-parallel size; returns its report."""
+    model_dir = write_tiny_qwen3(os.path.join(workdir, "model"))
+    out_json, log_path = os.path.join(workdir, "report.json"), os.path.join(workdir, "engine.log")
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(tps) + 1}",
+               VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"))  # tpu-inference's compile cache: not ~/.cache
+    env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
+    cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model-dir", model_dir, "--json", out_json,
+           "--tp", *map(str, tps)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise RuntimeError(f"{' '.join(cmd)} ran past {timeout_s} s (killed); log: {log_path}")
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-6000:]
+        raise RuntimeError(f"{' '.join(cmd)} exited {rc}; log {log_path}:\n{tail}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def summarize(base: dict[str, Any], conn: dict[str, Any]) -> dict[str, Any]:
+    """What the test asserts and the demo prints, from a baseline and a connector report."""
+    p = {e["pass"]: e for e in conn["passes"]}
+    b = {e["pass"]: e for e in base["passes"]}
+    c = {n: Counter(p[n].get("counters", {})) for n in p}
+    return {
+        "tokens_equal": {n: p[n]["tokens"] == b[n]["tokens"] for n in p},
+        "baseline_passes_agree": all(b[n]["tokens"] == b[1]["tokens"] for n in b),
+        "chunks_loaded": {n: c[n]["chunks_loaded"] for n in p},
+        "hit_tokens": {n: c[n]["hit_tokens"] for n in p},
+        "chunks_saved": {n: c[n]["chunks_saved"] for n in p},
+        "saves_issued": {n: c[n]["saves_issued"] for n in p},
+        "dedup_index": {n: c[n]["dedup_index"] for n in p},
+        "load_errors": sum(c[n]["load_errors"] for n in p),
+        "save_failures": sum(c[n]["save_failures"] for n in p),
+        "revoked_at_reset": c[3]["revoked"],
+        "resets": c[3]["resets"],
+    }
+
+
+def demo(argv: list[str] | None = None) -> int:
+    """``python -m tpuoffload.demo --engine [--tp 1 2]``: run the engines in a child process and
+    print what happened, pass by pass."""
+    ap = argparse.ArgumentParser(prog="python -m tpuoffload.demo --engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
+    ap.add_argument("--workdir", default=None, help="model, report and engine log (default: a temp dir)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="outside timeout for the child, seconds")
+    args = ap.parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-engine-")
+    print(f"tpuoffload inside the real engine: vLLM {_version('vllm')} LLM on tpu-inference {_version('tpu-inference')}"
+          f" (TpuPlatform, TPUWorker, TPUModelRunner, uni executor) on CPU JAX {_version('jax')}; tiny Qwen3 "
+          f"(2 layers, 4 query / 2 KV heads of 128, {DTYPE}) written to {workdir}/model; tensor parallel {args.tp}")
+    print(f"log: {workdir}/engine.log", flush=True)
+    t0 = time.monotonic()
+    report = run_child(workdir, tuple(args.tp), args.timeout)
+    wall = time.monotonic() - t0
+    first = next(iter(report["runs"].values()))
+    print("\nshims (tpuoffload/sim/engine_shims.py, the only ones):")
+    for line in first["shims"]:
+        print(f"  - {line}")
+    ok = True
+    for tp in args.tp:
+        base, conn = report["runs"][config_name(tp, False)], report["runs"][config_name(tp, True)]
+        s = summarize(base, conn)
+        print(f"\ntensor parallel {tp}: mesh {conn['mesh']} on {conn['devices']}; KV cache per layer "
+              f"{conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
+        print(f"  {'pass':<46} {'tokens = baseline':>17} {'HBM-cached':>10} {'hit tokens':>10} {'loaded':>7} "
+              f"{'saved':>6}")
+        for e in conn["passes"]:
+            n = e["pass"]
+            label = f"{n} (after {e['after']})" if n > 1 else "1 (cold)"
+            print(f"  {label:<46} {str(s['tokens_equal'][n]):>17} {sum(e['num_cached_tokens']):>10} "
+                  f"{s['hit_tokens'][n]:>10} {s['chunks_loaded'][n]:>7} {s['chunks_saved'][n]:>6}")
+        print(f"  reset_connector revoked {s['revoked_at_reset']} chunks; load errors {s['load_errors']}, save "
+              f"failures {s['save_failures']}; worker idle {conn['worker_idle']}")
+        ok &= all(s["tokens_equal"].values()) and s["chunks_loaded"][2] > 0 and s["chunks_loaded"][3] == 0
+    print(f"\n{'OK' if ok else 'MISMATCH'}: {wall:.0f} s in all (report: {workdir}/report.json)")
+    return 0 if ok else 1
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tpuoffload.sim.real_engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes over CPU devices "
+                    "(XLA_FLAGS=--xla_force_host_platform_device_count must offer the largest + 1)")
+    ap.add_argument("--only", choices=("baseline", "connector"), default=None, help="run just one of the two")
+    ap.add_argument("--model-dir", default=None, help="where the tiny model is (written there if absent)")
+    ap.add_argument("--json", default=None, help="write the report here (default: stdout)")
+    args = ap.parse_args(argv)
+    model_dir = args.model_dir or os.path.join(tempfile.mkdtemp(prefix="tpuoffload-engine-"), "model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        write_tiny_qwen3(model_dir)
+    t0 = time.monotonic()
+    report: dict[str, Any] = {"runs": {}}
+    for tp in args.tp:
+        for connector in (False, True):
+            if args.only and args.only != ("connector" if connector else "baseline"):
+                continue
+            report["runs"][config_name(tp, connector)] = run_engine(model_dir, connector, tp)
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    sys.stdout.flush()
+    # vLLM's exit-time finalizer (LLMEngine._cleanup_instance_caches) walks model.modules(), a torch
+    # model's method that tpu-inference's JAX model lacks, and prints a traceback: the report is
+    # written and every engine was shut down, so leave without running finalizers.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
