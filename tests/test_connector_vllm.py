@@ -414,7 +414,7 @@ class LoseSlots(FaultInjector):
         self.lost = 0
 
     def hit(self, point: FaultPoint, n: int) -> set[int]:
-        if point is not FaultPoint.READ_SLOTS or self.times <= 0 or not n:
+        if point is not FaultPoint.LOAD_SLOT_CHECK or self.times <= 0 or not n:
             return set()
         self.times -= 1
         victims = set(range(n)) if self.every else {min(1, n - 1)}

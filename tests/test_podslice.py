@@ -111,7 +111,7 @@ def test_qwen3_coder_480b_layout_four_hosts_chaos(make_slice):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("point", ["READ_SLOTS", "H2D", "D2H", "WRITE_SLOTS"])
+@pytest.mark.parametrize("point", ["LOAD_SLOT_CHECK", "LOAD_PREPARE", "SAVE_PROGRAM", "SAVE_RECORD"])
 def test_exception_at_each_fault_point_on_one_host(make_slice, point):
     """Invariant 2 (issue 12): host 1 raises at one fault point half the time; every host still
     issues identical programs at every step (the harness compares digests), the outputs are exact,
@@ -120,7 +120,7 @@ def test_exception_at_each_fault_point_on_one_host(make_slice, point):
     res = run_prefix_repetition(pod, WORKLOAD)
     assert res.finished == res.requests and res.wrong_outputs == []
     totals = pod.stats.totals()
-    counter = "load_errors" if point in ("READ_SLOTS", "H2D") else "save_failures"
+    counter = "load_errors" if point in ("LOAD_SLOT_CHECK", "LOAD_PREPARE") else "save_failures"
     assert totals[counter] > 0, res.stats
     _assert_clean_end(pod)
 

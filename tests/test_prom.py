@@ -226,7 +226,7 @@ class FailSaves(FaultInjector):
     """A host whose copies into host RAM all fail (raised on its background save thread)."""
 
     def hit(self, point: FaultPoint, n: int) -> set[int]:
-        if point is FaultPoint.WRITE_SLOTS:
+        if point is FaultPoint.SAVE_RECORD:
             raise OSError("injected: host RAM write failed")
         return set()
 

@@ -186,7 +186,7 @@ class FlakyReads(FaultInjector):
         self.p = p
 
     def hit(self, point: FaultPoint, n: int) -> set[int]:
-        if point is FaultPoint.READ_SLOTS and n and self.rng.random() < self.p:
+        if point is FaultPoint.LOAD_SLOT_CHECK and n and self.rng.random() < self.p:
             return {self.rng.randrange(n)}
         return set()
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tpuoffload.backend import SlotTable
-from tpuoffload.backend.slot_table import EMPTY
+from tpuoffload.backend.slot_table import EMPTY_SLOT
 from tpuoffload.layout import CacheLayout
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 
@@ -83,7 +83,7 @@ def test_out_of_range_slots_raise():
     for bad in (4, -1):
         with pytest.raises(ValueError, match="out of range"):
             b.tag(bad)
-    assert b.num_used() == 0 and all(b.tag(s) == EMPTY for s in range(4))
+    assert b.num_used() == 0 and all(b.tag(s) == EMPTY_SLOT for s in range(4))
     assert b.check_slots([0, 3, 3]).tolist() == [0, 3, 3]
 
 
@@ -124,12 +124,12 @@ def test_empty_invalidated_and_overwritten_slots_never_readable():
     ok, _ = b.lookup([0, 1, 2, 3], [100, 999, 102, 103])
     assert ok.tolist() == [True, False, False, False]  # wrong save id, uncommitted, invalidated
     # An empty or invalidated slot is never readable, whatever the caller expects.
-    ok, _ = b.lookup([2, 3], [EMPTY, EMPTY])
+    ok, _ = b.lookup([2, 3], [EMPTY_SLOT, EMPTY_SLOT])
     assert not ok.any()
-    assert b.tag(2) == EMPTY and b.tag(3) == EMPTY and b.num_used() == 2
-    # Nor does committing EMPTY make a slot readable.
-    b.commit([1], [EMPTY], [1])
-    assert not b.lookup([1], [EMPTY])[0].any() and b.num_used() == 1
+    assert b.tag(2) == EMPTY_SLOT and b.tag(3) == EMPTY_SLOT and b.num_used() == 2
+    # Nor does committing EMPTY_SLOT make a slot readable.
+    b.commit([1], [EMPTY_SLOT], [1])
+    assert not b.lookup([1], [EMPTY_SLOT])[0].any() and b.num_used() == 1
     # Invalidating is idempotent and touches only its slots.
     b.invalidate([1, 1, 2])
     assert b.lookup([0], [100])[0].all() and b.num_used() == 1
@@ -139,7 +139,7 @@ def test_fresh_backend_has_nothing_loadable():
     b = backend(3)
     ok, _ = b.lookup([0, 1, 2], [0, 1, 2])
     assert not ok.any()
-    assert all(b.tag(s) == EMPTY for s in range(3)) and b.num_used() == 0
+    assert all(b.tag(s) == EMPTY_SLOT for s in range(3)) and b.num_used() == 0
     ok, _ = b.lookup([], [])
     assert ok.size == 0
 
@@ -163,7 +163,7 @@ def stress(b: SlotTable, duration: float, writers: int = 3, readers: int = 3, se
     ``sid`` it must pair it with ``sid``'s source block. A record torn between two commits, or a
     commit seen half done, would serve one chunk's bytes as another's, or from the wrong shard.
     """
-    announced = np.full(b.num_slots, EMPTY, np.int64)  # newest save id per slot (benign races: a hint)
+    announced = np.full(b.num_slots, EMPTY_SLOT, np.int64)  # newest save id per slot (benign races: a hint)
     next_id = itertools.count(1)
     ids_lock = threading.Lock()  # guards next_id
     stop = time.monotonic() + duration
@@ -195,7 +195,7 @@ def stress(b: SlotTable, duration: float, writers: int = 3, readers: int = 3, se
             slots = np.array(r.sample(range(b.num_slots), r.randint(*BATCH)))
             expected = announced[slots].copy()
             ok, sources = b.lookup(slots, expected)
-            torn = ok & ((sources != expected * SOURCE) | (expected == EMPTY))
+            torn = ok & ((sources != expected * SOURCE) | (expected == EMPTY_SLOT))
             if torn.any():
                 i = int(np.flatnonzero(torn)[0])
                 errors.append(f"{int(torn.sum())} slots paired with another chunk's record, e.g. slot "
@@ -225,7 +225,7 @@ def test_concurrent_commits_and_lookups_never_torn():
     # Every slot ends whole: committed with its own source block, or empty.
     tags = np.array([b.tag(s) for s in range(b.num_slots)])
     ok, sources = b.lookup(range(b.num_slots), tags)
-    assert np.array_equal(ok, tags != EMPTY)
+    assert np.array_equal(ok, tags != EMPTY_SLOT)
     assert np.array_equal(sources[ok], tags[ok] * SOURCE)
     assert b.num_used() == int(ok.sum())
 

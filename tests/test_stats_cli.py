@@ -461,14 +461,14 @@ def test_idle_engine_heartbeats(real_run, tmp_path, capsys):
 
 
 class _SlowReads:
-    """A FaultInjector whose next READ_SLOTS (inside the worker's bind) blocks for ``block_s``."""
+    """A FaultInjector whose next LOAD_SLOT_CHECK (inside the worker's bind) blocks for ``block_s``."""
 
     def __init__(self) -> None:
         self.block_s = 0.0
         self.blocked = threading.Event()
 
     def hit(self, point, n: int) -> set[int]:
-        if point.name == "READ_SLOTS" and self.block_s:
+        if point.name == "LOAD_SLOT_CHECK" and self.block_s:
             self.blocked.set()
             time.sleep(self.block_s)
             self.block_s = 0.0

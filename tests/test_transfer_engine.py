@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tpuoffload.backend.slot_table import EMPTY
+from tpuoffload.backend.slot_table import EMPTY_SLOT
 from tpuoffload.config import parse_config
 from tpuoffload.layout import CacheLayout, UnsupportedCache
 from tpuoffload.messages import LoadRequest, OffloadMetadata, StepPlan, SaveBatch
@@ -788,11 +788,11 @@ def test_a_call_of_several_pieces_completes_once_and_checks_once(engines):
     n = 13  # 4 + 4 + 4 + 1
     assert len(eng.pieces(n)) == 4
     save_ok(eng, caches, list(range(n)), list(range(n)), list(range(100, 100 + n)))
-    assert faults.calls == [(FaultPoint.D2H, n), (FaultPoint.WRITE_SLOTS, n)]
+    assert faults.calls == [(FaultPoint.SAVE_PROGRAM, n), (FaultPoint.SAVE_RECORD, n)]
     assert len(set(eng._last_write.values())) == 1
     faults.calls.clear()
     out, failed = eng.load(caches, list(range(20, 20 + n)), list(range(n)), list(range(100, 100 + n)))
-    assert failed == [] and faults.calls == [(FaultPoint.READ_SLOTS, n), (FaultPoint.H2D, n)]
+    assert failed == [] and faults.calls == [(FaultPoint.LOAD_SLOT_CHECK, n), (FaultPoint.LOAD_PREPARE, n)]
     assert op_names(eng.finish_step().ops) == ["save"] * 4 + small_load_ops(1) * 4
 
 
@@ -830,10 +830,10 @@ class SlowOlder(FaultInjector):
         self.times: dict[str, float] = {}
 
     def hit(self, point: FaultPoint, n: int) -> set[int]:
-        if point is FaultPoint.WRITE_SLOTS and n == 1:
+        if point is FaultPoint.SAVE_RECORD and n == 1:
             time.sleep(self.delay)
             self.times["a_end"] = time.monotonic()
-        elif point is FaultPoint.D2H and n == 2:
+        elif point is FaultPoint.SAVE_PROGRAM and n == 2:
             self.times["b_start"] = time.monotonic()
         return set()
 
@@ -884,7 +884,7 @@ def test_write_after_write_negative_control_without_chaining(engines):
 # ---------------------------------------------------------------- read-after-write
 def test_read_after_write_waits_for_inflight_write(engines):
     caches = random_caches(BF16, 30)
-    faults = Injected(FaultPoint.WRITE_SLOTS, "block")
+    faults = Injected(FaultPoint.SAVE_RECORD, "block")
     eng = engines(caches, faults=faults)
     save_ok(eng, caches, [8], [4], [1])  # an older committed chunk in the slot
     out, _ = eng.load(random_caches(BF16, 31), [0], [4], [1])  # compile the load outside the timing
@@ -907,7 +907,7 @@ def test_read_after_write_waits_for_inflight_write(engines):
 def test_read_after_write_timeout_fails_with_zeros_not_stale(engines):
     caches = random_caches(BF16, 40)
     src = host(caches)
-    faults = Injected(FaultPoint.WRITE_SLOTS, "block")
+    faults = Injected(FaultPoint.SAVE_RECORD, "block")
     eng = engines(caches, faults=faults, load_wait_timeout_s=0.1)
     save_ok(eng, caches, [8, 9], [4, 5], [1, 3])  # slot 4: older chunk (block 8), slot 5: healthy
     faults.arm()
@@ -939,7 +939,7 @@ def _stale_slot_run(engines, *, wait: bool):
     a load asks for chunk 1 from slot 4."""
     caches = random_caches(BF16, 50)
     src = host(caches)
-    faults = Injected(FaultPoint.WRITE_SLOTS, "block")
+    faults = Injected(FaultPoint.SAVE_RECORD, "block")
     eng = engines(caches, faults=faults, save_threads=1, load_wait_timeout_s=0.1)
     if not wait:
         eng._wait_for_writes = lambda slots: set()  # mutation: no read-after-write wait
@@ -976,7 +976,7 @@ def test_read_after_write_negative_control_without_wait(engines):
 # ---------------------------------------------------------------- failed writes
 def test_failed_write_reports_not_ok_and_is_not_loadable(engines):
     caches = random_caches(BF16, 60)
-    faults = Injected(FaultPoint.WRITE_SLOTS, "raise")
+    faults = Injected(FaultPoint.SAVE_RECORD, "raise")
     eng = engines(caches, faults=faults)
     save_ok(eng, caches, [8], [4], [1])  # an older committed chunk in slot 4
     faults.arm()
@@ -984,7 +984,7 @@ def test_failed_write_reports_not_ok_and_is_not_loadable(engines):
     assert eng.wait_idle(30)
     faults.disarm()
     assert sorted(eng.drain_results(), key=lambda r: r.save_id) == [SaveResult(2, False), SaveResult(3, False)]
-    assert eng.backend.tag(4) == EMPTY and eng.backend.tag(6) == EMPTY
+    assert eng.backend.tag(4) == EMPTY_SLOT and eng.backend.tag(6) == EMPTY_SLOT
     out, failed = eng.load(caches, [50, 51, 52], [4, 6, 5], [2, 3, 1])
     assert failed == [50, 51, 52]  # slot 5 never written
     # The old chunk that used to be in slot 4 is not loadable either: the slot was being overwritten.
@@ -1001,7 +1001,7 @@ def test_failed_write_reports_not_ok_and_is_not_loadable(engines):
 def test_missing_chunks_error_exactly_those_blocks_with_same_digest(engines):
     caches1, caches2 = random_caches(BF16, 10), random_caches(BF16, 10)
     src = host(caches1)
-    faults = Injected(FaultPoint.WRITE_SLOTS, "raise")
+    faults = Injected(FaultPoint.SAVE_RECORD, "raise")
     good = engines(caches1)
     local = engines(caches2, faults=faults)  # its save of id 12 fails; slot 1 is overwritten locally
 
@@ -1039,15 +1039,15 @@ def test_missing_chunks_error_exactly_those_blocks_with_same_digest(engines):
 
 
 # ---------------------------------------------------------------- invariant 2: every fault point
-SAVE_SIDE = (FaultPoint.D2H, FaultPoint.WRITE_SLOTS)
-LOAD_SIDE = (FaultPoint.READ_SLOTS, FaultPoint.H2D)
+SAVE_SIDE = (FaultPoint.SAVE_PROGRAM, FaultPoint.SAVE_RECORD)
+LOAD_SIDE = (FaultPoint.LOAD_SLOT_CHECK, FaultPoint.LOAD_PREPARE)
 FAULT_CASES = ([(p, m) for p in (*LOAD_SIDE, *SAVE_SIDE) for m in ("raise", "positions")]
                + [(p, "block") for p in SAVE_SIDE])
 # Every case on one layout; the load side (one program per layer group, blocks per batch shard)
 # also with two layer groups and with blocks split over four batch shards.
 FAULT_MATRIX = ([(BF16, p, m) for p, m in FAULT_CASES]
-                + [(MIXED, FaultPoint.READ_SLOTS, "positions"), (MIXED, FaultPoint.H2D, "raise"),
-                   (DP[1], FaultPoint.H2D, "positions")])
+                + [(MIXED, FaultPoint.LOAD_SLOT_CHECK, "positions"), (MIXED, FaultPoint.LOAD_PREPARE, "raise"),
+                   (DP[1], FaultPoint.LOAD_PREPARE, "positions")])
 
 
 def test_fault_cases_cover_every_fault_point():
@@ -1205,7 +1205,7 @@ def test_worker_reports_and_counts_load_read_failure():
     as load errors AND are counted in the host's stats, and the host dispatched what a healthy
     host did."""
     n, slots_total = 18, NUM_SLOTS
-    faults = Injected(FaultPoint.READ_SLOTS, "raise")
+    faults = Injected(FaultPoint.LOAD_SLOT_CHECK, "raise")
     runners, workers = {}, {}
     chunk_bytes = CacheLayout.from_caches(template(BF16)).device_bytes_per_chunk
     config = parse_config({"cpu_bytes_to_use": slots_total * chunk_bytes})
@@ -1277,7 +1277,7 @@ def test_other_thread_raises_before_dispatch(engines, monkeypatch):
     assert sum(count.calls.values()) == 0
     assert eng.finish_step().ops == ()
     assert eng.inflight() == (0, 0, None)
-    assert eng.backend.tag(1) == EMPTY
+    assert eng.backend.tag(1) == EMPTY_SLOT
     assert not caches[0].is_deleted()  # the refused load donated nothing
 
 

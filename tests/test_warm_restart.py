@@ -141,13 +141,18 @@ def disk_rows(*entries: tuple[int, int]) -> bytes:
     return out.tobytes()
 
 
-def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted(tmp_path):
+def disk_part():
+    """The disk tier's manager side over 4 disk chunks, 2 hosts, warm restart on."""
     counters: Counter[str] = Counter()
     clock = Clock()
     disk = DiskIndex(4, 2, counters, clock, 30.0)
     ram = ChunkIndex(16, counters=counters)
     fetches = FetchPlanner(ram, None, disk, None, 1, 16, counters, clock, 30.0, lambda rid: None)
-    part = DiskTierPlanner(disk, fetches, ram, 2, counters, clock, 30.0, keeps_files=True)
+    return DiskTierPlanner(disk, fetches, ram, 2, counters, clock, 30.0, keeps_files=True), disk, counters, clock
+
+
+def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted(tmp_path):
+    part, disk, counters, _ = disk_part()
     assert part.blocks_saves  # no spill may take a kept file's disk id before the hosts reported
     # least recently used first; host 1 lost 200's file and holds 300 under another disk id
     part.on_report({0: DiskReport(kept=disk_rows((7, 100), (3, 200), (9, 300), (4, 500), (8, 1)))})
@@ -167,12 +172,7 @@ def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted
 
 def test_disk_files_kept_are_never_adopted_after_the_timeout_or_a_reset(tmp_path):
     for how in ("timeout", "reset"):
-        counters: Counter[str] = Counter()
-        clock = Clock()
-        disk = DiskIndex(4, 2, counters, clock, 30.0)
-        ram = ChunkIndex(16, counters=counters)
-        fetches = FetchPlanner(ram, None, disk, None, 1, 16, counters, clock, 30.0, lambda rid: None)
-        part = DiskTierPlanner(disk, fetches, ram, 2, counters, clock, 30.0, keeps_files=True)
+        part, disk, counters, clock = disk_part()
         part.on_report({0: DiskReport(kept=disk_rows((7, 100)))})
         if how == "timeout":
             clock.t = 31.0

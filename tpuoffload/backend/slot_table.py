@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-EMPTY = -1
+EMPTY_SLOT = -1  # the save id of an empty or invalidated slot (also in checkpoints)
 
 
 class SlotTable:
@@ -37,7 +37,7 @@ class SlotTable:
                 f"cpu_bytes_to_use={capacity_bytes} is smaller than one chunk on this host ({slot_bytes} bytes)")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        self._tags = np.full(num_slots, EMPTY, np.int64)
+        self._tags = np.full(num_slots, EMPTY_SLOT, np.int64)
         self._sources = np.zeros(num_slots, np.int64)  # block id each slot's chunk was gathered from
         self._floor = 0  # save ids below it were revoked by a connector reset: never committed again
         self._lock = threading.Lock()  # guards _tags, _sources and _floor
@@ -63,14 +63,14 @@ class SlotTable:
         ids = np.asarray(save_ids, dtype=np.int64)
         with self._lock:
             # A save issued before a reset lands as nothing: its chunk must never be read again.
-            self._tags[idx] = np.where(ids >= self._floor, ids, EMPTY)
+            self._tags[idx] = np.where(ids >= self._floor, ids, EMPTY_SLOT)
             self._sources[idx] = source_blocks
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Forget what the slots hold (a failed write must never be loadable)."""
         idx = self.check_slots(slots)
         with self._lock:
-            self._tags[idx] = EMPTY
+            self._tags[idx] = EMPTY_SLOT
 
     def lookup(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(ok, source_blocks)``: ``ok[i]`` is True when ``slots[i]`` holds chunk ``save_ids[i]``."""
@@ -81,13 +81,13 @@ class SlotTable:
         with self._lock:
             tags = self._tags[idx]
             sources = self._sources[idx]
-        # An empty/invalidated slot is never readable, even by a caller that "expects" EMPTY.
-        return (tags == expected) & (tags != EMPTY), sources
+        # An empty/invalidated slot is never readable, even by a caller that "expects" EMPTY_SLOT.
+        return (tags == expected) & (tags != EMPTY_SLOT), sources
 
     def num_used(self) -> int:
         """Slots holding a committed chunk."""
         with self._lock:
-            return int(np.count_nonzero(self._tags != EMPTY))
+            return int(np.count_nonzero(self._tags != EMPTY_SLOT))
 
     def tag(self, slot: int) -> int:
         self.check_slots([slot])
@@ -100,7 +100,7 @@ class SlotTable:
         nor written into a later checkpoint."""
         with self._lock:
             self._floor = max(self._floor, save_id)
-            self._tags[:] = EMPTY
+            self._tags[:] = EMPTY_SLOT
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of (tags, source blocks), for a checkpoint."""

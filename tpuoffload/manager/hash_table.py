@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tpuoffload.manager.kernels import DELETED, EMPTY, kernels
+from tpuoffload.manager.kernels import DELETED, EMPTY_CELL, kernels
 from tpuoffload.manager.kernels import W as _W  # cells per bucket: a row holds 4 k1 words then 4 values
 
 _TWO_WORDS = struct.Struct("<QQ").unpack_from  # the first 16 bytes as two little-endian uint64
@@ -213,7 +213,7 @@ class HashTable:
         return self._deleted > self.num_buckets // 2  # deleted markers in an eighth of the cells
 
     def clear(self) -> None:
-        self._tab[:] = EMPTY
+        self._tab[:] = EMPTY_CELL
         self._live = self._deleted = 0
 
     def rebuild(self) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ trigger a recompilation mid-run. numba caches the machine code on disk (``cache=
 process loads it in a fraction of a second instead of compiling (about 2 s).
 
 Table layout (``HashTable`` documents it): ``tab[bucket] = [k1 x 4 | value x 4]`` as uint64, k1
-words 0 (EMPTY) and 1 (DELETED) mark free cells, a bucket with an EMPTY cell never overflowed. Keys
+words 0 (EMPTY_CELL) and 1 (DELETED) mark free cells, a bucket with an EMPTY_CELL cell never overflowed. Keys
 are confirmed with ``key2[slot] == k2`` where a value is a slot. Every integer below is kept uint64
 or intp explicitly: numba turns a uint64/int64 mix into a float.
 """
@@ -30,7 +30,7 @@ import numba
 import numpy as np
 
 W = 4  # cells per bucket
-EMPTY = np.uint64(0)
+EMPTY_CELL = np.uint64(0)
 DELETED = np.uint64(1)
 SAVING, READY = np.uint8(1), np.uint8(2)  # ChunkIndex's slot states (index.py: FREE, SAVING, READY, REVOKED)
 
@@ -38,7 +38,7 @@ SAVING, READY = np.uint8(1), np.uint8(2)  # ChunkIndex's slot states (index.py: 
 @numba.njit(inline="always")  # compiled with its caller (decorating is cheap: nothing compiles here)
 def _probe(tab, key):
     """The value stored under ``key`` (-1 if none): from its home bucket on, up to a bucket that
-    still has an EMPTY cell (no key ever overflowed past it)."""
+    still has an EMPTY_CELL cell (no key ever overflowed past it)."""
     nb = tab.shape[0]
     b = np.intp((key >> np.uint64(8)) & np.uint64(nb - 1))
     for _ in range(nb):
@@ -47,7 +47,7 @@ def _probe(tab, key):
             w = tab[b, c]
             if w == key:
                 return np.int64(tab[b, W + c])
-            if w == EMPTY:
+            if w == EMPTY_CELL:
                 open_ = True
         if open_:
             return np.int64(-1)
@@ -86,7 +86,7 @@ def _find_confirmed(tab, key2, k1, k2, out):
 
 @numba.njit
 def _insert(tab, k1, values, cells):
-    """Each key into the first free (EMPTY or DELETED) cell from its home bucket on; ``cells[i]``
+    """Each key into the first free (EMPTY_CELL or DELETED) cell from its home bucket on; ``cells[i]``
     = ``bucket * 4 + column``. Returns how many DELETED cells were reused."""
     nb = tab.shape[0]
     reused = 0
@@ -111,12 +111,12 @@ def _insert(tab, k1, values, cells):
 
 @numba.njit(inline="always")
 def _delete_cell(tab, cell):
-    """Free one cell: EMPTY where its bucket still has an EMPTY cell (lookups stop there anyway),
+    """Free one cell: EMPTY_CELL where its bucket still has an EMPTY_CELL cell (lookups stop there anyway),
     else a DELETED marker that lookups go past. Returns 1 for a marker, else 0."""
     b = cell // W
     for j in range(W):
-        if tab[b, j] == EMPTY:
-            tab[b, cell % W] = EMPTY
+        if tab[b, j] == EMPTY_CELL:
+            tab[b, cell % W] = EMPTY_CELL
             return 0
     tab[b, cell % W] = DELETED
     return 1

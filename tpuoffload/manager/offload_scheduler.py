@@ -37,7 +37,7 @@ from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.lifecycle import RequestLifecycle
 from tpuoffload.manager.load_tracker import LoadTracker
 from tpuoffload.manager.restart import WarmRestart
-from tpuoffload.manager.save_planner import EMPTY, SavePlanner
+from tpuoffload.manager.save_planner import NO_SAVES, SavePlanner
 from tpuoffload.manager.staging import StagingBudget
 from tpuoffload.manager.tier import Tier
 from tpuoffload.manager.topology import DPRank
@@ -203,10 +203,10 @@ class OffloadScheduler:
             flush = plan(*self.requests.take_flush(), step)
             if self.config.lazy_offload:
                 self.requests.track_computed(scheduler_output, block_ids_of)
-                save: SaveBatch = EMPTY
+                save: SaveBatch = NO_SAVES
             else:
                 blocks, runs = self.requests.step_candidates(scheduler_output, block_ids_of)
-                save = plan(blocks, PackedHashes.of_runs(runs), step) if blocks else EMPTY
+                save = plan(blocks, PackedHashes.of_runs(runs), step) if blocks else NO_SAVES
         finally:
             self.index.unpin(load_slots)
         parts = {t.name: part for t in self.tiers if (part := t.finish_step(step)) is not None}
@@ -222,7 +222,7 @@ class OffloadScheduler:
     def _skip_saves(self, block_ids, hashes, step: int) -> SaveBatch:
         """While a checkpoint is written no save is planned (it would donate the stores)."""
         self.counters[C.SKIPPED_CHECKPOINT] += len(hashes)
-        return EMPTY
+        return NO_SAVES
 
     # ------------------------------------------------------------------ finish
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

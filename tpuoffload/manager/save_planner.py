@@ -28,7 +28,7 @@ from tpuoffload.manager.index import ChunkHash, ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.staging import StagingBudget
 
-EMPTY = SaveBatch()
+NO_SAVES = SaveBatch()  # a plan that saves nothing
 
 
 class SavePlanner:
@@ -54,7 +54,7 @@ class SavePlanner:
         bound what is named; the rest is skipped and counted)."""
         n = len(hashes)
         if not n:
-            return EMPTY
+            return NO_SAVES
         # One pass over the batch (compiled): a key equal to an earlier candidate's is a batch
         # duplicate (equal hashes mean equal content; the first block is as good as any, and every
         # candidate block is computed by the time the workers gather it), a key held or being
@@ -84,7 +84,7 @@ class SavePlanner:
             if got < granted:
                 counters[C.SKIPPED_NO_SPACE] += granted - got
         if not got:
-            return EMPTY
+            return NO_SAVES
         if got < n_keep:
             keep, keys = keep[:got], keys.take(slice(0, got))
         blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, keep.tolist()))

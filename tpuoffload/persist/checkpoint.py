@@ -80,6 +80,8 @@ from typing import Any
 
 import numpy as np
 
+from tpuoffload.backend.slot_table import EMPTY_SLOT
+
 from tpuoffload.counters import (PERSIST_RESTORE_REFUSED, PERSIST_RESTORED_BYTES, PERSIST_RESTORED_CHUNKS,
                                  PERSIST_SAVE_FAILED, PERSIST_SAVED_BYTES, PERSIST_SAVED_CHUNKS)
 
@@ -89,7 +91,6 @@ FORMAT_VERSION = 1
 CKPT_PREFIX = "ckpt-"
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_RE = re.compile(r"^ckpt-(\d+)\.orbax-checkpoint-tmp.*$")
-EMPTY = -1
 
 
 
@@ -156,7 +157,7 @@ class SaveHandle:
 class Restored:
     seq: int
     path: str
-    tags: np.ndarray  # int64, the shape saved: (num_slots,) or (num_slots, columns); save id EMPTY: empty
+    tags: np.ndarray  # int64, the shape saved: (num_slots,) or (num_slots, columns); save id EMPTY_SLOT: empty
     index: dict
     stores: dict | None  # the restored global arrays (stores form), None for host rows (in ``into``)
     chunks: int  # tagged slots restored on this host
@@ -212,7 +213,7 @@ def _canonical_crc(encoded: Any) -> int:
 def slot_checksums(storage: np.ndarray, tags: np.ndarray, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     """crc32 of every tagged slot (0 for empty ones), on ``pool``'s threads (crc32 drops the GIL)."""
     crc = np.zeros(storage.shape[0], np.uint32)
-    tagged = np.nonzero(tags != EMPTY)[0]
+    tagged = np.nonzero(tags != EMPTY_SLOT)[0]
 
     def one(i: int) -> None:
         crc[i] = zlib.crc32(memoryview(storage[i]))
@@ -254,7 +255,7 @@ def store_checksums(stores: Mapping[str, Any], tags: np.ndarray,
                 c = zlib.crc32(memoryview(np.ascontiguousarray(v[lead, slot])).cast("B"), c)
         crc[slot] = c
 
-    tagged = np.nonzero(tags != EMPTY)[0].tolist()
+    tagged = np.nonzero(tags != EMPTY_SLOT)[0].tolist()
     if pool is None:
         for slot in tagged:
             one(slot)
@@ -518,7 +519,7 @@ class Persister:
             if isinstance(into, np.ndarray):
                 into[...] = 0
             return None, f"{path}: {verdict}{note}"
-        chunks = int(np.count_nonzero(_save_ids(tags) != EMPTY))
+        chunks = int(np.count_nonzero(_save_ids(tags) != EMPTY_SLOT))
         return Restored(seq, path, tags, index, stores, chunks, chunks * slot_bytes, time.perf_counter() - t0,
                         tuple(choice["partial"])), ""
 
@@ -567,7 +568,7 @@ class Persister:
         import orbax.checkpoint as ocp
         from etils import epath
 
-        empty = np.full((num_slots, *tag_tail), EMPTY, np.int64)
+        empty = np.full((num_slots, *tag_tail), EMPTY_SLOT, np.int64)
         rows = isinstance(into, np.ndarray)
         abstract = self._abstract(num_slots, 8 * int(np.prod(tag_tail, dtype=np.int64)))
         if rows:
@@ -604,7 +605,7 @@ class Persister:
         ``storage`` is this host's slots, (num_slots, slot_bytes) uint8, or the engine's stores
         ``{name: global jax.Array}`` (slot axis 1, sharded over every host, in host memory: saved
         as they are, each host writing its own shards). ``tags`` is this host's slot table, int64
-        (num_slots,) or (num_slots, columns) with the save id (EMPTY: empty slot) in column 0;
+        (num_slots,) or (num_slots, columns) with the save id (EMPTY_SLOT: empty slot) in column 0;
         ``index`` is the scheduler's (identical on every host; host 0's copy is written);
         ``checksums`` may give the crc32 of every tagged slot (else computed here, in parallel).
         Tagged slots must not change until the handle resolves, and a store must not be donated to
@@ -638,7 +639,7 @@ class Persister:
             checksums = (slot_checksums(storage, ids, self._pool) if rows
                          else store_checksums(storage, ids, self._pool))
         slot_bytes = storage.shape[1] if rows else _host_slot_bytes(storage)
-        n_tagged = int(np.count_nonzero(ids != EMPTY))
+        n_tagged = int(np.count_nonzero(ids != EMPTY_SLOT))
         meta = {"fingerprint": self.fingerprint.to_json(), "seq": seq, "num_slots": num_slots,
                 "tags_tail": list(tags.shape[1:]),
                 "slots": _slots_spec(storage), "index_crc": _canonical_crc(encoded), "created_unix": time.time()}

@@ -104,10 +104,10 @@ class ChaosInjector(FaultInjector):
     ================  ===========================================================
     point             what this host does there
     ================  ===========================================================
-    WRITE_SLOTS       sleeps up to ``write_delay_s`` (every host), plus
+    SAVE_RECORD       sleeps up to ``write_delay_s`` (every host), plus
                       ``slow_host_delay_s`` on ``slow_host``
-    D2H               raises with ``fail_d2h_rate`` on ``fail_d2h_host`` (the save fails)
-    READ_SLOTS        with ``lose_slot_rate`` on ``lose_slot_host``: one random position
+    SAVE_PROGRAM      raises with ``fail_d2h_rate`` on ``fail_d2h_host`` (the save fails)
+    LOAD_SLOT_CHECK   with ``lose_slot_rate`` on ``lose_slot_host``: one random position
                       fails alone (a lost slot: a load error, recomputed on every host)
     any point         raises with ``PointFaults.rate`` on ``PointFaults.host``
     ================  ===========================================================
@@ -133,14 +133,14 @@ class ChaosInjector(FaultInjector):
             pf = self.point_faults
             if pf is not None and name in pf.points and self._draw(pf.rate):
                 fail = f"chaos: {name} failed on host {self.host}"
-            elif name == "WRITE_SLOTS":
+            elif name == "SAVE_RECORD":
                 if c.write_delay_s:
                     delay = self._rng.uniform(0, c.write_delay_s)
                 if c.slow_host == self.host:
                     delay += c.slow_host_delay_s
-            elif name == "D2H" and c.fail_d2h_host == self.host and self._draw(c.fail_d2h_rate):
+            elif name == "SAVE_PROGRAM" and c.fail_d2h_host == self.host and self._draw(c.fail_d2h_rate):
                 fail = f"chaos: device-to-host copy failed on host {self.host}"
-            elif name == "READ_SLOTS" and c.lose_slot_host == self.host and n and self._draw(c.lose_slot_rate):
+            elif name == "LOAD_SLOT_CHECK" and c.lose_slot_host == self.host and n and self._draw(c.lose_slot_rate):
                 lost = {self._rng.randrange(n)}
             if fail is not None or lost:
                 self.hits[name] = self.hits.get(name, 0) + 1

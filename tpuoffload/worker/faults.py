@@ -5,14 +5,14 @@ there (sleep, raise, fail some positions), the host still issues exactly the JAX
 step's metadata implies, with placeholder data where needed (invariant 2); only what it reports
 changes: failed saves are never loadable, failed loads are reported as load errors.
 
-=============  ===============  ========================================================
-point          thread           a fault there means
-=============  ===============  ========================================================
-READ_SLOTS     engine main      reading this host's slots for a load failed / lost slots
-H2D            engine main      building the device array from host bytes failed
-D2H            background       the device-to-host transfer of a save failed / is slow
-WRITE_SLOTS    background       copying a save's bytes into slots failed / lost slots
-=============  ===============  ========================================================
+===============  ===============  ========================================================
+point            thread           a fault there means
+===============  ===============  ========================================================
+LOAD_SLOT_CHECK  engine main      checking a load's slots before its programs: slots lost
+LOAD_PREPARE     engine main      preparing a load after the checks failed
+SAVE_PROGRAM     background       a save's programs failed (or are slow) before they finished
+SAVE_RECORD      background       recording a save's chunks in the slot table failed / is slow
+===============  ===============  ========================================================
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import enum
 
 
 class FaultPoint(enum.Enum):
-    READ_SLOTS = "read_slots"
-    H2D = "h2d"
-    D2H = "d2h"
-    WRITE_SLOTS = "write_slots"
+    LOAD_SLOT_CHECK = "load_slot_check"
+    LOAD_PREPARE = "load_prepare"
+    SAVE_PROGRAM = "save_program"
+    SAVE_RECORD = "save_record"
 
 
 class FaultInjector:

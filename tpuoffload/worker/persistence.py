@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpuoffload.backend.slot_table import EMPTY
+from tpuoffload.backend.slot_table import EMPTY_SLOT
 from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch, unpack_keys
 from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle
@@ -69,7 +69,7 @@ class SlotKeys:
     keeps a slot's keys only where this save id is the slot's committed tag. Main thread only."""
 
     def __init__(self, num_slots: int) -> None:
-        self.save_id = np.full(num_slots, EMPTY, np.int64)
+        self.save_id = np.full(num_slots, EMPTY_SLOT, np.int64)
         self.keys = np.zeros((num_slots, 2), np.uint64)
 
     def record(self, batch: SaveBatch) -> None:
@@ -125,8 +125,8 @@ class HostPersistence(WorkerTier):
             self._restored_rows = b""
             return
         self.engine.replace_stores(restored.stores)
-        held = np.flatnonzero(table[:, 0] != EMPTY)
-        tags = np.full(len(table), EMPTY, np.int64)
+        held = np.flatnonzero(table[:, 0] != EMPTY_SLOT)
+        tags = np.full(len(table), EMPTY_SLOT, np.int64)
         tags[held] = RESTORED_BASE + held
         self.engine.backend.restore(tags, table[:, 1].copy())
         rows = np.zeros(len(held), RESTORED_ROW)
@@ -182,9 +182,9 @@ class HostPersistence(WorkerTier):
         self.before_donate()  # one checkpoint at a time
         self.engine.wait_idle()
         tags, sources = self.engine.backend.table()
-        keyed = (self.keys.save_id == tags) & (tags != EMPTY)
+        keyed = (self.keys.save_id == tags) & (tags != EMPTY_SLOT)
         table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
-        table[:, 0] = np.where(keyed, tags, EMPTY)
+        table[:, 0] = np.where(keyed, tags, EMPTY_SLOT)
         table[:, 1] = sources
         table[:, 2:] = self.keys.keys.view(np.int64)
         table[~keyed, 2:] = 0

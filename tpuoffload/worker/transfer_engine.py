@@ -284,9 +284,9 @@ class TransferEngine:
         t0 = time.monotonic()
         try:
             self.backend.invalidate(slots)
-            failed |= self._faults.hit(FaultPoint.D2H, n)
+            failed |= self._faults.hit(FaultPoint.SAVE_PROGRAM, n)
             jax.block_until_ready(tokens)  # the program, hence its writes into the store, finished
-            failed |= self._faults.hit(FaultPoint.WRITE_SLOTS, n)
+            failed |= self._faults.hit(FaultPoint.SAVE_RECORD, n)
             if failed:
                 ok = [i for i in range(n) if i not in failed]
                 self.backend.commit([slots[i] for i in ok], [save_ids[i] for i in ok], [block_ids[i] for i in ok])
@@ -377,9 +377,9 @@ class TransferEngine:
         n = len(slots)
         failed = self._wait_for_writes(slots)
         try:
-            failed |= self._faults.hit(FaultPoint.READ_SLOTS, n)
+            failed |= self._faults.hit(FaultPoint.LOAD_SLOT_CHECK, n)
             failed |= self._unusable(block_ids, slots, save_ids)
-            failed |= self._faults.hit(FaultPoint.H2D, n)
+            failed |= self._faults.hit(FaultPoint.LOAD_PREPARE, n)
         except Exception as exc:  # noqa: BLE001 - placeholders keep the dispatch identical
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
             failed = set(range(n))
