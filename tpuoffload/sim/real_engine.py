@@ -249,7 +249,10 @@ def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.
     out_json, log_path = os.path.join(workdir, "report.json"), os.path.join(workdir, "engine.log")
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(tps) + 1}",
+               # One CPU thread per op: multi-threaded reductions may sum in another order from run to
+               # run, and a random model's near-tie argmax then flips a greedy token (seen at TP 1 and 2).
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(tps) + 1} "
+                         "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
                VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"))  # tpu-inference's compile cache: not ~/.cache
     env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
     cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model-dir", model_dir, "--json", out_json,
