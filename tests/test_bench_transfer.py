@@ -165,7 +165,7 @@ def test_deployment_shapes_are_tpu_inferences(bench, name):
 
     import jax.numpy as jnp
 
-    tpu_layouts = pytest.importorskip("tpuoffload.sim.tpu_layouts")
+    from tpuoffload.sim import tpu_layouts
     ti = tpu_layouts.tpu_inference()
     d = dict(bench.DEPLOYMENTS[name])
     d.pop("layers")
@@ -194,7 +194,7 @@ def test_shape_rule_matches_tpu_inference_beyond_the_table(bench, kw):
 
     import jax.numpy as jnp
 
-    tpu_layouts = pytest.importorskip("tpuoffload.sim.tpu_layouts")
+    from tpuoffload.sim import tpu_layouts
     ti = tpu_layouts.tpu_inference()
     mla = kw.get("use_mla", False)
     sizes = {"data": 1, "model": kw["tp"]}
