@@ -219,7 +219,8 @@ class OffloadWorker:
         failed = set(failed)
         for p in placed:
             for load in p.loads:
-                self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
+                if failed:  # (the usual step has none: no per-block work on the main thread then)
+                    self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
                 self._load_errors.update(load.unavailable_block_ids)
                 if not p.plan.sync_loads:
                     self._finished_recving.add(load.req_id)
