@@ -25,13 +25,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tpuoffload.config import check_dp_config, parse_config, per_engine
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.manager import OffloadScheduler
-from tpuoffload.manager.topology import DPRank, host_chunk_bytes, reporting_workers, storage_factor
+from tpuoffload.manager.events import event_format
+from tpuoffload.manager.topology import (DPRank, host_chunk_bytes, publish_as_dp_rank, reporting_workers,
+                                         storage_factor)
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
 from tpuoffload.worker.persistence import Deployment
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -58,6 +63,10 @@ class TPUOffloadConnector(KVConnectorBase_V1):
             dp = DPRank.of(vllm_config, kv_cache_config)
             if dp.ranks > 1:
                 check_dp_config(self.config)
+                published = publish_as_dp_rank(vllm_config, dp)
+                if published is not None:
+                    logger.info("tpuoffload: this DPScheduler rank publishes KV events as data parallel rank %d "
+                                "(endpoint port offset by it)", published)
             self.scheduler = OffloadScheduler(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
@@ -65,6 +74,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
                 num_hosts=self.num_workers,
                 hosts_source=workers_source,
                 dp=dp,
+                events=event_format(vllm_config, kv_cache_config),
             )
             logger.info("tpuoffload scheduler%s: %d host slots of %d bytes per host; %d worker processes confirm "
                         "each chunk (%s); %s",
@@ -130,6 +140,8 @@ class TPUOffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # ============================== scheduler side ==============================
     def _bind_scheduler_hooks(self) -> None:
@@ -138,7 +150,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         takes the scheduler half's bound methods (same signatures), and the class methods below,
         which say the same, are never reached on the scheduler side."""
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                     "update_connector_output", "request_finished"):
+                     "update_connector_output", "request_finished", "take_events"):
             setattr(self, name, getattr(self.scheduler, name))
         self.get_kv_connector_stats = self.scheduler.take_stats  # once per step
 
@@ -159,6 +171,12 @@ class TPUOffloadConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> "Iterable[KVCacheEvent]":
+        """KV events since the last call (vLLM publishes them each step): chunks that became
+        loadable in host RAM ("CPU") or on every host's disk ("STORAGE"), and chunks that stopped
+        being loadable (manager/events.py). Empty unless vLLM's ``kv_events_config`` enables them."""
+        return self.scheduler.take_events()
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (e.g. after a weight update): nothing

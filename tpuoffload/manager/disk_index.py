@@ -33,6 +33,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, Range, pack_keys
+from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
 from tpuoffload.manager.hash_table import HashKeys
 from tpuoffload.manager.index import ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
@@ -52,9 +53,12 @@ logger = logging.getLogger(__name__)
 
 
 class DiskIndex:
+    """``events``: the sink of the disk's KV events (medium "STORAGE": a chunk every host's disk
+    holds is READY in ``index``)."""
+
     def __init__(self, num_chunks: int, num_hosts: int, counters: Counter[str], clock: Callable[[], float],
-                 timeout_s: float) -> None:
-        self.index = ChunkIndex(num_chunks)  # disk chunk number -> chunk; its own counters
+                 timeout_s: float, events: ChunkEvents = NO_EVENTS) -> None:
+        self.index = ChunkIndex(num_chunks, events=events)  # disk chunk number -> chunk; its own counters
         self.ledger = CompletionLedger(num_hosts, source="disk tier")
         self.counters = counters
         self.clock = clock
@@ -68,12 +72,14 @@ class DiskIndex:
         return disk_bytes // (FILE_HEADER_BYTES + chunk_bytes)
 
     # ---------------------------------------------------------------- spills
-    def spill(self, slots: np.ndarray, save_ids: np.ndarray, keys: HashKeys, step: int) -> DiskBatch:
-        """Chunks just evicted from host RAM go to disk (those not there already)."""
+    def spill(self, slots: np.ndarray, save_ids: np.ndarray, keys: HashKeys, records, step: int) -> DiskBatch:
+        """Chunks just evicted from host RAM go to disk (those not there already), with their event
+        records (``ChunkIndex.take_evicted``)."""
         if not len(slots):
             return _EMPTY_BATCH
+        events = self.index.events
         keys, new, _, _ = self.index.select_new(keys)
-        slots, save_ids = slots[new], save_ids[new]
+        slots, save_ids, records = slots[new], save_ids[new], events.subset(records, new)
         entries = self.index.allocate(len(slots))
         self._forget(entries[self._held[entries]])  # evicted from disk: the hosts delete them
         n = len(entries)
@@ -82,6 +88,7 @@ class DiskIndex:
         slots, save_ids, keys = slots[:n], save_ids[:n], keys.take(slice(0, n))
         base = self.ledger.open_batch(entries, self.clock() + self.timeout_s, step)
         self.index.add_saving(keys, entries, base)
+        events.copy_in(entries, events.subset(records, slice(0, n)))
         self._keys[entries, 0], self._keys[entries, 1] = keys.k1, keys.k2
         self._held[entries] = True
         self.counters[C.SPILLS_ISSUED] += n
@@ -128,10 +135,14 @@ class DiskIndex:
         common = common[valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
         common = common[keep]
+        events = self.index.events
+        records, described = events.lookup(keys)  # KV events: only files it can announce
+        if not described.all():
+            common, keys, records = common[described], keys.take(described), events.subset(records, described)
         free = np.flatnonzero(self.index.free_slots_mask(np.arange(self.index.num_slots)))
         skip = max(0, len(common) - len(free))  # the most recently used fit
         common, keys, entries = common[skip:], keys.take(slice(skip, None)), free[:len(common) - skip]
-        self.index.adopt(keys, entries, common["disk_id"])
+        self.index.adopt(keys, entries, common["disk_id"], events.subset(records, slice(skip, None)))
         self._keys[entries, 0], self._keys[entries, 1] = keys.k1, keys.k2
         self._held[entries] = True
         offered = np.unique(_void(_hash_keys(np.concatenate(kept))))
@@ -239,6 +250,7 @@ class FetchPlanner:
             entries, keys = entries[:n], keys.take(slice(0, n))
             base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
             self.ram.add_saving(keys, slots, base)
+            self.ram.events.copy_in(slots, self.disk.index.events.rows(entries))
             disk_ids = self.disk.start_fetch(entries)
             for i in range(n):
                 self._by_save_id[base + i] = (rid, int(entries[i]), int(disk_ids[i]))

@@ -29,6 +29,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import compact_ints
+from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
 from tpuoffload.manager.hash_table import HashKeys, HashTable, PackedHashes, _i64, _u64
 from tpuoffload.manager.kernels import kernels
 from tpuoffload.manager.recency import RecencyLog
@@ -64,9 +65,12 @@ class ChunkIndex:
     ``version`` changes whenever the set of READY chunks may have shrunk (eviction, drop, discard,
     revoke), so a caller can tell whether a lookup it memoised is still exact.
     ``counters`` holds ``evicted``, ``discarded`` and ``revoked`` (registry names).
+    ``events`` hears every change of the set of READY chunks (manager/events.py: KV events), and
+    keeps what describes each slot's chunk; ``NO_EVENTS`` (the default) does nothing.
     """
 
-    def __init__(self, num_slots: int, counters: Counter[str] | None = None) -> None:
+    def __init__(self, num_slots: int, counters: Counter[str] | None = None,
+                 events: ChunkEvents = NO_EVENTS) -> None:
         self._pool = SlotPool(num_slots)
         self._lru = RecencyLog(num_slots)
         self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
@@ -83,9 +87,10 @@ class ChunkIndex:
         self._counts = [num_slots, 0, 0, 0]  # slots per state
         self.version = 0
         self.counters: Counter[str] = Counter() if counters is None else counters  # may be shared
-        # (slots, save ids, keys) of the chunks evicted since the last take_evicted, when kept
-        # (record_evictions): what the disk tier spills.
-        self._evicted: list[tuple[np.ndarray, np.ndarray, HashKeys]] | None = None
+        self.events = events
+        # (slots, save ids, keys, event records) of the chunks evicted since the last take_evicted,
+        # when kept (record_evictions): what the disk tier spills.
+        self._evicted: list[tuple[np.ndarray, np.ndarray, HashKeys, object]] | None = None
         self._k = kernels()
 
     # ------------------------------------------------------------------ queries (no side effects)
@@ -249,6 +254,7 @@ class ChunkIndex:
             self._counts[SAVING] -= len(slots)
             self._counts[READY] += len(slots)
             self._lru.touch(slots)
+            self.events.ready(slots)
             return len(slots)
         slots, states = self._matching(slots, save_ids)
         if not len(slots):
@@ -259,6 +265,7 @@ class ChunkIndex:
         self._counts[SAVING] -= len(ready)
         self._counts[READY] += len(ready)
         self._lru.touch(ready)
+        self.events.ready(ready)
         if len(ready) < len(slots):
             self._free(slots[~saving], REVOKED)
         return len(ready)
@@ -285,9 +292,10 @@ class ChunkIndex:
         """True where the slot is FREE (no chunk, no save, nothing pinned)."""
         return self._state_np[slots] == FREE
 
-    def adopt(self, keys: HashKeys, slots: np.ndarray, save_ids: np.ndarray) -> None:
+    def adopt(self, keys: HashKeys, slots: np.ndarray, save_ids: np.ndarray, rows=None) -> None:
         """Warm restart: chunks every host restored become READY in ``slots`` under ``save_ids``,
-        the last listed the most recently used. The slots must be FREE and distinct, the keys
+        the last listed the most recently used, described by the event records ``rows``
+        (``events.lookup``; None without events). The slots must be FREE and distinct, the keys
         distinct and new to the index (manager/restart.py checks)."""
         slots = np.asarray(slots, dtype=np.int64)
         n = len(slots)
@@ -305,6 +313,8 @@ class ChunkIndex:
         self._counts[FREE] -= n
         self._counts[READY] += n
         self._lru.touch(slots)
+        self.events.copy_in(slots, rows)
+        self.events.ready(slots)
 
     # ------------------------------------------------------------------ loads
     def pin(self, slots: np.ndarray) -> None:
@@ -347,6 +357,7 @@ class ChunkIndex:
         if not 0 <= slot < self.num_slots or self._state_np[slot] != READY or self._save_id[slot] != save_id:
             return False
         one = np.array([slot], dtype=np.int64)
+        self.events.removed(one)
         self._unname(one)
         self._lru.forget(one)
         if self._pins[slot]:
@@ -365,6 +376,7 @@ class ChunkIndex:
         n = len(self._table)
         state = self._state_np
         ready = np.flatnonzero(state == READY)
+        self.events.removed(ready)
         self._lru.forget(ready)
         pinned = ready[self._pins[ready] > 0]
         if len(pinned):
@@ -379,6 +391,11 @@ class ChunkIndex:
         self.counters[C.REVOKED] += n
         self.version += 1
         return n
+
+    def named_slots(self) -> np.ndarray:
+        """Slots whose chunk a hash names (SAVING or READY). O(num_slots)."""
+        state = self._state_np
+        return np.flatnonzero((state == SAVING) | (state == READY))
 
     # ------------------------------------------------------------------ internals
     def _matching(self, slots: np.ndarray, save_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -397,21 +414,24 @@ class ChunkIndex:
         """From now on keep what every eviction removes, for ``take_evicted``."""
         self._evicted = []
 
-    def take_evicted(self) -> tuple[np.ndarray, np.ndarray, HashKeys]:
-        """(slots, save ids, keys) of the chunks evicted since the last call, oldest first."""
+    def take_evicted(self) -> tuple[np.ndarray, np.ndarray, HashKeys, object]:
+        """(slots, save ids, keys, event records) of the chunks evicted since the last call, oldest
+        first."""
         parts = self._evicted
         if not parts:
-            return _EMPTY, _EMPTY, HashKeys.of([])
+            return _EMPTY, _EMPTY, HashKeys.of([]), self.events.concat([])
         self._evicted = []
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                HashKeys(np.concatenate([p[2].k1 for p in parts]), np.concatenate([p[2].k2 for p in parts])))
+                HashKeys(np.concatenate([p[2].k1 for p in parts]), np.concatenate([p[2].k2 for p in parts])),
+                self.events.concat([p[3] for p in parts]))
 
     def _evict(self, victims: np.ndarray) -> None:
         """LRU victims (READY, unpinned, already out of the LRU order) lose their chunk; their
         slots stay allocated for the caller."""
+        self.events.removed(victims)
         if self._evicted is not None:
             keys = HashKeys(self._table.k1_at(self._cell[victims]), self._key2[victims].copy())
-            self._evicted.append((victims.copy(), self._save_id[victims].copy(), keys))
+            self._evicted.append((victims.copy(), self._save_id[victims].copy(), keys, self.events.rows(victims)))
         table = self._table
         markers = self._k.evict(table.buckets, self._cell, self._state_np, self._save_id, victims)
         if table.removed(len(victims), markers):

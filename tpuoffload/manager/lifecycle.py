@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tpuoffload.manager.events import Origin
+
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -59,6 +61,7 @@ class RequestLifecycle:
         self._saving: set[str] = set()  # requests that may still have blocks to save (or track)
         self._flush_blocks: list[int] = []  # lazy: candidates for the next plan's flush
         self._flush_hashes: list[bytes] = []
+        self._flush_origins: list[Origin] = []
         self._release: list[str] = []  # finished requests to release in the next plan
         self._awaiting_release: set[str] = set()  # released by the workers' finished_sending
 
@@ -152,14 +155,17 @@ class RequestLifecycle:
         self._saving.discard(req_id)
 
     # ------------------------------------------------------------------ per-step candidates
-    def step_candidates(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> tuple[list[int], list[list[bytes]]]:
+    def step_candidates(self, so: "SchedulerOutput",
+                        block_ids_of: BlockIdsOf) -> tuple[list[int], list[list[bytes]], list[Origin]]:
         """Eager mode: the full blocks this step's forward completes, request by request, planned in
         this step so the workers gather them right after the forward, before vLLM can reuse the
         blocks (invariant 9). Returns (their block ids, their hashes as runs: one list per request,
-        to be read in order; a request's own list when all of it is new, so no hash is copied).
-        Requests with nothing left to save stop being visited, so decode steps cost nothing."""
+        to be read in order; a request's own list when all of it is new, so no hash is copied;
+        where each run comes from). Requests with nothing left to save stop being visited, so
+        decode steps cost nothing."""
         blocks: list[int] = []
         runs: list[list[bytes]] = []
+        origins: list[Origin] = []
         for rec, full in self._filled(so):
             start = rec.watermark
             if full > start:
@@ -167,8 +173,9 @@ class RequestLifecycle:
                 hashes = rec.request.block_hashes
                 blocks += ids[start:full] if start or full < len(ids) else ids
                 runs.append(hashes[start:full] if start or full < len(hashes) else hashes)
+                origins.append(Origin(rec.request, start, full - start))
                 rec.watermark = full
-        return blocks, runs
+        return blocks, runs, origins
 
     def track_computed(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> None:
         """Lazy mode: remember the ids of the full blocks each scheduled request has computed once
@@ -177,9 +184,10 @@ class RequestLifecycle:
             if full > len(rec.computed_block_ids):
                 rec.computed_block_ids = block_ids_of(rec.request.request_id)[:full]
 
-    def take_flush(self) -> tuple[list[int], list[bytes]]:
-        out = self._flush_blocks, self._flush_hashes
-        self._flush_blocks, self._flush_hashes = [], []
+    def take_flush(self) -> tuple[list[int], list[bytes], list[Origin]]:
+        """Lazy mode: (block ids, hashes, where they come from) of the flush candidates queued."""
+        out = self._flush_blocks, self._flush_hashes, self._flush_origins
+        self._flush_blocks, self._flush_hashes, self._flush_origins = [], [], []
         return out
 
     def take_release(self) -> tuple[str, ...]:
@@ -193,7 +201,7 @@ class RequestLifecycle:
         the same reset (not applied yet) recomputes everything: its saves start from its first
         block, and what it computed before is never flushed. Any other request's blocks computed
         so far count as handled."""
-        self._flush_blocks, self._flush_hashes = [], []
+        self._flush_blocks, self._flush_hashes, self._flush_origins = [], [], []
         for rec in self._records.values():
             n = rec.request.num_preemptions
             if n > rec.preemptions:
@@ -210,6 +218,7 @@ class RequestLifecycle:
         if full > rec.watermark:
             self._flush_blocks += rec.computed_block_ids[rec.watermark:full]
             self._flush_hashes += rec.request.block_hashes[rec.watermark:full]
+            self._flush_origins.append(Origin(rec.request, rec.watermark, full - rec.watermark))
             rec.watermark = full
 
     def _filled(self, so: "SchedulerOutput"):

@@ -10,6 +10,8 @@ parts that do the work, each with one job:
 * ``ChunkIndex`` (index.py): content hash -> host slot, LRU eviction, pins, reset.
 * ``CompletionLedger`` (ledger.py): which hosts confirmed which saves; expected-reporter checks.
 * ``StagingBudget`` (staging.py): bytes of saves in flight.
+* ``EventLog`` (events.py): KV events, what host RAM and disk can serve, for ``take_events``
+  (only when vLLM publishes KV events: otherwise every index's sink is ``NO_EVENTS``).
 
 Per-step work is proportional to what changed (requests with blocks left to save, new loads,
 reports), never to the number of running requests or of chunks held, and per-chunk work is
@@ -25,12 +27,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig
 from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
+from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
+from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,
+                                       TierEvents)
 from tpuoffload.manager.hash_table import PackedHashes
 from tpuoffload.manager.index import ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
@@ -53,6 +59,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _no_events() -> tuple:
+    """``take_events`` when vLLM publishes no KV events."""
+    return ()
+
+
 def waits_for_load(request: "Request") -> bool:
     """vLLM waits for a load of this request (and asserts on a load it does not wait for)."""
     return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -61,7 +72,7 @@ def waits_for_load(request: "Request") -> bool:
 class OffloadScheduler:
     def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
                  hosts_source: str = "", clock: Callable[[], float] = time.monotonic,
-                 dp: DPRank | None = None) -> None:
+                 dp: DPRank | None = None, events: EventFormat | None = None) -> None:
         if block_size <= 0 or chunk_bytes <= 0:
             raise ValueError(f"block_size ({block_size}) and chunk_bytes ({chunk_bytes}) must be positive")
         self.config = config
@@ -79,7 +90,14 @@ class OffloadScheduler:
         # by each take_stats.
         self.counters: Counter[str] = Counter()
         self.totals: Counter[str] = Counter()  # since start, for snapshots
-        self.index = ChunkIndex(num_slots, counters=self.counters)
+        # KV events (events.py), decided once: ``events`` is vLLM's, None when it publishes none.
+        self._events_log = EventLog(events) if events is not None else None
+        self._restored_meta = (load_meta(config.persist_path, self._events_log)
+                               if events is not None and config.persist_path is not None else None)
+        self.index = ChunkIndex(num_slots, counters=self.counters, events=self._sink(num_slots, MEDIUM_CPU))
+        # Warm restart with events: the records of every named chunk go beside the checkpoints.
+        self._meta_writer = (MetaWriter(config.persist_path, self._events_log, self._event_records)
+                             if events is not None and config.persist_path is not None else NO_META_WRITER)
         self.ledger = CompletionLedger(num_hosts, source=hosts_source, counters=self.counters)
         self.staging = StagingBudget(config.staging_capacity(chunk_bytes))
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
@@ -89,6 +107,7 @@ class OffloadScheduler:
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
         self.tiers: list[Tier] = self._make_tiers(config, num_hosts)
+        self.take_events = self._events_log.take if self._events_log is not None else _no_events
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
         self._stats_seq = 0
@@ -96,22 +115,40 @@ class OffloadScheduler:
         self._snapshot: SnapshotWriter | None = None
         self._open_snapshot()
 
+    def _sink(self, num_entries: int, medium: str) -> ChunkEvents:
+        """An index's event sink: records and announces its chunks when events are on."""
+        if self._events_log is None:
+            return NO_EVENTS
+        return TierEvents(self._events_log, num_entries, medium, self._restored_meta)
+
     def _make_tiers(self, config: OffloadConfig, num_hosts: int) -> list[Tier]:
         """The tiers beside host RAM, in the order their hooks run (manager/tier.py)."""
         tiers: list[Tier] = []
+        disk_chunks = DiskIndex.capacity(config.disk_bytes_to_use, self.chunk_bytes) if config.disk_path else 0
+        disk_events = self._sink(disk_chunks, MEDIUM_STORAGE)
         if config.persist_path is not None:
             tiers.append(WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
-                                     self.index, num_hosts, self.counters, lambda: self.clock()))
+                                     self.index, num_hosts, self.counters, lambda: self.clock(),
+                                     on_checkpoint=self._meta_writer.write))
         if config.disk_path is not None:
-            disk_chunks = DiskIndex.capacity(config.disk_bytes_to_use, self.chunk_bytes)
             if disk_chunks == 0:
                 raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
-            disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s)
+            disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s,
+                             events=disk_events)
             fetches = FetchPlanner(self.index, self.ledger, disk, self.staging, self.chunk_bytes, self.block_size,
                                    self.counters, lambda: self.clock(), config.save_timeout_s, self.loads.take_lookup)
             tiers.append(DiskTierPlanner(disk, fetches, self.index, num_hosts, self.counters, lambda: self.clock(),
                                          config.persist_timeout_s, keeps_files=config.persist_path is not None))
         return tiers
+
+    def _event_records(self) -> np.ndarray:
+        """The event records of every chunk named in host RAM and on disk (for the restart file)."""
+        indexes = [self.index] + [t.disk.index for t in self.tiers if isinstance(t, DiskTierPlanner)]
+        return np.concatenate([i.events.entries(i.named_slots()) for i in indexes])
+
+    def close(self) -> None:
+        """vLLM's scheduler shuts down (after its executor: the hosts' last checkpoint is written)."""
+        self._meta_writer.close()
 
     def tier(self, name: str) -> Tier | None:
         """The tier of that name, if configured (operators' and tests' view)."""
@@ -200,13 +237,14 @@ class OffloadScheduler:
             if not blocked:
                 for t in self.tiers:
                     t.plan_into_ram(step)
-            flush = plan(*self.requests.take_flush(), step)
+            flush_blocks, flush_hashes, flush_origins = self.requests.take_flush()
+            flush = plan(flush_blocks, flush_hashes, step, flush_origins)
             if self.config.lazy_offload:
                 self.requests.track_computed(scheduler_output, block_ids_of)
                 save: SaveBatch = NO_SAVES
             else:
-                blocks, runs = self.requests.step_candidates(scheduler_output, block_ids_of)
-                save = plan(blocks, PackedHashes.of_runs(runs), step) if blocks else NO_SAVES
+                blocks, runs, origins = self.requests.step_candidates(scheduler_output, block_ids_of)
+                save = plan(blocks, PackedHashes.of_runs(runs), step, origins) if blocks else NO_SAVES
         finally:
             self.index.unpin(load_slots)
         parts = {t.name: part for t in self.tiers if (part := t.finish_step(step)) is not None}
@@ -219,7 +257,7 @@ class OffloadScheduler:
             self._snapshot.maybe_write()
         return OffloadMetadata([plan])
 
-    def _skip_saves(self, block_ids, hashes, step: int) -> SaveBatch:
+    def _skip_saves(self, block_ids, hashes, step: int, origins=()) -> SaveBatch:
         """While a checkpoint is written no save is planned (it would donate the stores)."""
         self.counters[C.SKIPPED_CHECKPOINT] += len(hashes)
         return NO_SAVES

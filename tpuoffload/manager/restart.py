@@ -24,6 +24,12 @@ The checkpoint at shutdown is the hosts' own (vLLM stops stepping first).
 
 Reset. After a connector reset, the next plan carries ``revoke_below``: every host forgets all
 its chunks and never commits a save issued before the reset, so no later checkpoint holds them.
+
+KV events. A restored chunk becomes loadable with the event record it was saved with (the index's
+event sink finds it in the records written beside the checkpoints, manager/event_meta.py), and is
+announced then; with events on, a restored chunk without a record is dropped, so that what the
+events say is loadable stays exact. ``on_checkpoint`` is called whenever a checkpoint is planned
+(it writes those records).
 """
 
 from __future__ import annotations
@@ -63,8 +69,10 @@ class WarmRestart(Tier):
     name = "persist"
 
     def __init__(self, persist_path: str, interval_s: float, timeout_s: float, index: ChunkIndex,
-                 num_hosts: int, counters: Counter[str], clock: Callable[[], float]) -> None:
+                 num_hosts: int, counters: Counter[str], clock: Callable[[], float],
+                 on_checkpoint: Callable[[], None] = lambda: None) -> None:
         self.index = index
+        self._on_checkpoint = on_checkpoint
         self.num_hosts = num_hosts
         self.counters = counters
         self.clock = clock
@@ -115,6 +123,7 @@ class WarmRestart(Tier):
         self._next_due = now + self._interval if self._interval else math.inf
         self._checkpoint = _Checkpoint(step, now + self.timeout_s, set(range(self.num_hosts)), request)
         self.counters[C.CHECKPOINTS_PLANNED] += 1
+        self._on_checkpoint()
         logger.info("tpuoffload persist: checkpoint planned (%s)", f"request {request.id}" if request else "interval")
         return True
 
@@ -150,7 +159,11 @@ class WarmRestart(Tier):
         common = common[ok][valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one chunk per hash, none already held (invariant 5)
         common = common[keep]
-        self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"])
+        events = self.index.events
+        records, described = events.lookup(keys)  # KV events: only chunks it can announce
+        if not described.all():
+            common, keys, records = common[described], keys.take(described), events.subset(records, described)
+        self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"], records)
         self.counters[C.RESTORED_READY] += len(common)
         self.counters[C.RESTORED_DROPPED] += offered - len(common)
         logger.info("tpuoffload persist: %d restored chunks loadable (%d dropped: not on every host alike, "

@@ -23,6 +23,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch, compact_ints, pack_keys
+from tpuoffload.manager.events import Origins
 from tpuoffload.manager.hash_table import PackedHashes
 from tpuoffload.manager.index import ChunkHash, ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
@@ -44,10 +45,12 @@ class SavePlanner:
         self.clock = clock
         self.counters = counters
 
-    def plan(self, block_ids: Sequence[int], hashes: "Sequence[ChunkHash] | PackedHashes", step: int) -> SaveBatch:
+    def plan(self, block_ids: Sequence[int], hashes: "Sequence[ChunkHash] | PackedHashes", step: int,
+             origins: Origins = ()) -> SaveBatch:
         """Chunks to save among the candidates ``zip(block_ids, hashes)``, earliest first. The
         blocks must hold their content until the workers gather them in this step's plan.
-        ``hashes`` may also be given packed already.
+        ``hashes`` may also be given packed already; ``origins`` say which request blocks the
+        candidates are, in order (what the index's event sink records of each new chunk).
 
         Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
         against saves in flight) and invariant 10 (the staging budget's room and the slots that exist
@@ -87,6 +90,7 @@ class SavePlanner:
             return NO_SAVES
         if got < n_keep:
             keep, keys = keep[:got], keys.take(slice(0, got))
+        self.index.events.record(slots, packed, keep, origins)
         blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, keep.tolist()))
         reserved = self.staging.reserve_up_to(got, self.chunk_bytes)
         assert reserved == got, (reserved, got)  # got <= room(), and nothing reserved since

@@ -18,6 +18,7 @@ right one (one process per rank). The count is both the number of confirmations 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -132,3 +133,41 @@ class DPRank:
         if ranks <= 1 or not str(name).endswith("DPScheduler"):
             return cls()
         return cls(ranks, kv_cache_config.num_blocks, os.getpid())
+
+
+def dp_scheduler_rank() -> int | None:
+    """The DP rank this process schedules for, when it is one of tpu-inference's DPScheduler rank
+    processes (None otherwise). DPScheduler forks one process per rank, all with the same
+    ``vllm_config``, and builds each rank's vLLM scheduler (and so this connector) inside
+    ``_scheduler_worker_process(rank, ...)``: the rank is that call's argument, read from the stack
+    (it is not in the config). Checked against tpu-inference's own DPScheduler by
+    tests/test_events.py."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_scheduler_worker_process" and \
+                frame.f_globals.get("__name__") == "tpu_inference.core.sched.dp_scheduler":
+            rank = frame.f_locals.get("rank")
+            return rank if isinstance(rank, int) else None
+        frame = frame.f_back
+    return None
+
+
+def publish_as_dp_rank(vllm_config: "VllmConfig", dp: DPRank) -> int | None:
+    """Under DPScheduler every rank's vLLM scheduler builds its own KV event publisher, after its
+    connector, from the same config: all of them would bind the same endpoint (the second bind
+    fails: address in use) and label their batches ``data_parallel_rank`` 0, so a router would mix
+    the ranks' caches. vLLM's own data parallelism gives each engine's publisher its DP index
+    (``parallel_config.data_parallel_index``: the endpoint's port is offset by it and it labels the
+    batches); this gives each DPScheduler rank process the same, ``index * ranks + rank``. Only
+    this forked process's copy of the config changes, and only when KV events are on. Returns the
+    index set (None: nothing to do)."""
+    kv_events = getattr(vllm_config, "kv_events_config", None)
+    if dp.ranks <= 1 or kv_events is None or not kv_events.enable_kv_cache_events:
+        return None
+    rank = dp_scheduler_rank()
+    if rank is None:
+        return None
+    pc = vllm_config.parallel_config
+    pc.data_parallel_index = pc.data_parallel_index * dp.ranks + rank
+    return pc.data_parallel_index

@@ -41,6 +41,7 @@ class EngineSpec:
     async_scheduling: bool = False
     extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
     scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    kv_events: dict[str, Any] | None = None  # vLLM's --kv-events-config (KVEventsConfig fields)
 
 
 def absorb_outputs(engine, engine_core_outputs) -> None:
@@ -90,7 +91,8 @@ class InProcessEngine:
             num_blocks=layout.num_blocks, block_size=layout.block_size, kv_connector_extra_config=spec.extra_config,
             async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens, tensor_parallel_size=spec.num_hosts,
-            **scheduler_kv_shape(slot_bytes * spec.num_hosts, layout.block_size), **spec.scheduler_kwargs,
+            **scheduler_kv_shape(slot_bytes * spec.num_hosts, layout.block_size), kv_events=spec.kv_events,
+            **spec.scheduler_kwargs,
         )
         faults = list(faults) if faults is not None else [None] * spec.num_hosts
         self.runners: list[SyntheticRunner] = []
@@ -178,5 +180,8 @@ class InProcessEngine:
         return sum(r.stats.mismatches for r in self.runners)
 
     def close(self) -> None:
+        """Shut down as vLLM's engine core does: the workers (executor) first, then the scheduler
+        (its KV event publisher and its connector)."""
         for conn in self.connectors:
             conn.shutdown()
+        self.scheduler.shutdown()

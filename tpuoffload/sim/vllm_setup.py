@@ -138,6 +138,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     tensor_parallel_size: int = 1,
     parallel_overrides: dict | None = None,
+    kv_events: dict | None = None,
 ) -> VllmConfig:
     # The model holds num_kv_heads per tensor-parallel rank, so that vLLM's check "attention heads
     # divisible by tensor_parallel_size" holds for any size.
@@ -181,12 +182,18 @@ def make_vllm_config(
     from vllm.config import ParallelConfig
 
     parallel_config = ParallelConfig(**parallel)
+    kv_events_config = None
+    if kv_events is not None:  # what --kv-events-config parses into
+        from vllm.config.kv_events import KVEventsConfig
+
+        kv_events_config = KVEventsConfig(**kv_events)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         parallel_config=parallel_config,
         kv_transfer_config=kv_transfer_config,
+        kv_events_config=kv_events_config,
         device_config=DeviceConfig("cpu"),
     )
     # PITFALL: CpuPlatform.check_and_update_config (platforms/cpu.py:330-331)
@@ -254,6 +261,7 @@ def make_scheduler(
     model_runner_v2: bool = False,
     parallel_overrides: dict | None = None,
     sharding_config=None,
+    kv_events: dict | None = None,
 ) -> Scheduler:
     """Build vLLM's real Scheduler (or AsyncScheduler) exactly as EngineCore does,
     minus the executor. The connector (role SCHEDULER) is ``sched.connector``.
@@ -261,6 +269,9 @@ def make_scheduler(
     Set connector_module_path=None and connector_class="" for no connector.
     tensor_parallel_size only changes parallel_config (vLLM's default 'mp'
     executor: one reporting worker per rank); nothing is launched.
+    kv_events is vLLM's --kv-events-config (KVEventsConfig fields), e.g.
+    {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:5557"}:
+    the scheduler then builds its own publisher from it.
     parallel_overrides replaces ParallelConfig arguments the way a deployment
     would, e.g. {"tensor_parallel_size": 8, "distributed_executor_backend": "uni"}
     for tpu-inference on one host (the backend is set after validation, as
@@ -292,6 +303,7 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         tensor_parallel_size=tensor_parallel_size,
         parallel_overrides=parallel_overrides,
+        kv_events=kv_events,
     )
     if sharding_config is not None:
         # tpu-inference's platform attaches its ShardingConfigManager to the config, then installs

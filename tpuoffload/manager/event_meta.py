@@ -1,0 +1,135 @@
+"""KV events across a warm restart: the records that describe each chunk, kept beside the checkpoints.
+
+A checkpoint is written by the hosts and holds each slot's hash keys only (the first 16 bytes of the
+hash), so after a restart the scheduler could not say which block hash, tokens and parent a
+restored chunk has. With KV events on, the scheduler half writes its own file, ``META_FILE`` in
+``persist_path``: the event record (manager/events.py ``EventFormat.row_dtype``) of every chunk
+named in host RAM or on disk, whenever a checkpoint is planned and at shutdown (after the hosts'
+shutdown checkpoint: vLLM shuts its executor down first). At the next start, a restored chunk or
+chunk file is looked up there by its hash keys: found, it is adopted and announced with exactly
+the record it was saved with; not found (the file is older than the checkpoint, or missing), it is
+not made loadable, so the events stay exact (counted with the restored chunks dropped).
+
+The record of a hash never changes (the hash covers the tokens and the parent), so any file of the
+same deployment describes the chunks it names correctly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from tpuoffload.manager.events import EventLog
+from tpuoffload.manager.hash_table import HashKeys, PackedHashes
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "kv-events-meta.npz"
+
+
+class RestoredMeta:
+    """The records a previous run wrote, looked up by hash keys."""
+
+    def __init__(self, rows: np.ndarray, loras: list, log: EventLog) -> None:
+        keys = HashKeys.of(PackedHashes(np.ascontiguousarray(rows["hash"]).tobytes(), log.fmt.width))
+        order = np.lexsort((keys.k2, keys.k1))
+        self._k1, self._k2 = keys.k1[order], keys.k2[order]
+        rows = rows[order]
+        # The old run's LoRA numbers -> this run's.
+        remap = np.array([0] + [log.lora_of(*k) for k in loras[1:]], dtype=np.int32)
+        rows["lora"] = remap[rows["lora"]]
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def lookup(self, keys: HashKeys) -> tuple[np.ndarray, np.ndarray]:
+        """(records, found): the record of each key (an arbitrary one where not found)."""
+        if not len(self._k1):
+            return np.zeros(len(keys), dtype=self._rows.dtype), np.zeros(len(keys), dtype=bool)
+        pos = np.minimum(np.searchsorted(self._k1, keys.k1), len(self._k1) - 1)
+        found = (self._k1[pos] == keys.k1) & (self._k2[pos] == keys.k2)
+        return self._rows[pos], found
+
+
+def save_meta(path: str, rows: np.ndarray, log: EventLog) -> None:
+    """Write ``rows`` for the next start, atomically (a temporary file renamed over the last)."""
+    os.makedirs(path, exist_ok=True)
+    final = os.path.join(path, META_FILE)
+    tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp.npz"
+    header = {"width": log.fmt.width, "block_size": log.fmt.block_size}
+    np.savez(tmp, rows=rows, loras=np.array(json.dumps(log.loras())), header=np.array(json.dumps(header)))
+    os.replace(tmp, final)
+
+
+def load_meta(path: str, log: EventLog) -> RestoredMeta | None:
+    """The records ``save_meta`` wrote under ``path``; None if there are none or they are of
+    another deployment or unreadable (one log line says which)."""
+    final = os.path.join(path, META_FILE)
+    if not os.path.exists(final):
+        return None
+    try:
+        with np.load(final, allow_pickle=False) as f:
+            header = json.loads(str(f["header"]))
+            rows, loras = f["rows"], json.loads(str(f["loras"]))
+    except Exception as e:  # never stop the engine for it: restored chunks are then not adopted
+        logger.warning("tpuoffload events: %s unreadable (%s: %s); restored chunks will not be loadable",
+                       final, type(e).__name__, e)
+        return None
+    fmt = log.fmt
+    if header != {"width": fmt.width, "block_size": fmt.block_size} or rows.dtype != fmt.row_dtype():
+        logger.warning("tpuoffload events: %s is of another deployment (%s); not used", final, header)
+        return None
+    return RestoredMeta(rows, [tuple(k) for k in loras], log)
+
+
+class MetaWriter:
+    """Writes the records of every named chunk (``records()``) to ``path``: the copy on the caller's
+    thread (a few numpy calls), the file on a background thread, one write at a time."""
+
+    def __init__(self, path: str, log: EventLog, records: Callable[[], np.ndarray]) -> None:
+        self.path = path
+        self.log = log
+        self.records = records
+        self._thread: threading.Thread | None = None
+
+    def write(self) -> None:
+        """Start writing the current records (after the previous write finished)."""
+        self.wait()
+        rows = self.records()
+        self._thread = threading.Thread(target=self._write, args=(rows,), name="tpuoffload-event-meta", daemon=True)
+        self._thread.start()
+
+    def _write(self, rows: np.ndarray) -> None:
+        try:
+            save_meta(self.path, rows, self.log)
+        except OSError as e:
+            logger.warning("tpuoffload events: could not write %s (%s)", os.path.join(self.path, META_FILE), e)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Shutdown: the records as they are now, written before returning."""
+        self.write()
+        self.wait()
+
+
+class NoMetaWriter:
+    """Without KV events (or without warm restart) nothing is written."""
+
+    def write(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_META_WRITER = NoMetaWriter()

@@ -1,0 +1,319 @@
+"""KV events: what host RAM (and the disk tier) can serve, told as vLLM's own KV cache events.
+
+vLLM drains ``take_events()`` of the scheduler-side connector every step and publishes the events
+with its own (``--kv-events-config``) next to the HBM events of its block pool. A router such as
+llm-d's precise prefix-cache scorer rebuilds from them, per replica, the set of (block hash, medium)
+that replica can serve. This module keeps that set exact:
+
+* ``BlockStored`` (medium "CPU") when a chunk becomes loadable in host RAM, i.e. READY in the
+  ``ChunkIndex``: every host confirmed its save (``mark_ready``) or restored it alike (``adopt``);
+  never while it is being saved;
+* ``BlockRemoved`` when it stops being loadable: evicted, discarded after a failed load, revoked by a
+  connector reset (a save that fails or expires was never loadable, so it is never announced);
+* the same with medium "STORAGE" for the disk tier's index (a chunk file every host wrote).
+
+The events are self-describing like vLLM's HBM events: each chunk's block hash is vLLM's own hash of
+the same tokens (``request.block_hashes``, published as vLLM publishes it: the low 64 bits of the
+hash as an int, or its bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), with its parent hash,
+token ids, block size, group and LoRA. Chunks that become loadable together and continue each other
+go out as one ``BlockStored``, as vLLM groups a request's blocks.
+
+Cost. Whether events are on is decided once, when the scheduler half is built: ``NO_EVENTS``, whose
+methods do nothing, is every index's sink otherwise. When on, ``TierEvents`` keeps one fixed-size
+record per index entry (hash, parent hash, token ids, group, LoRA: ``EventFormat.row_dtype``), written
+by a few numpy calls per save batch; state changes append rows to an ``EventLog``, and the Python
+event objects are built once per step in ``EventLog.take``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from tpuoffload.manager.hash_table import HashKeys, PackedHashes
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+MEDIUM_CPU = "CPU"  # vllm.distributed.kv_events.MEDIUM_CPU
+MEDIUM_STORAGE = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE
+
+
+class Origin(NamedTuple):
+    """Where a run of save candidates comes from: ``count`` consecutive blocks of ``request``
+    starting at block ``start``, of KV cache group ``group``. The group of a chunk is this field
+    and nothing else (0 until the connector saves several groups)."""
+
+    request: "Request"
+    start: int
+    count: int
+    group: int = 0
+
+
+Origins = Sequence[Origin]
+
+
+@dataclass(frozen=True)
+class EventFormat:
+    """What every event of one scheduler half shares: the hash width in bytes (vLLM's hash
+    function: 32 for sha256), the block size, whether hashes go out as ints (vLLM's
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, read once), and each KV cache group's spec kind and
+    sliding window (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``)."""
+
+    width: int
+    block_size: int
+    int_hashes: bool = True
+    group_specs: tuple[tuple[str | None, int | None], ...] = ()
+
+    def row_dtype(self) -> np.dtype:
+        """One index entry's record."""
+        return np.dtype([("hash", np.uint8, (self.width,)), ("parent", np.uint8, (self.width,)),
+                         ("has_parent", np.bool_), ("valid", np.bool_), ("group", np.int32), ("lora", np.int32),
+                         ("tokens", np.int32, (self.block_size,))])
+
+    def external(self, hashes: np.ndarray) -> list:
+        """(n, width) hash bytes as vLLM publishes block hashes (kv_cache_utils.maybe_convert_block_hash):
+        the low 64 bits of the big-endian integer, or the bytes."""
+        if self.int_hashes:
+            return np.ascontiguousarray(hashes[:, -8:]).view(">u8").reshape(-1).tolist()
+        buf, w = hashes.tobytes(), self.width
+        return [buf[i:i + w] for i in range(0, len(buf), w)]
+
+    def spec_of(self, group: int) -> tuple[str | None, int | None]:
+        return self.group_specs[group] if 0 <= group < len(self.group_specs) else (None, None)
+
+
+@dataclass
+class EventLog:
+    """The events of one scheduler half since the last ``take``, in the order the index changed:
+    ``(medium, stored?, rows)`` batches, built into vLLM's event objects only in ``take``. Shared
+    by the host-RAM and disk sinks (one order across media) and holds the LoRA adapters seen."""
+
+    fmt: EventFormat
+    _pending: list[tuple[str, bool, np.ndarray]] = field(default_factory=list)
+    _loras: list[tuple[int | None, str | None]] = field(default_factory=lambda: [(None, None)])
+    _lora_ids: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def lora_index(self, request: "Request") -> int:
+        """A small number for the request's LoRA adapter (0: none), the same for every chunk of it."""
+        lora = getattr(request, "lora_request", None)
+        return 0 if lora is None else self.lora_of(lora.adapter_id, lora.name)
+
+    def lora_of(self, adapter_id: int, name: str) -> int:
+        key = (adapter_id, name)
+        idx = self._lora_ids.get(key)
+        if idx is None:
+            idx = self._lora_ids[key] = len(self._loras)
+            self._loras.append(key)
+        return idx
+
+    def loras(self) -> list[tuple[int | None, str | None]]:
+        """The LoRA adapters numbered so far (``lora_index``), number 0 being none."""
+        return list(self._loras)
+
+    def add(self, medium: str, stored: bool, rows: np.ndarray) -> None:
+        rows = rows[rows["valid"]] if not rows["valid"].all() else rows
+        if len(rows):
+            self._pending.append((medium, stored, rows))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def take(self) -> list["KVCacheEvent"]:
+        """Every event since the last call, as vLLM's ``BlockStored`` / ``BlockRemoved``."""
+        if not self._pending:
+            return []
+        from vllm.distributed.kv_events import BlockRemoved
+
+        pending, self._pending = self._pending, []
+        out: list = []
+        for medium, stored, rows in pending:
+            if stored:
+                out += self._stored(medium, rows)
+                continue
+            groups = rows["group"]
+            for g in np.unique(groups).tolist():
+                part = rows if len(groups) and (groups == g).all() else rows[groups == g]
+                out.append(BlockRemoved(block_hashes=self.fmt.external(part["hash"]), medium=medium, group_idx=g))
+        return out
+
+    def _stored(self, medium: str, rows: np.ndarray) -> list:
+        """One ``BlockStored`` per chain: rows that continue the previous one (its hash is their
+        parent, same group and LoRA) join its event, as vLLM's block pool groups a request's blocks."""
+        from vllm.distributed.kv_events import BlockStored
+
+        fmt = self.fmt
+        hashes, parents, tokens = rows["hash"], rows["parent"], rows["tokens"]
+        has_parent, groups, loras = rows["has_parent"], rows["group"], rows["lora"]
+        n = len(rows)
+        starts = np.ones(n, dtype=bool)
+        if n > 1:
+            starts[1:] = (~has_parent[1:] | (parents[1:] != hashes[:-1]).any(axis=1)
+                          | (groups[1:] != groups[:-1]) | (loras[1:] != loras[:-1]))
+        bounds = np.flatnonzero(starts).tolist() + [n]
+        external = fmt.external(hashes)
+        out = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            lora_id, lora_name = self._loras[int(loras[s])]
+            group = int(groups[s])
+            kind, window = fmt.spec_of(group)
+            out.append(BlockStored(
+                block_hashes=external[s:e],
+                parent_block_hash=fmt.external(parents[s:s + 1])[0] if has_parent[s] else None,
+                token_ids=tokens[s:e].reshape(-1).tolist(),
+                block_size=fmt.block_size,
+                lora_id=lora_id,
+                medium=medium,
+                lora_name=lora_name,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            ))
+        return out
+
+
+class ChunkEvents:
+    """An index's event sink. This class is the disabled one (``NO_EVENTS``): every method does
+    nothing, so an index without events pays one call per batch. ``TierEvents`` is the real one."""
+
+    enabled = False
+
+    def record(self, slots: np.ndarray, packed: PackedHashes, positions: np.ndarray, origins: Origins) -> None:
+        """New chunks named in ``slots`` (SAVING): candidate ``positions[i]`` of a save batch went to
+        ``slots[i]``; the batch's hashes are ``packed`` and its candidates come from ``origins``."""
+
+    def rows(self, slots: np.ndarray) -> Any:
+        """A copy of the entries' records (for another index: spill, fetch)."""
+        return None
+
+    def copy_in(self, slots: np.ndarray, rows: Any) -> None:
+        """Entries ``slots`` now hold the chunks ``rows`` describe (from ``rows`` of another index
+        or from the restart file)."""
+
+    def ready(self, slots: np.ndarray) -> None:
+        """These entries just became loadable (READY)."""
+
+    def removed(self, slots: np.ndarray) -> None:
+        """These entries just stopped being loadable (they were READY)."""
+
+    def lookup(self, keys: HashKeys) -> tuple[Any, np.ndarray]:
+        """Records the restart file holds for ``keys``: (rows, found mask). Without events every key
+        is "found" (nothing to announce)."""
+        return None, np.ones(len(keys), dtype=bool)
+
+    @staticmethod
+    def subset(rows: Any, idx) -> Any:
+        return None if rows is None else rows[idx]
+
+    @staticmethod
+    def concat(parts: list) -> Any:
+        return None if not parts or parts[0] is None else np.concatenate(parts)
+
+
+NO_EVENTS = ChunkEvents()
+
+
+class TierEvents(ChunkEvents):
+    """The records of one index's entries and their state changes, for one medium."""
+
+    enabled = True
+
+    def __init__(self, log: EventLog, num_entries: int, medium: str, restored: Any = None) -> None:
+        self.log = log
+        self.fmt = log.fmt
+        self.medium = medium
+        self._rows = np.zeros(num_entries, dtype=self.fmt.row_dtype())
+        self._restored = restored
+        self._width_warned = False
+
+    def record(self, slots: np.ndarray, packed: PackedHashes, positions: np.ndarray, origins: Origins) -> None:
+        n = len(slots)
+        if not n:
+            return
+        fmt, rows = self.fmt, self._rows
+        if packed.width != fmt.width:  # not vLLM's hashes (PackedHashes normalised them): never announced
+            rows["valid"][slots] = False
+            if not self._width_warned:
+                self._width_warned = True
+                logger.error("tpuoffload events: block hashes of %d bytes, expected %d; those chunks are not "
+                             "announced", packed.width, fmt.width)
+            return
+        positions = np.asarray(positions, dtype=np.int64)
+        hashes = np.frombuffer(packed.buf, dtype=np.uint8).reshape(-1, fmt.width)
+        counts = np.fromiter((o.count for o in origins), dtype=np.int64, count=len(origins))
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        run = np.searchsorted(offsets, positions, side="right") - 1
+        starts = np.fromiter((o.start for o in origins), dtype=np.int64, count=len(origins))
+        index = starts[run] + positions - offsets[run]  # each chunk's block index in its request
+        out = np.zeros(n, dtype=rows.dtype)
+        out["hash"] = hashes[positions]
+        # The parent is the previous block of the same request: in the batch itself unless the
+        # chunk opens its run, then from the request (block 0 has none).
+        inside = positions > offsets[run]
+        out["parent"][inside] = hashes[positions[inside] - 1]
+        out["has_parent"] = index > 0
+        out["valid"] = True
+        bs = fmt.block_size
+        for r in np.unique(run).tolist():
+            o = origins[r]
+            mine = np.flatnonzero(run == r)
+            first, last = int(index[mine[0]]), int(index[mine[-1]])  # positions ascend within a run
+            toks = np.asarray(o.request.all_token_ids[first * bs:(last + 1) * bs], dtype=np.int32)
+            out["tokens"][mine] = toks.reshape(-1, bs)[index[mine] - first]
+            out["group"][mine] = o.group
+            out["lora"][mine] = self.log.lora_index(o.request)
+            if first > 0 and not inside[mine[0]]:
+                out["parent"][mine[0]] = np.frombuffer(o.request.block_hashes[first - 1], dtype=np.uint8)
+        rows[slots] = out
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        return self._rows[slots]
+
+    def copy_in(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        if len(slots):
+            self._rows[slots] = rows
+
+    def ready(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.log.add(self.medium, True, self._rows[slots])
+
+    def removed(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.log.add(self.medium, False, self._rows[slots])
+
+    def lookup(self, keys: HashKeys) -> tuple[np.ndarray, np.ndarray]:
+        """Records of the restart file (event_meta.RestoredMeta) for ``keys``."""
+        if self._restored is None:
+            return np.zeros(len(keys), dtype=self._rows.dtype), np.zeros(len(keys), dtype=bool)
+        return self._restored.lookup(keys)
+
+    def entries(self, slots: np.ndarray) -> np.ndarray:
+        """The records of ``slots`` that describe a chunk (for the restart file)."""
+        rows = self._rows[slots]
+        return rows[rows["valid"]]
+
+
+def event_format(vllm_config: Any, kv_cache_config: Any) -> EventFormat | None:
+    """The scheduler half's ``EventFormat`` when vLLM publishes KV events (``--kv-events-config``
+    with ``enable_kv_cache_events``), else None: then nothing is recorded and ``take_events`` is
+    empty."""
+    kv_events = getattr(vllm_config, "kv_events_config", None)
+    if kv_events is None or not kv_events.enable_kv_cache_events:
+        return None
+    import vllm.envs as envs
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    cache = vllm_config.cache_config
+    width = len(get_hash_fn_by_name(cache.prefix_caching_hash_algo)(0))
+    specs = tuple((get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                  for g in kv_cache_config.kv_cache_groups)
+    return EventFormat(width=width, block_size=cache.block_size, int_hashes=envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
+                       group_specs=specs)
