@@ -110,6 +110,10 @@ class ChunkIndex:
         """Slots held for a save in flight or a pin, no hash naming them or not: SAVING + REVOKED."""
         return self._counts[SAVING] + self._counts[REVOKED]
 
+    def num_ready(self) -> int:
+        """Chunks that are loadable (READY)."""
+        return self._counts[READY]
+
     def num_pinned(self) -> int:
         """Chunks pinned by loads being planned (zero between scheduler steps). O(num_slots)."""
         return int(np.count_nonzero(self._pins))

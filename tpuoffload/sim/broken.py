@@ -38,3 +38,19 @@ def break_engine(engine: TransferEngine, how: str, host: int) -> None:
         engine.save = background_save
     else:
         raise ValueError(f"unknown broken variant {how!r}")
+
+
+def announce_while_saving(offload) -> None:
+    """KV events negative control (tests/test_events.py): the host-RAM index announces a chunk as
+    soon as it is named for a save (SAVING), not once every host confirmed it (READY); a save that
+    then fails or expires is never withdrawn."""
+    events = offload.index.events
+    record = events.record
+
+    def record_and_announce(slots, packed, positions, origins):
+        record(slots, packed, positions, origins)
+        real_ready(slots)
+
+    real_ready = events.ready
+    events.record = record_and_announce
+    events.ready = lambda slots: None
