@@ -186,6 +186,10 @@ def _chaos_run(tmp_path, lifetimes=LIFETIMES, broken: bool = False):
 @pytest.mark.timeout(300)
 def test_events_rebuild_exactly_what_host_ram_and_disk_can_serve(tmp_path):
     watches, totals, restored = _chaos_run(tmp_path)
+    diffs = [w.diffs for w in watches]
+    print(f"KV events: {sum(w.checks for w in watches)} checks, {sum(diffs)} differences; "
+          f"announced {[w.view.stored for w in watches]}, withdrawn {[w.view.removed for w in watches]}")
+    assert diffs == [0, 0, 0]
     runs = sum(totals, Counter())
     # The chaos happened: every way a chunk appears and disappears.
     assert runs[C.EVICTED] > 0 and runs[C.SPILLS_CONFIRMED] > 0, runs
@@ -196,18 +200,15 @@ def test_events_rebuild_exactly_what_host_ram_and_disk_can_serve(tmp_path):
     assert restart[C.RESTORED_READY] > 0 and restart[C.DISK_RESTORED_READY] > 0, restart
     # The restart announced what it restored, before any new save.
     assert restored == {"CPU": restart[C.RESTORED_READY], "STORAGE": restart[C.DISK_RESTORED_READY]}, (restored, restart)
-    diffs = [w.diffs for w in watches]
     for w in watches:
         assert w.sub.gaps == 0 and not w.view.errors and w.view.ranks == {0}, (w.view.errors[:5], w.view.ranks)
         assert w.view.stored["CPU"] and w.view.removed["CPU"] and w.view.stored["STORAGE"], (w.view.stored, w.view.removed)
     assert watches[0].view.removed["STORAGE"] > 0
-    print(f"KV events: {sum(w.checks for w in watches)} checks, {sum(diffs)} differences; "
-          f"announced {[w.view.stored for w in watches]}, withdrawn {[w.view.removed for w in watches]}")
-    assert diffs == [0, 0, 0]
 
 
 @pytest.mark.timeout(300)
 def test_negative_control_announcing_at_save_time_is_caught(tmp_path):
     watches, totals, _ = _chaos_run(tmp_path, lifetimes=((1, False, "aB"),), broken=True)
     assert totals[0][C.SAVE_FAILURES] > 0 and totals[0][C.LEDGER_EXPIRED] > 0, totals[0]
+    print(f"KV events announced at save time: {watches[0].diffs} differences in {watches[0].checks} checks")
     assert watches[0].diffs > 0
