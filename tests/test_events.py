@@ -22,6 +22,7 @@ import random
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from tpuoffload import counters as C
@@ -212,3 +213,232 @@ def test_negative_control_announcing_at_save_time_is_caught(tmp_path):
     assert totals[0][C.SAVE_FAILURES] > 0 and totals[0][C.LEDGER_EXPIRED] > 0, totals[0]
     print(f"KV events announced at save time: {watches[0].diffs} differences in {watches[0].checks} checks")
     assert watches[0].diffs > 0
+
+
+# ---------------------------------------------------------------------------- the scheduler half alone
+def _half(num_chunks: int = 8, hosts: int = 2, int_hashes: bool = True, **extra):
+    from tpuoffload.config import parse_config
+    from tpuoffload.manager import OffloadScheduler
+    from tpuoffload.manager.events import EventFormat
+
+    fmt = EventFormat(width=32, block_size=16, int_hashes=int_hashes, group_specs=(("full_attention", None),))
+    return OffloadScheduler(parse_config({"num_cpu_chunks": num_chunks, **extra}), block_size=16, chunk_bytes=1024,
+                            num_hosts=hosts, events=fmt)
+
+
+def _request(req_id: str, blocks: int, seed: int, lora=None):
+    from tpuoffload.sim.vllm_setup import make_request
+
+    rng = random.Random(seed)
+    req = make_request(req_id, [rng.randrange(3, 30000) for _ in range(blocks * 16)], block_size=16)
+    req.lora_request = lora
+    return req
+
+
+def _save(half, runs, step: int = 0):
+    """Plan the saves of ``runs`` ((request, first block, count)) as the eager path does."""
+    from tpuoffload.manager.events import Origin
+    from tpuoffload.manager.hash_table import PackedHashes
+
+    origins = [Origin(r, s, n) for r, s, n in runs]
+    hashes = [r.block_hashes[s:s + n] for r, s, n in runs]
+    blocks = list(range(sum(n for _, _, n in runs)))
+    return half.saves.plan(blocks, PackedHashes.of_runs(hashes), step, origins)
+
+
+def _confirm(half, batch, hosts) -> None:
+    for h in hosts:
+        half.ledger.report(h, ok=((batch.save_ids[0], batch.save_ids[-1] + 1),))
+    half._apply_resolved()
+
+
+def test_stored_only_once_every_host_confirmed_with_vllms_payload():
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    half = _half()
+    lora = LoRARequest("adapter-a", 7, "/nowhere")
+    a, b = _request("a", 5, 1), _request("b", 3, 2, lora)
+    batch = _save(half, [(a, 1, 4), (b, 0, 3)])
+    assert list(half.take_events()) == []  # SAVING: nothing to announce
+    _confirm(half, batch, [0])
+    assert list(half.take_events()) == []  # one host of two
+    _confirm(half, batch, [1])
+    ev_a, ev_b = half.take_events()
+    assert isinstance(ev_a, BlockStored) and ev_a.medium == "CPU" and ev_a.group_idx == 0
+    assert ev_a.block_hashes == [ext(h) for h in a.block_hashes[1:5]]
+    assert ev_a.parent_block_hash == ext(a.block_hashes[0])  # the block before the run, from the request
+    assert ev_a.token_ids == list(a.all_token_ids[16:80]) and ev_a.block_size == 16
+    assert ev_a.kv_cache_spec_kind == "full_attention" and ev_a.lora_id is None and ev_a.lora_name is None
+    assert ev_b.block_hashes == [ext(h) for h in b.block_hashes] and ev_b.parent_block_hash is None
+    assert (ev_b.lora_id, ev_b.lora_name) == (7, "adapter-a")
+    assert list(half.take_events()) == []
+
+
+def test_eviction_discard_and_reset_withdraw_exactly_what_was_loadable():
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    half = _half(num_chunks=4, hosts=1)
+    a, b, c = _request("a", 4, 1), _request("b", 2, 2), _request("c", 2, 3)
+    _confirm(half, _save(half, [(a, 0, 4)]), [0])
+    half.take_events()
+    half.index.pin(half.index.ready_prefix_saved(a.block_hashes[3:4]).slots)  # a load in flight: not evicted
+    _confirm(half, _save(half, [(b, 0, 2)]), [0])  # evicts a's two least recently used chunks
+    removed, stored = half.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    assert sorted(removed.block_hashes) == sorted(ext(h) for h in a.block_hashes[1:3])  # prefix tails go first
+    assert stored.block_hashes == [ext(h) for h in b.block_hashes]
+    slot = half.index.ready_slot(b.block_hashes[0])
+    assert half.index.discard(slot, half.index.save_id_of(slot))  # a load of it failed somewhere
+    (failed,) = half.take_events()
+    assert failed.block_hashes == [ext(b.block_hashes[0])]
+    batch = _save(half, [(c, 0, 1)])  # SAVING when the reset comes (in the freed slot): never announced
+    assert half.reset_cache()
+    (gone,) = half.take_events()
+    assert sorted(gone.block_hashes) == sorted(ext(h) for h in [a.block_hashes[0], a.block_hashes[3], b.block_hashes[1]])
+    _confirm(half, batch, [0])
+    assert list(half.take_events()) == [] and half.index.num_ready() == 0
+
+
+def test_block_hashes_as_bytes_when_vllm_publishes_bytes():
+    half = _half(hosts=1, int_hashes=False)
+    a = _request("a", 2, 1)
+    _confirm(half, _save(half, [(a, 0, 2)]), [0])
+    (ev,) = half.take_events()
+    assert ev.block_hashes == list(a.block_hashes)
+
+
+def test_without_kv_events_nothing_is_recorded():
+    from tpuoffload.config import parse_config
+    from tpuoffload.manager import OffloadScheduler
+    from tpuoffload.manager.events import NO_EVENTS
+
+    half = OffloadScheduler(parse_config({"num_cpu_chunks": 8}), block_size=16, chunk_bytes=1024, num_hosts=1)
+    assert half.index.events is NO_EVENTS
+    _confirm(half, _save(half, [(_request("a", 2, 1), 0, 2)]), [0])
+    assert half.index.num_ready() == 2 and half.take_events() == ()
+
+
+def test_restart_adopts_only_chunks_whose_records_were_kept(tmp_path):
+    """The records written beside the checkpoints describe restored chunks; a restored chunk with
+    no record is not made loadable (it could not be announced)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    from tpuoffload.manager.event_meta import META_FILE
+    from tpuoffload.manager.hash_table import HashKeys
+    from tpuoffload.messages import RESTORED_ROW, PersistReport
+
+    path = str(tmp_path / "ckpt")
+    first = _half(hosts=1, persist_path=path)
+    first.tier("persist").on_report({0: PersistReport(restored=b"")})
+    a, b = _request("a", 3, 1), _request("b", 2, 2)
+    _confirm(first, _save(first, [(a, 0, 3)]), [0])
+    first.close()  # a's records written; b is saved afterwards, as if after the last checkpoint
+    _confirm(first, _save(first, [(b, 0, 2)]), [0])
+    assert (tmp_path / "ckpt" / META_FILE).exists()
+
+    second = _half(hosts=1, persist_path=path)
+    rows = np.zeros(5, RESTORED_ROW)
+    keys = HashKeys.of(list(a.block_hashes) + list(b.block_hashes))
+    rows["slot"], rows["save_id"], rows["k1"], rows["k2"] = np.arange(5), np.arange(5), keys.k1, keys.k2
+    second.tier("persist").on_report({0: PersistReport(restored=rows.tobytes())})
+    (ev,) = second.take_events()
+    assert ev.block_hashes == [ext(h) for h in a.block_hashes] and ev.token_ids == list(a.all_token_ids)
+    assert second.index.num_ready() == 3 and second.index.ready_slot(b.block_hashes[0]) < 0
+
+
+# ---------------------------------------------------------------------------- tpu-inference's DPScheduler
+def _free_ports(n: int) -> int:
+    """A base port with ``n`` free ports from it."""
+    import socket
+
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def test_ranks_of_one_config_would_bind_one_endpoint():
+    """Why DPScheduler needs ``publish_as_dp_rank``: vLLM's publisher offsets its endpoint by its
+    data parallel rank only; two with the rank every DPScheduler rank process has (0) collide."""
+    import zmq
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    endpoint = f"tcp://*:{_free_ports(2)}"
+    first = ZmqEventPublisher(0, endpoint=endpoint)
+    try:
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            ZmqEventPublisher(0, endpoint=endpoint)
+        second = ZmqEventPublisher(1, endpoint=endpoint)  # what each rank gets now
+        second.shutdown()
+    finally:
+        first.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_dpscheduler_ranks_publish_on_their_own_port_as_their_own_rank():
+    """tpu-inference's own DPScheduler (2 ranks, forked processes), each rank's vLLM scheduler with
+    its own publisher built from one ``--kv-events-config`` (bind ``tcp://*:PORT``): rank r binds
+    PORT + r and labels its batches ``data_parallel_rank`` r, as vLLM's own DP ranks do, so a
+    router keeps the ranks' caches apart."""
+    import zmq
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from tpuoffload.sim.tpu_layouts import LAYOUTS, sharding_config
+    from tpuoffload.sim.vllm_setup import is_dp_scheduler, make_request, make_scheduler
+
+    port = _free_ports(2)
+    sched = make_scheduler(num_blocks=64, block_size=16, kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22},
+                           tensor_parallel_size=2, sharding_config=sharding_config(LAYOUTS["bf16-dp2-tp4"]),
+                           kv_events={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    ctx = zmq.Context.instance()
+    subs = []
+    try:
+        assert is_dp_scheduler(sched) and sched.dp_size == 2
+        for p in (port, port + 1):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(f"tcp://127.0.0.1:{p}")
+            subs.append(sub)
+        from vllm.distributed.kv_events import KVEventBatch
+        import msgspec
+
+        decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        seen: dict[int, set] = {0: set(), 1: set()}
+        rng = random.Random(0)
+        deadline = time.monotonic() + 60
+        n = 0
+        while not (seen[0] and seen[1]):
+            assert time.monotonic() < deadline, seen
+            for _ in range(2):  # one request per rank (DPScheduler places them by load)
+                sched.add_request(make_request(f"r{n}", [rng.randrange(3, 30000) for _ in range(64)],
+                                               max_tokens=1, block_size=16))
+                n += 1
+            so = sched.schedule()
+            req_ids = list(so.num_scheduled_tokens)
+            sched.update_from_output(so, ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[[100] for _ in req_ids]))
+            for rank, sub in enumerate(subs):
+                while sub.poll(200):
+                    _topic, _seq, payload = sub.recv_multipart()
+                    seen[rank].add(decode(payload).data_parallel_rank)
+        assert seen == {0: {0}, 1: {1}}
+    finally:
+        for sub in subs:
+            sub.close(0)
+        sched.shutdown()

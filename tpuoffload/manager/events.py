@@ -197,8 +197,8 @@ class ChunkEvents:
         """Entries ``slots`` now hold the chunks ``rows`` describe (from ``rows`` of another index
         or from the restart file)."""
 
-    def ready(self, slots: np.ndarray) -> None:
-        """These entries just became loadable (READY)."""
+    def ready(self, slots: np.ndarray, save_ids: np.ndarray) -> None:
+        """These entries (saved under ``save_ids``) just became loadable (READY)."""
 
     def removed(self, slots: np.ndarray) -> None:
         """These entries just stopped being loadable (they were READY)."""
@@ -280,7 +280,11 @@ class TierEvents(ChunkEvents):
         if len(slots):
             self._rows[slots] = rows
 
-    def ready(self, slots: np.ndarray) -> None:
+    def ready(self, slots: np.ndarray, save_ids: np.ndarray) -> None:
+        """Announced in save order (the ledger resolves newest first), so that a request's chunks
+        saved together make one chain."""
+        if len(slots) > 1:
+            slots = np.asarray(slots)[np.argsort(save_ids, kind="stable")]
         if len(slots):
             self.log.add(self.medium, True, self._rows[slots])
 

@@ -258,7 +258,7 @@ class ChunkIndex:
             self._counts[SAVING] -= len(slots)
             self._counts[READY] += len(slots)
             self._lru.touch(slots)
-            self.events.ready(slots)
+            self.events.ready(slots, save_ids)
             return len(slots)
         slots, states = self._matching(slots, save_ids)
         if not len(slots):
@@ -269,7 +269,7 @@ class ChunkIndex:
         self._counts[SAVING] -= len(ready)
         self._counts[READY] += len(ready)
         self._lru.touch(ready)
-        self.events.ready(ready)
+        self.events.ready(ready, self._save_id[ready])
         if len(ready) < len(slots):
             self._free(slots[~saving], REVOKED)
         return len(ready)
@@ -318,7 +318,7 @@ class ChunkIndex:
         self._counts[READY] += n
         self._lru.touch(slots)
         self.events.copy_in(slots, rows)
-        self.events.ready(slots)
+        self.events.ready(slots, save_ids)
 
     # ------------------------------------------------------------------ loads
     def pin(self, slots: np.ndarray) -> None:

@@ -49,8 +49,8 @@ def announce_while_saving(offload) -> None:
 
     def record_and_announce(slots, packed, positions, origins):
         record(slots, packed, positions, origins)
-        real_ready(slots)
+        real_ready(slots, offload.index.save_ids(slots))
 
     real_ready = events.ready
     events.record = record_and_announce
-    events.ready = lambda slots: None
+    events.ready = lambda slots, save_ids: None
