@@ -68,12 +68,20 @@ host index pre-filled with N READY chunks of random hashes (allocated, registere
 confirmed by every host and marked READY through the scheduler half's own index and ledger). Every config has room for all it saves (no eviction), plus one
 whose capacity is exactly the largest fill, so that every save evicts.
 
+Measurement 3 (--events, instead of 1, 1b and 2): KV events off and on, side by side. Events on =
+vLLM's ``--kv-events-config`` with its real ZMQ publisher (bound on an ipc socket, so every batch is
+encoded and sent on its thread as in serving), for the no-connector scheduler and for
+TPUOffloadConnector; all four take turns on the same workload. vLLM's own HBM events are part of
+both "on" configs, so what tpuoffload's events add per step is ((c) on - (c) off) - ((a) on - (a)
+off); the time inside the connector's hooks (timed in both (c) configs) is printed too.
+
 GC: by default the collector is disabled inside every timed phase (gc.collect() just before), so
 numbers are free of collection pauses; --gc on keeps it enabled (then p90/max show the pauses,
 which grow with the number of live Python objects, e.g. chunks held).
 
     python tools/bench_scheduler.py                       # defaults, well under 3 minutes
     python tools/bench_scheduler.py --requests 512 --steps 500 --prompt-len 2048 --fills 0,1000000
+    python tools/bench_scheduler.py --events                # KV events off vs on
 """
 
 from __future__ import annotations
@@ -116,6 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="rounds of the timed waves: prefill with hits, prefill cold, ramp")
     p.add_argument("--no-hooks", dest="hooks", action="store_false",
                    help="skip measurement 1b (a second run with the connector hooks timed)")
+    p.add_argument("--events", action="store_true",
+                   help="measurement 3 only: KV events off and on, side by side (vLLM's ZMQ publisher)")
     p.add_argument("--profile", metavar="FILE", default=None,
                    help="also cProfile TPUOffloadConnector's hooks during the main run, dump stats to FILE")
     args = p.parse_args(argv)
@@ -137,6 +147,7 @@ class Sim:
     name: str
     kind: str  # "none" | "offloading" | "tpu" | "null" | "hits"
     sched: object = None
+    events: bool = False  # vLLM publishes KV events (--kv-events-config)
     hosts: int = 1
     fill: int = 0
     times: dict = field(default_factory=dict)  # phase -> [(wall sched ns, wall update ns, cpu ns, hook ns)]
@@ -268,10 +279,11 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
     page_bytes = host_chunk_bytes(make_kv_cache_config(1, args.block_size), 1)
     chunk_bytes = host_chunk_bytes(make_kv_cache_config(1, args.block_size), args.hosts)
     sims = []
-    for name, kind, cpu_chunks, fill in specs:
+    for name, kind, cpu_chunks, fill, *on in specs:
+        events = bool(on and on[0])
         common = {"num_blocks": num_blocks, "block_size": args.block_size, "max_num_seqs": args.requests,
                   "max_num_batched_tokens": args.max_batched_tokens, "max_model_len": max_model_len,
-                  "tensor_parallel_size": args.hosts}
+                  "tensor_parallel_size": args.hosts, "kv_events": _kv_events(len(sims)) if events else None}
         if kind == "none":
             sched = make_scheduler(connector_module_path=None, connector_class="", **common)
         elif kind in ("null", "hits"):
@@ -295,8 +307,31 @@ def build_sims(args, specs, num_blocks: int, max_model_len: int) -> list[Sim]:
                 kv_connector_extra_config={"cpu_bytes_to_use": cpu_chunks * chunk_bytes,
                                            "num_staging_blocks": staging},
                 **common)
-        sims.append(Sim(name=name, kind=kind, sched=sched, hosts=args.hosts, fill=fill))
+        sims.append(Sim(name=name, kind=kind, sched=sched, hosts=args.hosts, fill=fill, events=events))
     return sims
+
+
+def _kv_events(n: int) -> dict:
+    """vLLM's --kv-events-config for config number ``n``: its ZMQ publisher bound on an ipc socket
+    of its own (no subscriber: each batch is still encoded and sent, on the publisher's thread)."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="bench-kv-events-"), f"pub{n}")
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{path}"}
+
+
+def count_events(sim: Sim) -> None:
+    """Count what the connector's take_events returns (into ``sim.acked``)."""
+    conn = sim.sched.connector
+    orig = conn.take_events
+
+    def take_events():
+        out = list(orig())
+        sim.acked["events"] += len(out)
+        sim.acked["event_blocks"] += sum(len(getattr(e, "block_hashes", ())) for e in out)
+        return out
+
+    conn.take_events = take_events
 
 
 # Every connector method vLLM's Scheduler calls from schedule() / update_from_output().
@@ -665,6 +700,8 @@ def main(argv=None) -> int:
     logging.getLogger("tpuoffload").setLevel(logging.WARNING)
 
     wl = Workload(args)
+    if args.events:
+        return measure_events(args, wl, log, t_start)
     log(f"workload: {args.requests} requests x {args.prompt_len}-token prompts, block {args.block_size}, "
         f"max_num_batched_tokens {args.max_batched_tokens}, {args.hosts} host(s), {wl.num_blocks} GPU blocks, "
         f"{args.rounds} prefill round(s), decode {args.warmup} warm-up + {args.steps} timed steps, "
@@ -752,6 +789,43 @@ def main(argv=None) -> int:
         print_table(sims2, PHASES, "(a) none")
         print_work(sims2)
         print()
+    log(f"total wall time {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
+def measure_events(args, wl: Workload, log, t_start: float) -> int:
+    """Measurement 3: KV events off and on, side by side."""
+    log("measurement 3: building schedulers (KV events off and on)")
+    specs = [("(a) none", "none", 0, 0), ("(a) none, events", "none", 0, 0, True),
+             ("(c) tpuoffload", "tpu", args.cpu_chunks, 0),
+             ("(c) tpuoffload, events", "tpu", args.cpu_chunks, 0, True)]
+    sims = build_sims(args, specs, wl.num_blocks, wl.max_model_len)
+    count_events(sims[3])
+    for s in sims[2:]:
+        install_hook_timers(s)
+    run_workload(sims, wl, args, log)
+    print()
+    print("=" * 100)
+    print("3. KV events off and on: scheduler-side cost per engine step, in microseconds: schedule() +")
+    print(f"   update_from_output(), {args.requests} requests, {args.prompt_len}-token prompts, block {args.block_size}, "
+          f"{args.hosts} host(s), gc {args.gc} in timed phases;")
+    print("   'events on' = vLLM's --kv-events-config with its ZMQ publisher (ipc); the (c) configs' hooks are timed")
+    print("=" * 100)
+    print_table(sims, PHASES, "(a) none")
+    print(f"{'phase':<13} | {'vLLM HBM events':>15} {'tpuoffload events':>17} | "
+          f"{'(c) hooks off':>13} {'(c) hooks on':>12} {'hooks added':>11}   (CPU medians per step, us)")
+    for ph in PHASES:
+        st = {s.name: summarize(s, ph) for s in sims}
+        a0, a1, c0, c1 = (st[s.name] for s in sims)
+        vllm_ev = a1["cpu"]["med"] - a0["cpu"]["med"]
+        ours = (c1["cpu"]["med"] - c0["cpu"]["med"]) - vllm_ev
+        h0, h1 = c0["hook"]["med"], c1["hook"]["med"]
+        print(f"{ph:<13} | {vllm_ev:>+15.1f} {ours:>+17.1f} | {h0:>13.1f} {h1:>12.1f} {h1 - h0:>+11.1f}")
+    print()
+    ev = sims[3].acked
+    print(f"  (c) tpuoffload, events: {ev['events']} events taken from it, {ev['event_blocks']} block hashes in them")
+    print_work(sims)
+    print()
     log(f"total wall time {time.perf_counter() - t_start:.0f}s")
     return 0
 
