@@ -249,28 +249,37 @@ class TierEvents(ChunkEvents):
         hashes = np.frombuffer(packed.buf, dtype=np.uint8).reshape(-1, fmt.width)
         counts = np.fromiter((o.count for o in origins), dtype=np.int64, count=len(origins))
         offsets = np.concatenate(([0], np.cumsum(counts)))
-        run = np.searchsorted(offsets, positions, side="right") - 1
+        run = np.searchsorted(offsets, positions, side="right") - 1  # each chunk's origin
         starts = np.fromiter((o.start for o in origins), dtype=np.int64, count=len(origins))
         index = starts[run] + positions - offsets[run]  # each chunk's block index in its request
+        # Per run (Python: one list slice each): the tokens of its blocks from its first named
+        # chunk to its last, end to end, then one conversion for the batch.
+        used = np.flatnonzero(np.bincount(run, minlength=len(origins))).tolist()
+        first = np.zeros(len(origins), dtype=np.int64)
+        base = np.zeros(len(origins), dtype=np.int64)
+        group = np.zeros(len(origins), dtype=np.int32)
+        lora = np.zeros(len(origins), dtype=np.int32)
+        lo_hi = np.stack((np.minimum.reduceat(index, np.searchsorted(run, used)),
+                          np.maximum.reduceat(index, np.searchsorted(run, used))), axis=1).tolist()
+        bs, flat, rows_so_far = fmt.block_size, [], 0
+        for r, (lo, hi) in zip(used, lo_hi):
+            o = origins[r]
+            flat += o.request.all_token_ids[lo * bs:(hi + 1) * bs]
+            first[r], base[r], group[r], lora[r] = lo, rows_so_far, o.group, self.log.lora_index(o.request)
+            rows_so_far += hi + 1 - lo
+        tokens = np.fromiter(flat, dtype=np.int32, count=len(flat)).reshape(-1, bs)
         out = np.zeros(n, dtype=rows.dtype)
         out["hash"] = hashes[positions]
-        # The parent is the previous block of the same request: in the batch itself unless the
-        # chunk opens its run, then from the request (block 0 has none).
-        inside = positions > offsets[run]
-        out["parent"][inside] = hashes[positions[inside] - 1]
+        out["tokens"] = tokens[base[run] + index - first[run]]
+        out["group"], out["lora"] = group[run], lora[run]
         out["has_parent"] = index > 0
         out["valid"] = True
-        bs = fmt.block_size
-        for r in np.unique(run).tolist():
-            o = origins[r]
-            mine = np.flatnonzero(run == r)
-            first, last = int(index[mine[0]]), int(index[mine[-1]])  # positions ascend within a run
-            toks = np.asarray(o.request.all_token_ids[first * bs:(last + 1) * bs], dtype=np.int32)
-            out["tokens"][mine] = toks.reshape(-1, bs)[index[mine] - first]
-            out["group"][mine] = o.group
-            out["lora"][mine] = self.log.lora_index(o.request)
-            if first > 0 and not inside[mine[0]]:
-                out["parent"][mine[0]] = np.frombuffer(o.request.block_hashes[first - 1], dtype=np.uint8)
+        # The parent is the previous block of the same request: in the batch unless the chunk
+        # opens its run, then the request's (block 0 has none).
+        inside = positions > offsets[run]
+        out["parent"][inside] = hashes[positions[inside] - 1]
+        for i in np.flatnonzero(~inside & (index > 0)).tolist():
+            out["parent"][i] = np.frombuffer(origins[run[i]].request.block_hashes[index[i] - 1], dtype=np.uint8)
         rows[slots] = out
 
     def rows(self, slots: np.ndarray) -> np.ndarray:
