@@ -70,3 +70,20 @@ def test_turns_run_each_config_steps_in_a_row_until_done():
     sims = [FakeSim("x", 2), FakeSim("y", 2)]
     bench.round_robin(sims, "p", lambda s: s.left == 0)
     assert sorted(order[21:]) == ["x", "x", "y", "y"] and order[21] != order[22], order[21:]
+
+
+def test_events_mode_runs_events_off_and_on_side_by_side(capsys):
+    """--events: the no-connector scheduler and TPUOffloadConnector with vLLM's KV events off and on
+    (its ZMQ publisher), the same work in both connector configs, and events taken from the
+    connector only when they are on."""
+    bench = _load_bench()
+    assert bench.main(["--events", "--requests", "16", "--steps", "5", "--warmup", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for phase in ("decode", "ramp", "prefill cold", "prefill+hits"):
+        for config in ("(a) none", "(a) none, events", "(c) tpuoffload", "(c) tpuoffload, events"):
+            assert re.search(rf"^{re.escape(phase)}\s+{re.escape(config)}\s+\d+ \|", out, re.M), (phase, config)
+        assert re.search(rf"^{re.escape(phase)}\s+\|\s+[-+]\d", out, re.M), phase  # the events cost row
+    taken = re.search(r"\(c\) tpuoffload, events: (\d+) events taken from it, (\d+) block hashes", out)
+    saved = re.findall(r"saved blocks (\d+)", out)
+    assert taken and int(taken.group(1)) > 0 and len(saved) == 2 and saved[0] == saved[1] != "0", out
+    assert int(taken.group(2)) >= int(saved[0])  # every saved chunk announced (and some withdrawn)
