@@ -123,9 +123,6 @@ class EventLog:
         if len(rows):
             self._pending.append((medium, stored, rows))
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def take(self) -> list["KVCacheEvent"]:
         """Every event since the last call, as vLLM's ``BlockStored`` / ``BlockRemoved``."""
         if not self._pending:
@@ -183,8 +180,6 @@ class ChunkEvents:
     """An index's event sink. This class is the disabled one (``NO_EVENTS``): every method does
     nothing, so an index without events pays one call per batch. ``TierEvents`` is the real one."""
 
-    enabled = False
-
     def record(self, slots: np.ndarray, packed: PackedHashes, positions: np.ndarray, origins: Origins) -> None:
         """New chunks named in ``slots`` (SAVING): candidate ``positions[i]`` of a save batch went to
         ``slots[i]``; the batch's hashes are ``packed`` and its candidates come from ``origins``."""
@@ -223,8 +218,6 @@ NO_EVENTS = ChunkEvents()
 class TierEvents(ChunkEvents):
     """The records of one index's entries and their state changes, for one medium."""
 
-    enabled = True
-
     def __init__(self, log: EventLog, num_entries: int, medium: str, restored: Any = None) -> None:
         self.log = log
         self.fmt = log.fmt
@@ -259,8 +252,8 @@ class TierEvents(ChunkEvents):
         base = np.zeros(len(origins), dtype=np.int64)
         group = np.zeros(len(origins), dtype=np.int32)
         lora = np.zeros(len(origins), dtype=np.int32)
-        lo_hi = np.stack((np.minimum.reduceat(index, np.searchsorted(run, used)),
-                          np.maximum.reduceat(index, np.searchsorted(run, used))), axis=1).tolist()
+        cuts = np.searchsorted(run, used)  # ``run`` ascends: where each used run's chunks begin
+        lo_hi = np.stack((np.minimum.reduceat(index, cuts), np.maximum.reduceat(index, cuts)), axis=1).tolist()
         bs, flat, rows_so_far = fmt.block_size, [], 0
         for r, (lo, hi) in zip(used, lo_hi):
             o = origins[r]
