@@ -242,10 +242,9 @@ def _request(req_id: str, blocks: int, seed: int, lora=None):
 
 def _save(half, runs, step: int = 0):
     """Plan the saves of ``runs`` ((request, first block, count)) as the eager path does."""
-    from tpuoffload.manager.events import Origin
     from tpuoffload.manager.hash_table import PackedHashes
 
-    origins = [Origin(r, s, n) for r, s, n in runs]
+    origins = [(r, s, n, 0) for r, s, n in runs]
     hashes = [r.block_hashes[s:s + n] for r, s, n in runs]
     blocks = list(range(sum(n for _, _, n in runs)))
     return half.saves.plan(blocks, PackedHashes.of_runs(hashes), step, origins)

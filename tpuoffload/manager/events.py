@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,18 +46,13 @@ MEDIUM_CPU = "CPU"  # vllm.distributed.kv_events.MEDIUM_CPU
 MEDIUM_STORAGE = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE
 
 
-class Origin(NamedTuple):
-    """Where a run of save candidates comes from: ``count`` consecutive blocks of ``request``
-    starting at block ``start``, of KV cache group ``group``. The group of a chunk is this field
-    and nothing else (0 until the connector saves several groups)."""
-
-    request: "Request"
-    start: int
-    count: int
-    group: int = 0
-
-
+#: Where a run of save candidates comes from: ``(request, start, count, group)``, ``count``
+#: consecutive blocks of ``request`` from block ``start``, of KV cache group ``group``. The group of a
+#: chunk is this field and nothing else (0 until the connector saves several groups). A plain tuple:
+#: the lifecycle builds one per request and step with blocks to save, events on or off.
+Origin = tuple
 Origins = Sequence[Origin]
+ORIGIN_REQUEST, ORIGIN_START, ORIGIN_COUNT, ORIGIN_GROUP = range(4)
 
 
 @dataclass(frozen=True)
@@ -240,10 +235,10 @@ class TierEvents(ChunkEvents):
             return
         positions = np.asarray(positions, dtype=np.int64)
         hashes = np.frombuffer(packed.buf, dtype=np.uint8).reshape(-1, fmt.width)
-        counts = np.fromiter((o.count for o in origins), dtype=np.int64, count=len(origins))
+        counts = np.fromiter((o[ORIGIN_COUNT] for o in origins), dtype=np.int64, count=len(origins))
         offsets = np.concatenate(([0], np.cumsum(counts)))
         run = np.searchsorted(offsets, positions, side="right") - 1  # each chunk's origin
-        starts = np.fromiter((o.start for o in origins), dtype=np.int64, count=len(origins))
+        starts = np.fromiter((o[ORIGIN_START] for o in origins), dtype=np.int64, count=len(origins))
         index = starts[run] + positions - offsets[run]  # each chunk's block index in its request
         # Per run (Python: one list slice each): the tokens of its blocks from its first named
         # chunk to its last, end to end, then one conversion for the batch.
@@ -256,9 +251,9 @@ class TierEvents(ChunkEvents):
         lo_hi = np.stack((np.minimum.reduceat(index, cuts), np.maximum.reduceat(index, cuts)), axis=1).tolist()
         bs, flat, rows_so_far = fmt.block_size, [], 0
         for r, (lo, hi) in zip(used, lo_hi):
-            o = origins[r]
-            flat += o.request.all_token_ids[lo * bs:(hi + 1) * bs]
-            first[r], base[r], group[r], lora[r] = lo, rows_so_far, o.group, self.log.lora_index(o.request)
+            request, _, _, group[r] = origins[r]
+            flat += request.all_token_ids[lo * bs:(hi + 1) * bs]
+            first[r], base[r], lora[r] = lo, rows_so_far, self.log.lora_index(request)
             rows_so_far += hi + 1 - lo
         tokens = np.fromiter(flat, dtype=np.int32, count=len(flat)).reshape(-1, bs)
         out = np.zeros(n, dtype=rows.dtype)
@@ -272,7 +267,8 @@ class TierEvents(ChunkEvents):
         inside = positions > offsets[run]
         out["parent"][inside] = hashes[positions[inside] - 1]
         for i in np.flatnonzero(~inside & (index > 0)).tolist():
-            out["parent"][i] = np.frombuffer(origins[run[i]].request.block_hashes[index[i] - 1], dtype=np.uint8)
+            request = origins[run[i]][ORIGIN_REQUEST]
+            out["parent"][i] = np.frombuffer(request.block_hashes[index[i] - 1], dtype=np.uint8)
         rows[slots] = out
 
     def rows(self, slots: np.ndarray) -> np.ndarray:

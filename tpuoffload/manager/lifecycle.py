@@ -173,7 +173,7 @@ class RequestLifecycle:
                 hashes = rec.request.block_hashes
                 blocks += ids[start:full] if start or full < len(ids) else ids
                 runs.append(hashes[start:full] if start or full < len(hashes) else hashes)
-                origins.append(Origin(rec.request, start, full - start))
+                origins.append((rec.request, start, full - start, 0))
                 rec.watermark = full
         return blocks, runs, origins
 
@@ -218,7 +218,7 @@ class RequestLifecycle:
         if full > rec.watermark:
             self._flush_blocks += rec.computed_block_ids[rec.watermark:full]
             self._flush_hashes += rec.request.block_hashes[rec.watermark:full]
-            self._flush_origins.append(Origin(rec.request, rec.watermark, full - rec.watermark))
+            self._flush_origins.append((rec.request, rec.watermark, full - rec.watermark, 0))
             rec.watermark = full
 
     def _filled(self, so: "SchedulerOutput"):
