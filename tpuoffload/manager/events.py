@@ -149,8 +149,11 @@ class EventLog:
         if n > 1:
             starts[1:] = (~has_parent[1:] | (parents[1:] != hashes[:-1]).any(axis=1)
                           | (groups[1:] != groups[:-1]) | (loras[1:] != loras[:-1]))
-        bounds = np.flatnonzero(starts).tolist() + [n]
+        firsts = np.flatnonzero(starts)
+        bounds = firsts.tolist() + [n]
         external = fmt.external(hashes)
+        parent_of = dict(zip(firsts.tolist(), fmt.external(parents[firsts])))
+        bs, flat = fmt.block_size, tokens.reshape(-1).tolist()
         out = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             lora_id, lora_name = self._loras[int(loras[s])]
@@ -158,9 +161,9 @@ class EventLog:
             kind, window = fmt.spec_of(group)
             out.append(BlockStored(
                 block_hashes=external[s:e],
-                parent_block_hash=fmt.external(parents[s:s + 1])[0] if has_parent[s] else None,
-                token_ids=tokens[s:e].reshape(-1).tolist(),
-                block_size=fmt.block_size,
+                parent_block_hash=parent_of[s] if has_parent[s] else None,
+                token_ids=flat[s * bs:e * bs],
+                block_size=bs,
                 lora_id=lora_id,
                 medium=medium,
                 lora_name=lora_name,
@@ -256,20 +259,21 @@ class TierEvents(ChunkEvents):
             first[r], base[r], lora[r] = lo, rows_so_far, self.log.lora_index(request)
             rows_so_far += hi + 1 - lo
         tokens = np.fromiter(flat, dtype=np.int32, count=len(flat)).reshape(-1, bs)
-        out = np.zeros(n, dtype=rows.dtype)
-        out["hash"] = hashes[positions]
-        out["tokens"] = tokens[base[run] + index - first[run]]
-        out["group"], out["lora"] = group[run], lora[run]
-        out["has_parent"] = index > 0
-        out["valid"] = True
         # The parent is the previous block of the same request: in the batch unless the chunk
         # opens its run, then the request's (block 0 has none).
+        parent = np.zeros((n, fmt.width), dtype=np.uint8)
         inside = positions > offsets[run]
-        out["parent"][inside] = hashes[positions[inside] - 1]
+        parent[inside] = hashes[positions[inside] - 1]
         for i in np.flatnonzero(~inside & (index > 0)).tolist():
             request = origins[run[i]][ORIGIN_REQUEST]
-            out["parent"][i] = np.frombuffer(request.block_hashes[index[i] - 1], dtype=np.uint8)
-        rows[slots] = out
+            parent[i] = np.frombuffer(request.block_hashes[index[i] - 1], dtype=np.uint8)
+        # Field by field into the records (a whole-record copy through a temporary costs twice).
+        rows["hash"][slots] = hashes[positions]
+        rows["parent"][slots] = parent
+        rows["tokens"][slots] = tokens[base[run] + index - first[run]]
+        rows["group"][slots], rows["lora"][slots] = group[run], lora[run]
+        rows["has_parent"][slots] = index > 0
+        rows["valid"][slots] = True
 
     def rows(self, slots: np.ndarray) -> np.ndarray:
         return self._rows[slots]
