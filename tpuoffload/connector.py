@@ -130,6 +130,8 @@ class TPUOffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        else:
+            self.scheduler.close()
 
     # ============================== scheduler side ==============================
     def _bind_scheduler_hooks(self) -> None:

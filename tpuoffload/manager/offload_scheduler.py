@@ -294,6 +294,12 @@ class OffloadScheduler:
         logger.info("tpuoffload: connector cache reset; %d chunks revoked", revoked)
         return True
 
+    def close(self) -> None:
+        """The engine shuts down: the snapshot file gets this half's last state (what it still
+        holds once the last requests finished), for ``tpuoffload stats`` and leak checks."""
+        if self._snapshot is not None:
+            self._snapshot.maybe_write(force=True)
+
     # ------------------------------------------------------------------ observability
     def take_stats(self) -> OffloadStats | None:
         values = self.counters
@@ -327,6 +333,7 @@ class OffloadScheduler:
     def snapshot(self) -> dict[str, Any]:
         """The scheduler half's view, for ``scheduler.json``."""
         totals = self.totals + self.counters
+        leaks = self.leak_report()
         return {
             "kind": "scheduler",
             "dp_rank": self.dp_rank,
@@ -336,5 +343,12 @@ class OffloadScheduler:
             "slots_total": self.index.num_slots,
             "slots_used": len(self.index),
             "staging_capacity": self.staging.capacity,
-            **self.leak_report(),
+            "leak_gauges": sorted(leaks),
+            **leaks,
         }
+
+
+def leaks_in(snapshot: dict[str, Any]) -> dict[str, int]:
+    """``leak_report()`` as a scheduler half's snapshot recorded it (e.g. a DP rank's, read from its
+    ``scheduler-dp<rank>.json``)."""
+    return {k: snapshot[k] for k in snapshot["leak_gauges"]}
