@@ -63,8 +63,10 @@ def test_tokens_identical_with_and_without_connector(report, dp, tp):
     s = summarize(base, conn)
     assert s["baseline_passes_agree"], "the engine without the connector is not deterministic across passes"
     for n in (1, 2, 3, 4):
-        assert s["tokens_equal"][n], (f"pass {n}: with connector {conn['passes'][n - 1]['tokens']} != "
-                                      f"without {base['passes'][n - 1]['tokens']}")
+        assert s["tokens_equal"][n], (
+            f"pass {n}: with connector {conn['passes'][n - 1]['tokens']} != without {base['passes'][n - 1]['tokens']}"
+            f"; every pass with the connector (HBM-cached tokens, counters): "
+            f"{[(e['num_cached_tokens'], e.get('counters')) for e in conn['passes']]}")
     for e in conn["passes"] + base["passes"]:
         assert [len(t) for t in e["tokens"]] == [6] * NUM_PROMPTS
 
