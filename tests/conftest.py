@@ -36,3 +36,25 @@ def make_slice(tmp_path):
         pod.close()
     for pod in pods:
         assert_gone(pod.procs)
+
+
+# ---- transfer engines: shared by tests/test_engine_*.py (helpers in engine_helpers.py) ----
+@pytest.fixture
+def engines():
+    """``make(caches, slots=NUM_SLOTS, **kw)`` builds a TransferEngine over ``caches`` with room
+    for ``slots`` chunks; after the test each is drained and closed."""
+    from engine_helpers import NUM_SLOTS
+    from tpuoffload.layout import CacheLayout
+    from tpuoffload.worker.transfer_engine import TransferEngine
+
+    made = []
+
+    def make(caches, *, slots=NUM_SLOTS, **kw):
+        eng = TransferEngine(caches, slots * CacheLayout.from_caches(caches).device_bytes_per_chunk, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.wait_idle(10)
+        eng.close()

@@ -156,31 +156,35 @@ def test_churn_file_is_used_as_is(bench, tmp_path):
     assert row["engine_churned_runs"]["save"] == [8]
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-120b-tp8", "qwen3-coder-480b-fp8-tp16", "llama-70b-tp8",
-                                  "deepseek-v3-mla-fp8"])
-def test_deployment_shapes_are_tpu_inferences(bench, name):
-    """per_device_block_shape against tpu-inference's own get_kv_cache_shape_with_mesh (and the
-    runner's head padding) on a stand-in mesh of the deployment's size: one device's share."""
+def tpu_inference_per_device_shape(tp: int, num_kv_heads: int, head_dim: int, dtype: str, block_size: int,
+                                   use_mla: bool = False) -> tuple[int, ...]:
+    """One device's share of one block, from tpu-inference's own get_kv_cache_shape_with_mesh (and
+    the runner's head padding) on a stand-in mesh of ``tp`` model shards."""
     import types
 
     import jax.numpy as jnp
 
     from tpuoffload.sim import tpu_layouts
     ti = tpu_layouts.tpu_inference()
-    d = dict(bench.DEPLOYMENTS[name])
-    d.pop("layers")
-    mla = d.get("use_mla", False)
-    sizes = {"data": 1, "model": d["tp"]}
+    sizes = {"data": 1, "model": tp}
     mesh = types.SimpleNamespace(shape=sizes, axis_names=tuple(sizes))
     with tpu_layouts._model_design(False):
-        heads = 1 if mla else ti.utils.get_padded_num_heads(d["num_kv_heads"], d["tp"])
-        hd = d["head_dim"] if mla else ti.utils.get_padded_head_dim(d["head_dim"])
-        full = ti.kv_cache.get_kv_cache_shape_with_mesh(mesh, 7, d["block_size"], heads, hd, jnp.dtype(d["dtype"]),
-                                                        mla)
-    per_device = list(full[1:])
-    if not mla:
-        per_device[1] //= d["tp"]  # sharded P(BATCH, KV_CONTEXT, KV_HEAD): axis 2 over the model shards
-    assert bench.per_device_block_shape(**d) == tuple(per_device)
+        heads = 1 if use_mla else ti.utils.get_padded_num_heads(num_kv_heads, tp)
+        hd = head_dim if use_mla else ti.utils.get_padded_head_dim(head_dim)
+        full = list(ti.kv_cache.get_kv_cache_shape_with_mesh(mesh, 7, block_size, heads, hd, jnp.dtype(dtype),
+                                                             use_mla)[1:])
+    if not use_mla:
+        full[1] //= tp  # sharded P(BATCH, KV_CONTEXT, KV_HEAD): axis 2 over the model shards
+    return tuple(full)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b-tp8", "qwen3-coder-480b-fp8-tp16", "llama-70b-tp8",
+                                  "deepseek-v3-mla-fp8"])
+def test_deployment_shapes_are_tpu_inferences(bench, name):
+    """per_device_block_shape of each deployment against tpu-inference's own shape."""
+    d = dict(bench.DEPLOYMENTS[name])
+    d.pop("layers")
+    assert bench.per_device_block_shape(**d) == tpu_inference_per_device_shape(**d)
 
 
 @pytest.mark.parametrize("kw", [dict(tp=4, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16),
@@ -190,23 +194,7 @@ def test_deployment_shapes_are_tpu_inferences(bench, name):
                                 dict(tp=4, num_kv_heads=1, head_dim=576, dtype="bfloat16", block_size=16, use_mla=True)])
 def test_shape_rule_matches_tpu_inference_beyond_the_table(bench, kw):
     """The rule, not just the table: several heads per shard, head_dim 64 and odd ones, int8."""
-    import types
-
-    import jax.numpy as jnp
-
-    from tpuoffload.sim import tpu_layouts
-    ti = tpu_layouts.tpu_inference()
-    mla = kw.get("use_mla", False)
-    sizes = {"data": 1, "model": kw["tp"]}
-    mesh = types.SimpleNamespace(shape=sizes, axis_names=tuple(sizes))
-    with tpu_layouts._model_design(False):
-        heads = 1 if mla else ti.utils.get_padded_num_heads(kw["num_kv_heads"], kw["tp"])
-        hd = kw["head_dim"] if mla else ti.utils.get_padded_head_dim(kw["head_dim"])
-        full = list(ti.kv_cache.get_kv_cache_shape_with_mesh(mesh, 7, kw["block_size"], heads, hd,
-                                                             jnp.dtype(kw["dtype"]), mla)[1:])
-    if not mla:
-        full[1] //= kw["tp"]
-    assert bench.per_device_block_shape(**kw) == tuple(full)
+    assert bench.per_device_block_shape(**kw) == tpu_inference_per_device_shape(**kw)
 
 
 def test_deployment_run_verifies_bytes(bench, tmp_path):

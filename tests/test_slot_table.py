@@ -5,7 +5,7 @@ pairing a chunk with another chunk's record.
 
 The chunk sizes come from ``CacheLayout`` on caches that tpu-inference's own ``create_kv_caches``
 allocates (``tpuoffload.sim.tpu_layouts``); the bytes themselves live in the transfer engine's
-store (tests/test_transfer_engine.py checks them).
+store (tests/test_engine_*.py check them).
 """
 
 from __future__ import annotations

@@ -771,3 +771,27 @@ def test_watch_waits_for_first_snapshot(copies, tmp_path):
                    during=lambda: [shutil.copy(os.path.join(copies.path, n), d / n) for n in os.listdir(copies.path)])
     assert "no host-*.json or scheduler.json snapshots" in out
     assert out.count("slice total: ") >= 2
+
+
+def test_scheduler_half_writes_its_last_state_at_shutdown(tmp_path):
+    """The scheduler half's snapshot is written at most once per interval while serving; when vLLM
+    shuts the scheduler down (``Scheduler.shutdown`` -> the connector's ``shutdown``) it is written
+    once more with the final state: every request released, every gauge zero. (DP ranks' halves
+    live in DPScheduler's forked processes: that last file is the only view of their end state.)"""
+    from tpuoffload.sim.engine import EngineSpec, InProcessEngine
+    from tpuoffload.sim.workload import prefix_repetition
+
+    engine = InProcessEngine(EngineSpec(num_hosts=1, num_blocks=64, extra_config={
+        "num_cpu_chunks": 32, "stats_dir": str(tmp_path), "stats_interval_s": 3600}))
+    for r in prefix_repetition(4, 2, 64, 16, 4, seed=1, block_size=16):
+        engine.add_request(r)
+    engine.run()
+    engine.settle()
+    path = tmp_path / "scheduler.json"
+    first = json.loads(path.read_text())  # written at the first step only (the interval is an hour)
+    assert first["step"] == 0 and first["requests"] > 0
+    engine.scheduler.shutdown()
+    last = json.loads(path.read_text())
+    assert last["step"] > 0 and last["totals"]["saves_issued"] > 0
+    assert last["leak_gauges"] and all(last[k] == 0 for k in last["leak_gauges"]), last
+    engine.close()

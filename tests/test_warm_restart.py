@@ -27,6 +27,9 @@ from tpuoffload.persist.request import read_done, request_checkpoint
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.index import READY, ChunkIndex
 from tpuoffload.manager.restart import WarmRestart
+from tpuoffload.manager.ledger import CompletionLedger
+from tpuoffload.manager.save_planner import SavePlanner
+from tpuoffload.manager.staging import StagingBudget
 
 
 # ---------------------------------------------------------------------------- the scheduler's side
@@ -147,7 +150,9 @@ def disk_part():
     clock = Clock()
     disk = DiskIndex(4, 2, counters, clock, 30.0)
     ram = ChunkIndex(16, counters=counters)
-    fetches = FetchPlanner(ram, None, disk, None, 1, 16, counters, clock, 30.0, lambda rid: None)
+    saves = SavePlanner(ram, CompletionLedger(2), StagingBudget(16), chunk_bytes=1, save_timeout_s=30.0, clock=clock,
+                        counters=counters)
+    fetches = FetchPlanner(saves, disk, 16, counters, lambda rid: None)
     return DiskTierPlanner(disk, fetches, ram, 2, counters, clock, 30.0, keeps_files=True), disk, counters, clock
 
 

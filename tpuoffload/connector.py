@@ -140,7 +140,7 @@ class TPUOffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        if self.scheduler is not None:
+        else:
             self.scheduler.close()
 
     # ============================== scheduler side ==============================

@@ -34,10 +34,10 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, Range, pack_keys
 from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
-from tpuoffload.manager.hash_table import HashKeys
+from tpuoffload.manager.hash_table import HashKeys, PackedHashes
 from tpuoffload.manager.index import ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
-from tpuoffload.manager.staging import StagingBudget
+from tpuoffload.manager.save_planner import SavePlanner
 from tpuoffload.manager.tier import Tier
 
 if TYPE_CHECKING:
@@ -190,15 +190,12 @@ class FetchPlanner:
     WANTED, IN_FLIGHT, DONE = 0, 1, 2
     MAX_TRIES = 8  # plans in which no host-RAM slot was free for a wanted fetch before giving up
 
-    def __init__(self, ram: ChunkIndex, ledger: CompletionLedger, disk: DiskIndex, staging: StagingBudget,
-                 chunk_bytes: int, block_size: int, counters: Counter[str], clock: Callable[[], float],
-                 save_timeout_s: float, forget_lookup: Callable[[str], object]) -> None:
-        self.ram, self.ledger, self.disk = ram, ledger, disk
-        self.staging, self.chunk_bytes = staging, chunk_bytes  # a fetch is a save in flight too
+    def __init__(self, saves: SavePlanner, disk: DiskIndex, block_size: int, counters: Counter[str],
+                 forget_lookup: Callable[[str], object]) -> None:
+        self.saves = saves  # fetched chunks take host-RAM slots as saves do (SavePlanner.claim)
+        self.ram, self.disk = saves.index, disk
         self.block_size = block_size
         self.counters = counters
-        self.clock = clock
-        self.save_timeout_s = save_timeout_s
         self._forget_lookup = forget_lookup
         self._state: dict[str, int] = {}
         self._wanted: dict[str, tuple[np.ndarray, list]] = {}  # req -> (disk entries, their hashes)
@@ -231,13 +228,13 @@ class FetchPlanner:
         slots_out, ids_out, disk_out, keys_out = [], [], [], []
         retry: dict[str, tuple[np.ndarray, list]] = {}
         for rid, (entries, hashes) in self._wanted.items():
-            keys = HashKeys.of(hashes)
+            packed = PackedHashes.of(hashes)
+            keys = HashKeys.of(packed)
             # Still on disk, and not in host RAM meanwhile (saved again, or another fetch).
             ok = (self.disk.index.find(keys) == entries) & (self.ram.find(keys) < 0)
             n = len(ok) if ok.all() else int(ok.argmin())
-            n = self.staging.reserve_up_to(n, self.chunk_bytes) if n else 0
-            slots = self.ram.allocate(n) if n else np.zeros(0, np.int64)
-            self.staging.release((n - len(slots)) * self.chunk_bytes)
+            claim = self.saves.claim(PackedHashes(packed.buf[:n * packed.width], packed.width), step)
+            slots = claim.slots
             if not len(slots):
                 # Host RAM is all saving or pinned right now: try again next step, a few times.
                 self._tries[rid] += 1
@@ -246,11 +243,9 @@ class FetchPlanner:
                 else:
                     self._state[rid] = self.DONE
                 continue
-            n = len(slots)
-            entries, keys = entries[:n], keys.take(slice(0, n))
-            base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-            self.ram.add_saving(keys, slots, base)
-            self.ram.events.copy_in(slots, self.disk.index.events.rows(entries))
+            n, base, keys = len(slots), claim.first_save_id, claim.keys
+            entries = entries[claim.keep]  # the chunks are distinct and new: a prefix of them
+            self.ram.events.copy_in(slots, self.disk.index.events.rows(entries))  # KV events: their records
             disk_ids = self.disk.start_fetch(entries)
             for i in range(n):
                 self._by_save_id[base + i] = (rid, int(entries[i]), int(disk_ids[i]))

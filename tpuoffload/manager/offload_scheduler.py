@@ -135,8 +135,7 @@ class OffloadScheduler:
                 raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
             disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s,
                              events=disk_events)
-            fetches = FetchPlanner(self.index, self.ledger, disk, self.staging, self.chunk_bytes, self.block_size,
-                                   self.counters, lambda: self.clock(), config.save_timeout_s, self.loads.take_lookup)
+            fetches = FetchPlanner(self.saves, disk, self.block_size, self.counters, self.loads.take_lookup)
             tiers.append(DiskTierPlanner(disk, fetches, self.index, num_hosts, self.counters, lambda: self.clock(),
                                          config.persist_timeout_s, keeps_files=config.persist_path is not None))
         return tiers
@@ -145,10 +144,6 @@ class OffloadScheduler:
         """The event records of every chunk named in host RAM and on disk (for the restart file)."""
         indexes = [self.index] + [t.disk.index for t in self.tiers if isinstance(t, DiskTierPlanner)]
         return np.concatenate([i.events.entries(i.named_slots()) for i in indexes])
-
-    def close(self) -> None:
-        """vLLM's scheduler shuts down (after its executor: the hosts' last checkpoint is written)."""
-        self._meta_writer.close()
 
     def tier(self, name: str) -> Tier | None:
         """The tier of that name, if configured (operators' and tests' view)."""
@@ -333,6 +328,15 @@ class OffloadScheduler:
         logger.info("tpuoffload: connector cache reset; %d chunks revoked", revoked)
         return True
 
+    def close(self) -> None:
+        """The engine shuts down (vLLM's scheduler, after its executor: the hosts' last checkpoint
+        is written): the snapshot file gets this half's last state (what it still holds once the
+        last requests finished), for ``tpuoffload stats`` and leak checks; with KV events and warm
+        restart, the records of the chunks named now are written beside the checkpoints."""
+        if self._snapshot is not None:
+            self._snapshot.maybe_write(force=True)
+        self._meta_writer.close()
+
     # ------------------------------------------------------------------ observability
     def take_stats(self) -> OffloadStats | None:
         values = self.counters
@@ -366,6 +370,7 @@ class OffloadScheduler:
     def snapshot(self) -> dict[str, Any]:
         """The scheduler half's view, for ``scheduler.json``."""
         totals = self.totals + self.counters
+        leaks = self.leak_report()
         return {
             "kind": "scheduler",
             "dp_rank": self.dp_rank,
@@ -375,5 +380,12 @@ class OffloadScheduler:
             "slots_total": self.index.num_slots,
             "slots_used": len(self.index),
             "staging_capacity": self.staging.capacity,
-            **self.leak_report(),
+            "leak_gauges": sorted(leaks),
+            **leaks,
         }
+
+
+def leaks_in(snapshot: dict[str, Any]) -> dict[str, int]:
+    """``leak_report()`` as a scheduler half's snapshot recorded it (e.g. a DP rank's, read from its
+    ``scheduler-dp<rank>.json``)."""
+    return {k: snapshot[k] for k in snapshot["leak_gauges"]}

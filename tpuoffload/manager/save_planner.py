@@ -12,24 +12,46 @@ invariant 10: staging and host RAM are bounded, a save that does not fit is skip
 never waited for). The per-chunk work is compiled (``ChunkIndex.select_and_name``: one call that
 deduplicates and names the chunks that free slots take; ``allocate`` and ``add_saving`` for the
 rest, when eviction makes room; kernels.py); the rest is a fixed number of calls per batch.
+
+``SavePlanner.claim`` is the only way a host-RAM slot becomes SAVING: a save and a tier bringing
+chunks back into host RAM (the disk tier's fetches) both claim their slots through it, so both
+take the same staging room, the same LRU eviction and one ledger batch, and the RAM ledger makes
+them READY alike.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.messages import SaveBatch, compact_ints, pack_keys
 from tpuoffload.manager.events import Origins
-from tpuoffload.manager.hash_table import PackedHashes
+from tpuoffload.manager.hash_table import HashKeys, PackedHashes
 from tpuoffload.manager.index import ChunkHash, ChunkIndex
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.staging import StagingBudget
 
 NO_SAVES = SaveBatch()  # a plan that saves nothing
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Host-RAM slots a batch of chunks took (``SavePlanner.claim``): ``slots[i]`` is SAVING for
+    ``keys[i]``, the batch's candidate ``keep[i]``, under save id ``first_save_id + i``."""
+
+    keys: HashKeys
+    keep: np.ndarray  # positions in the batch, ascending
+    slots: np.ndarray
+    run_step: int | None  # slots ascend (1) / descend (-1) by one, else 0; None: not known
+    first_save_id: int
+    n_dup: int  # equal to an earlier candidate of the batch
+    n_held: int  # held or being saved already
+    n_staging: int  # new, but the staging budget had no room
+    n_no_space: int  # new, with room, but host RAM is full of saving, pinned or revoked chunks
 
 
 class SavePlanner:
@@ -58,25 +80,39 @@ class SavePlanner:
         n = len(hashes)
         if not n:
             return NO_SAVES
+        packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
+        c = self.claim(packed, step)
+        counters = self.counters
+        for name, k in ((C.DEDUP_BATCH, c.n_dup), (C.DEDUP_INDEX, c.n_held), (C.SKIPPED_STAGING, c.n_staging),
+                        (C.SKIPPED_NO_SPACE, c.n_no_space)):
+            if k:
+                counters[name] += k
+        got = len(c.slots)
+        if not got:
+            return NO_SAVES
+        counters[C.SAVES_ISSUED] += got
+        self.index.events.record(c.slots, packed, c.keep, origins)
+        blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, c.keep.tolist()))
+        keys, base = c.keys, c.first_save_id
+        return SaveBatch(block_ids=blocks, slots=compact_ints(c.slots, c.run_step), save_ids=range(base, base + got),
+                         keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
+
+    def claim(self, packed: PackedHashes, step: int) -> Claim:
+        """Host-RAM slots for the new chunks among ``packed``, as many as the staging budget and
+        host RAM allow, earliest first: deduplicated (within the batch, against chunks held and
+        saves in flight), free slots first, then LRU chunks evicted, staging reserved, one ledger
+        batch opened, the chunks SAVING under its save ids. The only way a slot becomes SAVING."""
         # One pass over the batch (compiled): a key equal to an earlier candidate's is a batch
         # duplicate (equal hashes mean equal content; the first block is as good as any, and every
         # candidate block is computed by the time the workers gather it), a key held or being
-        # saved is an index duplicate (in flight included).
-        counters = self.counters
-        packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
+        # saved is an index duplicate (in flight included). Deduplication and the free slots'
+        # naming are one call (the usual case); kept keys beyond what free slots covered are
+        # named below, on slots of evicted chunks.
         limit = self.staging.room(self.chunk_bytes)  # chunks the staging budget takes now
         first = self.ledger.next_save_id
-        # Deduplication and the free slots' naming in one compiled call (the usual case); kept
-        # keys beyond what free slots covered are named below, on slots of evicted chunks.
         keys, keep, n_dup, n_held, slots, run_step = self.index.select_and_name(packed, limit, first)
-        if n_dup:
-            counters[C.DEDUP_BATCH] += n_dup
-        if n_held:
-            counters[C.DEDUP_INDEX] += n_held
         n_keep = len(keep)
         granted = min(n_keep, limit)
-        if granted < n_keep:
-            counters[C.SKIPPED_STAGING] += n_keep - granted
         got = len(slots)
         if got < granted:  # host RAM is full: LRU chunks make room
             victims = self.index.allocate(granted - got)
@@ -84,18 +120,11 @@ class SavePlanner:
                 self.index.add_saving(keys.take(slice(got, got + len(victims))), victims, first + got)
                 slots = np.concatenate((slots, victims)) if got else victims
                 got, run_step = len(slots), None
-            if got < granted:
-                counters[C.SKIPPED_NO_SPACE] += granted - got
-        if not got:
-            return NO_SAVES
         if got < n_keep:
             keep, keys = keep[:got], keys.take(slice(0, got))
-        self.index.events.record(slots, packed, keep, origins)
-        blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, keep.tolist()))
-        reserved = self.staging.reserve_up_to(got, self.chunk_bytes)
-        assert reserved == got, (reserved, got)  # got <= room(), and nothing reserved since
-        base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
-        assert base == first, (base, first)  # the save ids the chunks were named under
-        counters[C.SAVES_ISSUED] += got
-        return SaveBatch(block_ids=blocks, slots=compact_ints(slots, run_step), save_ids=range(base, base + got),
-                         keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
+        if got:
+            reserved = self.staging.reserve_up_to(got, self.chunk_bytes)
+            assert reserved == got, (reserved, got)  # got <= room(), and nothing reserved since
+            base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
+            assert base == first, (base, first)  # the save ids the chunks were named under
+        return Claim(keys, keep, slots, run_step, first, n_dup, n_held, n_keep - granted, granted - got)

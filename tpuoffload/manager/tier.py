@@ -9,8 +9,8 @@ own part of the workers' reports (``OffloadWorkerReport.tiers[name]``). Its work
 (``worker/tier.py``) acts on that part on every host. Every hook has a do-nothing default.
 
 Host-RAM slots are shared: a tier that puts chunks into host RAM (a fetch) takes them like a save
-does, from ``ChunkIndex.allocate`` and ``ChunkIndex.add_saving`` under a RAM ledger batch, so the
-RAM ledger makes them READY like any save.
+does, through ``SavePlanner.claim`` (the only way a slot becomes SAVING: staging, eviction, one RAM
+ledger batch), so the RAM ledger makes them READY like any save.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tpuoffload.manager.offload_scheduler import leaks_in
 from tpuoffload.sim.engine import absorb_outputs
 from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, scheduler_kv_shape, sharding_config,
                                         slice_page_bytes)
@@ -224,13 +225,10 @@ class PodSlice:
         names = sorted(n for n in os.listdir(self.stats_dir) if n.startswith("scheduler-dp"))
         if len(names) != self.dp_ranks:
             raise SliceError(f"expected {self.dp_ranks} rank scheduler snapshots in {self.stats_dir}, found {names}")
-        keys = ("requests", "awaiting_release", "queued_flush_or_release", "loads_planned", "loads_in_flight",
-                "pinned_chunks", "saving_chunks", "ledger_pending", "staging_bytes")
         out = []
         for name in names:
             with open(os.path.join(self.stats_dir, name)) as f:
-                snap = json.load(f)
-            out.append({k: snap[k] for k in keys} | {"source": name})
+                out.append(leaks_in(json.load(f)) | {"source": name})
         return out
 
     def _live_request_ids(self) -> list[str]:

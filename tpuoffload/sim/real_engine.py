@@ -21,7 +21,14 @@ runs the worker here).
 What is real and what is shimmed: ``tpuoffload.sim.engine_shims`` (the one module that holds every
 shim). Used by ``tests/test_real_engine.py`` and ``python -m tpuoffload.demo --engine``.
 
-    python -m tpuoffload.sim.real_engine [--connector] [--tp 2] [--json OUT]   # one engine
+Data parallelism: ``--dp 2`` builds the engine with ``data_parallel_size=2``, as offline serving
+does on TPU: tpu-inference's platform then installs its ``DPScheduler`` (one vLLM ``Scheduler`` per
+rank, each in a forked process, each with its own scheduler-half connector), and one runner holds
+both ranks' KV caches (sharded over the mesh's ``data`` axis). The scheduler halves live in the
+rank processes, so their counters are read from the snapshots they write (``stats_dir``, every
+step: ``scheduler-dp<rank>.json``).
+
+    python -m tpuoffload.sim.real_engine [--only connector] [--tp 1 2] [--dp 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -105,14 +112,14 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
             toks(PROMPT_BLOCKS * BLOCK_SIZE)]
 
 
-def kv_transfer_config(cpu_bytes: int = CPU_BYTES) -> dict[str, Any]:
+def kv_transfer_config(cpu_bytes: int = CPU_BYTES, **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "TPUOffloadConnector", "kv_connector_module_path": "tpuoffload.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, **extra}}
 
 
 # ---------------------------------------------------------------- engines, in this process
-def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> dict[str, Any]:
+def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: int = 0) -> dict[str, Any]:
     """Build vLLM's LLM on tpu-inference (shims installed first), run the four passes, shut it down."""
     from tpuoffload.sim import engine_shims
 
@@ -120,24 +127,30 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> d
     import jax
     from vllm import LLM, SamplingParams
 
-    if len(jax.devices()) < tp + 1:  # the mesh's devices and the reference attention's scratch device
-        raise RuntimeError(f"tensor parallel {tp} needs {tp + 1} CPU devices, JAX has {len(jax.devices())} "
+    devices = dp * tp
+    if len(jax.devices()) < devices + 1:  # the mesh's devices and the reference attention's scratch device
+        raise RuntimeError(f"DP {dp} x TP {tp} needs {devices + 1} CPU devices, JAX has {len(jax.devices())} "
                            "(XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     kwargs: dict[str, Any] = {}
+    stats_dir = None
     if connector:
-        kwargs["kv_transfer_config"] = kv_transfer_config()
+        if dp > 1:  # the rank schedulers' counters come back through their snapshots
+            stats_dir = os.path.join(os.path.dirname(os.path.abspath(model_dir)), f"stats-{config_name(tp, True, dp)}")
+            kwargs["kv_transfer_config"] = kv_transfer_config(stats_dir=stats_dir, stats_interval_s=0)
+        else:
+            kwargs["kv_transfer_config"] = kv_transfer_config()
     t0 = time.monotonic()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=DTYPE, seed=seed, max_model_len=256,
               max_num_seqs=8, max_num_batched_tokens=512, block_size=BLOCK_SIZE, enable_prefix_caching=True,
               num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5, enforce_eager=True,
-              tensor_parallel_size=tp,
+              tensor_parallel_size=tp, data_parallel_size=dp,
               # the runner's own explicit device order (CPU devices have no TPU coordinates to sort by)
-              additional_config={"sharding": {"sharding_strategy": {"device_indexes": list(range(tp))}}},
+              additional_config={"sharding": {"sharding_strategy": {"device_indexes": list(range(devices))}}},
               **kwargs)
     init_s = time.monotonic() - t0
     try:
-        halves = _connector_halves(llm) if connector else None
-        runner = _check_real_path(llm, halves)
+        halves = _connector_halves(llm, dp, stats_dir) if connector else None
+        runner = _check_real_path(llm, halves, dp)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         prompts = make_prompts(seed)
         passes = []
@@ -157,7 +170,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> d
                 assert halves["worker"].wait_idle(30.0), "saves still in flight 30 s after the pass"
                 entry["counters"] = _delta(before, _totals(halves))
             passes.append(entry)
-        result = {"connector": connector, "tp": tp, "dtype": DTYPE, "init_seconds": round(init_s, 2),
+        result = {"connector": connector, "tp": tp, "dp": dp, "dtype": DTYPE, "init_seconds": round(init_s, 2),
                   "devices": [str(d) for d in runner.devices], "mesh": dict(runner.mesh.shape),
                   "kv_cache_shapes": [list(c.shape) for c in runner.kv_caches],
                   "kv_cache_sharding": str(runner.kv_caches[0].sharding.spec),
@@ -165,10 +178,11 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, seed: int = 0) -> d
                   "platform": type(_current_platform()).__module__ + "." + type(_current_platform()).__name__}
         if connector:
             result["worker_idle"] = halves["worker"].idle_report()
-            result["scheduler_leaks"] = halves["scheduler"].leak_report()
-        return result
     finally:
         _shutdown(llm)
+    if connector:  # after the shutdown: DP ranks' halves write their last snapshot as they close
+        result["scheduler_leaks"] = _scheduler_leaks(halves)
+    return result
 
 
 def _current_platform():
@@ -191,20 +205,37 @@ def _shutdown(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
-def _connector_halves(llm) -> dict[str, Any]:
-    """The two TPUOffloadConnector instances vLLM built: the scheduler's (in EngineCore's Scheduler)
-    and the worker's (the uni executor's worker, in this process)."""
+def _connector_halves(llm, dp: int, stats_dir: str | None) -> dict[str, Any]:
+    """The TPUOffloadConnector instances vLLM built: the worker's (the uni executor's worker, in this
+    process) and the scheduler's (in EngineCore's Scheduler; under DPScheduler one per rank, in the
+    rank processes, seen through their snapshots in ``stats_dir``)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-    sched_conn = core.scheduler.connector
     worker_conn = get_kv_transfer_group()
-    return {"scheduler": sched_conn.scheduler, "worker": worker_conn.worker,
-            "scheduler_connector": sched_conn, "worker_connector": worker_conn, "core": core}
+    halves = {"worker": worker_conn.worker, "worker_connector": worker_conn, "core": core, "dp": dp,
+              "stats_dir": stats_dir}
+    if dp == 1:
+        halves.update(scheduler=core.scheduler.connector.scheduler, scheduler_connector=core.scheduler.connector)
+    return halves
 
 
-def _check_real_path(llm, halves):
+def _rank_snapshots(halves, every_rank: bool = True) -> list[dict[str, Any]]:
+    """Each DP rank's scheduler-half snapshot (written at its last step; none before its first)."""
+    stats_dir = halves["stats_dir"]
+    names = sorted(n for n in os.listdir(stats_dir) if n.startswith("scheduler-dp")) if os.path.isdir(stats_dir) else []
+    if every_rank and len(names) != halves["dp"]:
+        raise RuntimeError(f"expected {halves['dp']} rank scheduler snapshots in {stats_dir}, found {names}")
+    out = []
+    for name in names:
+        with open(os.path.join(stats_dir, name)) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _check_real_path(llm, halves, dp: int):
     """The pieces around the connector are vLLM's and tpu-inference's own classes."""
+    from tpu_inference.core.sched.dp_scheduler import DPScheduler
     from tpu_inference.runner.tpu_runner import TPUModelRunner
     from tpu_inference.worker.tpu_worker import TPUWorker
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -215,11 +246,15 @@ def _check_real_path(llm, halves):
     core = llm.llm_engine.engine_core.engine_core
     worker = core.model_executor.driver_worker.worker
     assert isinstance(core.model_executor, UniProcExecutor), type(core.model_executor)
-    assert isinstance(core.scheduler, Scheduler), type(core.scheduler)
+    # DP > 1: tpu-inference's platform swapped vLLM's scheduler for its DPScheduler
+    assert isinstance(core.scheduler, DPScheduler if dp > 1 else Scheduler), type(core.scheduler)
+    if dp > 1:
+        assert core.scheduler.dp_size == dp, core.scheduler.dp_size
     assert isinstance(worker, TPUWorker), type(worker)
     assert isinstance(worker.model_runner, TPUModelRunner), type(worker.model_runner)
     if halves is not None:
-        assert isinstance(halves["scheduler_connector"], TPUOffloadConnector)
+        if dp == 1:
+            assert isinstance(halves["scheduler_connector"], TPUOffloadConnector)
         assert isinstance(halves["worker_connector"], TPUOffloadConnector)
         # register_runner ran (tpu-inference's initialize_kv_cache calls it) on the runner's own caches
         assert halves["worker"].engine is not None, "register_runner was never called"
@@ -227,9 +262,23 @@ def _check_real_path(llm, halves):
 
 
 def _totals(halves) -> Counter:
-    totals = Counter(halves["scheduler"].snapshot()["totals"])
+    totals = Counter()
+    if halves["dp"] == 1:
+        totals.update(halves["scheduler"].snapshot()["totals"])
+    else:
+        for snap in _rank_snapshots(halves, every_rank=False):  # before the first step: none yet
+            totals.update(snap["totals"])
     totals.update(halves["worker"].snapshot()["totals"])
     return totals
+
+
+def _scheduler_leaks(halves) -> list[dict[str, Any]]:
+    """Each scheduler half's leak gauges (zero when idle)."""
+    if halves["dp"] == 1:
+        return [halves["scheduler"].leak_report()]
+    from tpuoffload.manager.offload_scheduler import leaks_in
+
+    return [leaks_in(snap) for snap in _rank_snapshots(halves)]
 
 
 def _delta(before: Counter, after: Counter) -> dict[str, float]:
@@ -237,26 +286,33 @@ def _delta(before: Counter, after: Counter) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- the child process
-def config_name(tp: int, connector: bool) -> str:
-    return f"tp{tp}-{'connector' if connector else 'baseline'}"
+def config_name(tp: int, connector: bool, dp: int = 1) -> str:
+    return f"{f'dp{dp}-' if dp > 1 else ''}tp{tp}-{'connector' if connector else 'baseline'}"
 
 
-def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.0) -> dict[str, Any]:
+def engine_shapes(tps: tuple[int, ...], dps: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(dp, tp) of each engine: every tensor-parallel size at DP 1, then every DP size at TP 1."""
+    return [(1, tp) for tp in tps] + [(dp, 1) for dp in dps]
+
+
+def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.0,
+              dps: tuple[int, ...] = ()) -> dict[str, Any]:
     """One child process (``python -m tpuoffload.sim.real_engine``) under an outside timeout (its
     process group is killed when it runs past it) runs, one after another, the engine without and
-    with the connector for each tensor-parallel size; returns its report."""
+    with the connector for each tensor-parallel size, then each data-parallel size; returns its
+    report."""
     model_dir = write_tiny_qwen3(os.path.join(workdir, "model"))
     out_json, log_path = os.path.join(workdir, "report.json"), os.path.join(workdir, "engine.log")
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                # One CPU thread per op: multi-threaded reductions may sum in another order from run to
                # run, and a random model's near-tie argmax then flips a greedy token (seen at TP 1 and 2).
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(tps) + 1} "
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(d * t for d, t in engine_shapes(tps, dps)) + 1} "
                          "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
                VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"))  # tpu-inference's compile cache: not ~/.cache
     env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
     cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model-dir", model_dir, "--json", out_json,
-           "--tp", *map(str, tps)]
+           "--tp", *map(str, tps), "--dp", *map(str, dps)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -294,31 +350,35 @@ def summarize(base: dict[str, Any], conn: dict[str, Any]) -> dict[str, Any]:
 
 
 def demo(argv: list[str] | None = None) -> int:
-    """``python -m tpuoffload.demo --engine [--tp 1 2]``: run the engines in a child process and
-    print what happened, pass by pass."""
+    """``python -m tpuoffload.demo --engine [--tp 1 2] [--dp 2]``: run the engines in a child
+    process and print what happened, pass by pass."""
     ap = argparse.ArgumentParser(prog="python -m tpuoffload.demo --engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
+    ap.add_argument("--tp", type=int, nargs="*", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
+    ap.add_argument("--dp", type=int, nargs="*", default=[2], help="data-parallel sizes at TP 1, through "
+                    "tpu-inference's DPScheduler (default: 2)")
     ap.add_argument("--workdir", default=None, help="model, report and engine log (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=900.0, help="outside timeout for the child, seconds")
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-engine-")
     print(f"tpuoffload inside the real engine: vLLM {_version('vllm')} LLM on tpu-inference {_version('tpu-inference')}"
           f" (TpuPlatform, TPUWorker, TPUModelRunner, uni executor) on CPU JAX {_version('jax')}; tiny Qwen3 "
-          f"(2 layers, 4 query / 2 KV heads of 128, {DTYPE}) written to {workdir}/model; tensor parallel {args.tp}")
+          f"(2 layers, 4 query / 2 KV heads of 128, {DTYPE}) written to {workdir}/model; tensor parallel {args.tp}, "
+          f"data parallel {args.dp}")
     print(f"log: {workdir}/engine.log", flush=True)
     t0 = time.monotonic()
-    report = run_child(workdir, tuple(args.tp), args.timeout)
+    report = run_child(workdir, tuple(args.tp), args.timeout, tuple(args.dp))
     wall = time.monotonic() - t0
     first = next(iter(report["runs"].values()))
     print("\nshims (tpuoffload/sim/engine_shims.py, the only ones):")
     for line in first["shims"]:
         print(f"  - {line}")
     ok = True
-    for tp in args.tp:
-        base, conn = report["runs"][config_name(tp, False)], report["runs"][config_name(tp, True)]
+    for dp, tp in engine_shapes(tuple(args.tp), tuple(args.dp)):
+        base, conn = report["runs"][config_name(tp, False, dp)], report["runs"][config_name(tp, True, dp)]
         s = summarize(base, conn)
-        print(f"\ntensor parallel {tp}: mesh {conn['mesh']} on {conn['devices']}; KV cache per layer "
+        scheduler = "DPScheduler, one vLLM scheduler per rank" if dp > 1 else "vLLM's Scheduler"
+        print(f"\ndata parallel {dp} x tensor parallel {tp} ({scheduler}): mesh {conn['mesh']} on {conn['devices']}; KV cache per layer "
               f"{conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
         print(f"  {'pass':<46} {'tokens = baseline':>17} {'HBM-cached':>10} {'hit tokens':>10} {'loaded':>7} "
               f"{'saved':>6}")
@@ -343,8 +403,10 @@ def _version(dist: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tpuoffload.sim.real_engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes over CPU devices "
+    ap.add_argument("--tp", type=int, nargs="*", default=[1], help="tensor-parallel sizes over CPU devices "
                     "(XLA_FLAGS=--xla_force_host_platform_device_count must offer the largest + 1)")
+    ap.add_argument("--dp", type=int, nargs="*", default=[], help="data-parallel sizes, each at TP 1, through "
+                    "tpu-inference's DPScheduler (devices as for --tp)")
     ap.add_argument("--only", choices=("baseline", "connector"), default=None, help="run just one of the two")
     ap.add_argument("--model-dir", default=None, help="where the tiny model is (written there if absent)")
     ap.add_argument("--json", default=None, help="write the report here (default: stdout)")
@@ -354,11 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         write_tiny_qwen3(model_dir)
     t0 = time.monotonic()
     report: dict[str, Any] = {"runs": {}}
-    for tp in args.tp:
+    for dp, tp in engine_shapes(tuple(args.tp), tuple(args.dp)):
         for connector in (False, True):
             if args.only and args.only != ("connector" if connector else "baseline"):
                 continue
-            report["runs"][config_name(tp, connector)] = run_engine(model_dir, connector, tp)
+            report["runs"][config_name(tp, connector, dp)] = run_engine(model_dir, connector, tp, dp)
     report["seconds"] = round(time.monotonic() - t0, 1)
     text = json.dumps(report, indent=1)
     if args.json:

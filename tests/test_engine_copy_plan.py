@@ -1,0 +1,282 @@
+"""How the engine moves slots: maximal runs of consecutive slots, the copy structures
+(``programs.copy_plan``: power-of-two copies and counts) and their byte-exact round trips.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tpuoffload.worker import programs as pm
+from tpuoffload.worker import transfer_engine as te
+
+from engine_helpers import (
+    logged_copies, BF16, NUM_SLOTS, random_caches, host, chunk, save_ok, op_names, small_load_ops, op_shape)
+
+
+# ---------------------------------------------------------------- slot runs
+def _groups_are_runs(slots: np.ndarray, run: int) -> bool:
+    groups = slots.reshape(-1, run)
+    return bool((groups == groups[:, :1] + np.arange(run)).all())
+
+
+@pytest.mark.parametrize("slots,padded,run", [
+    (list(range(8)), 8, 8),
+    (list(range(24, 32)), 8, 8),  # ends at the store's last slot
+    (list(range(5, 17)), 16, 4),  # 12 rows padded to 16: padding repeats the last group of 4
+    ([30, 31, 0, 1, 2, 3, 4, 5], 8, 2),  # wraps past the last slot: a break at row 2
+    ([1, 2, 3, 4, 9, 10, 11, 12], 8, 4),  # two runs, each an aligned group
+    ([1, 2, 3, 9, 10, 11, 12, 13], 8, 1),  # a break at row 3
+    (list(range(7, -1, -1)), 8, 1),  # descending
+    ([3, 3, 4, 5], 4, 1),  # a slot read twice (a load may): a break at row 1
+    ([3, 4, 4, 5], 4, 2),  # ... or at row 2: two groups of 2
+    ([3, 4, 5, 6, 3, 4, 5, 6], 8, 4),  # one run read into two sets of blocks
+    ([6], 8, 1), ([6, 7], 2, 2), ([], 8, 1),
+])
+def test_slot_run_examples(slots, padded, run):
+    assert pm.slot_run(slots, padded) == run
+
+
+def test_slot_run_of_one_ascending_run_is_the_widest_the_padding_allows():
+    """The fast path (a list that is one ascending run) against the general one, on every length
+    and a few starts, and its negative: a run with one slot changed is not taken for a run."""
+    for n in range(1, 70):
+        for start in (0, 5, 1000 - n):
+            run = list(range(start, start + n))
+            for padded in {pm.bucket(n, 64), pm.bucket(n, 8) if n <= 8 else pm.bucket(n, 64)}:
+                assert pm.slot_run(run, padded) == pm.slot_run(np.array(run), padded)
+            if n > 1:  # a break before the last row: a group width must divide n - 1
+                broken = run[:-1] + [run[-1] + 1]
+                assert pm.slot_run(broken, pm.bucket(n, 64)) <= (n - 1) & -(n - 1)
+
+
+def test_slot_run_is_the_widest_width_whose_padded_plan_is_runs():
+    """Against brute force, on random plans made of ascending and descending runs and repeats: the
+    padded plan (both ``save_plan_ids`` and ``load_plan_ids``) keeps the real rows, holds
+    consecutive slots in every aligned group of ``run`` rows, and no wider width allowed by the
+    padding does; save padding rewrites real (block, slot) pairs; load padding targets no block."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        slots: list[int] = []
+        n = int(rng.integers(1, 40))
+        while len(slots) < n:
+            start, length = int(rng.integers(0, 200)), int(rng.choice([1, 2, 3, 4, 8, 16]))
+            step = -1 if rng.random() < 0.2 else 1
+            slots += [max(0, start + step * i) for i in range(length)]
+        slots = slots[:n]
+        padded = pm.bucket(n, 64)
+        blocks = [1000 + 3 * i for i in range(n)]
+        widest = max(w for w in (1 << k for k in range(padded.bit_length())) if w <= padded and n % w == 0
+                     and _groups_are_runs(pm.save_plan_ids(blocks, slots, 64, w)[1], w))
+        run = pm.slot_run(slots, padded)
+        assert run == widest, (slots, run, widest)
+        assert pm.slot_run(np.array(slots), padded) == run  # the numpy path agrees
+        save = pm.save_plan_ids(blocks, slots, 64, run)
+        load = pm.load_plan_ids(blocks, slots, [1] * n, 99, 64, run)
+        for ids in (save, load):
+            assert ids.shape == (3, padded) and _groups_are_runs(ids[1], run)
+            assert ids[0, :n].tolist() == blocks and ids[1, :n].tolist() == slots
+        pairs = set(zip(blocks, slots))
+        assert all((int(b), int(s)) in pairs for b, s in zip(save[0, n:], save[1, n:])) and (save[2] == 1).all()
+        assert (load[0, n:] == 99).all() and (load[2, n:] == 0).all() and (load[2, :n] == 1).all()
+
+
+# slots of one save, the width its programs use, and four sentinel slots saved just before it
+# (neighbours a wrong width would overwrite).
+SLOT_PATTERNS = {
+    "run to the last slot": (list(range(NUM_SLOTS - 8, NUM_SLOTS)), 8, [20, 21, 22, 23]),
+    "wraps": ([30, 31, 0, 1, 2, 3, 4, 5], 2, [6, 7, 28, 29]),
+    "12 ascending": (list(range(3, 15)), 4, [15, 16, 17, 18]),
+    "descending": (list(range(NUM_SLOTS - 1, NUM_SLOTS - 9, -1)), 1, [20, 21, 22, 23]),
+    "two runs": ([1, 2, 3, 4, 9, 10, 11, 12], 4, [5, 6, 7, 8]),
+    "scattered": ([7, 3, 11, 0, 30, 12, 5, 9], 1, [1, 2, 4, 6]),
+}
+
+
+def logged_run(op: str) -> int:
+    return int(re.search(r"\brun=(\d+)", op).group(1))
+
+
+def widest(slots) -> int:
+    return pm.copy_plan(list(slots))[1][0][0]
+
+
+def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]]:
+    """Save sentinels, then the pattern's chunks (from both batch shards); load them back in the
+    saved order, then in ascending slot order (another width), then the sentinels. Returns the
+    mismatches and the widths logged by the save, the first load's read, the second's."""
+    slots, _, sentinels = SLOT_PATTERNS[pattern]
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 30)
+    eng = engines(caches)
+    per = eng.layout.groups[0].blocks_per_shard
+    n = len(slots)
+    src = host(caches)
+    blocks = [(i % 2) * per + i for i in range(n)]
+    ids = list(range(900, 900 + n))
+    save_ok(eng, caches, [12, 13, per + 12, per + 13], sentinels, [800, 801, 802, 803])
+    save_ok(eng, caches, blocks, slots, ids)
+    runs = [logged_run(eng.finish_step().ops[-1])]
+    bad = []
+    order = sorted(range(n), key=lambda i: slots[i])
+    for k, (pos, first) in enumerate(((list(range(n)), 16), (order, 20))):
+        caches = random_caches(name, 31 + k)
+        targets = [(i % 2) * per + first + j for j, i in enumerate(pos)]
+        caches, failed = eng.load(caches, targets, [slots[i] for i in pos], [ids[i] for i in pos])
+        ops = eng.finish_step().ops
+        assert failed == [] and op_names(ops) == small_load_ops(1)
+        runs.append(logged_run(ops[0]))
+        after = host(caches)
+        bad += [f"load {k} slot {slots[i]}" for i, t in zip(pos, targets)
+                if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
+    caches, failed = eng.load(random_caches(name, 33), [14, 15, per + 14, per + 15], sentinels, [800, 801, 802, 803])
+    after = host(caches)
+    bad += [f"sentinel slot {s}" for s, b, t in zip(sentinels, [12, 13, per + 12, per + 13], [14, 15, per + 14, per + 15])
+            if not np.array_equal(chunk(after, t), chunk(src, b))]
+    return bad, runs
+
+
+@pytest.mark.parametrize("pattern", SLOT_PATTERNS)
+def test_slot_runs_round_trip_byte_exact(engines, pattern):
+    """Whatever the slots (one run, a run that ends at the store's last slot or wraps past it, a
+    run that is padded, descending slots, scattered ones), each chunk comes back byte-exact, loaded
+    in the saved order or in another, and no neighbouring slot is touched; the save moves its slots
+    in the copies ``copy_plan`` gives (rows sorted by slot: a descending run is one copy)."""
+    slots, _, _ = SLOT_PATTERNS[pattern]
+    bad, runs = slot_pattern_round_trip(engines, pattern)
+    assert bad == []
+    assert runs == [widest(slots)] * 3  # rows sorted by slot: the load in another order copies alike
+
+
+@pytest.mark.parametrize("src_slots,dst_slots", [
+    ([0, 1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25]),  # runs of 2, padded to 8
+    ([9, 3, 7, 1, 5], [30, 31, 0, 1, 2]),  # wraps; 5 rows: one copy per slot
+    (list(range(8)), list(range(NUM_SLOTS - 8, NUM_SLOTS))),  # one run to the last slot
+])
+def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots):
+    """The disk tier's two programs use the widths too: chunks read out of slots (``read_slots``)
+    and written back into other slots (``install``, padding rewriting the last group with its own
+    bytes) load byte-exact, and the slots around them keep their chunks."""
+    caches = random_caches(BF16, 40)
+    src = host(caches)
+    eng = engines(caches)
+    n = len(src_slots)
+    keep = [s for s in range(NUM_SLOTS) if s not in src_slots and s not in dst_slots][:4]
+    save_ok(eng, caches, list(range(n)), src_slots, list(range(100, 100 + n)))
+    save_ok(eng, caches, [40, 41, 42, 43], keep, [200, 201, 202, 203])
+    rows, ok = eng.read_slots(src_slots, list(range(100, 100 + n)))
+    assert ok == [True] * n
+    eng.install(eng.rows_to_payloads(rows, n), dst_slots, list(range(300, 300 + n)))
+    assert eng.wait_idle(30) and all(r.ok for r in eng.drain_results())
+    ops = eng.finish_step().ops
+    assert [logged_run(op) for op in ops[-2:]] == [pm.slot_run(src_slots, pm.bucket(n, 8)),
+                                                   pm.slot_run(dst_slots, pm.bucket(n, 8))]
+    out, failed = eng.load(random_caches(BF16, 41), list(range(50, 50 + n)) + [60, 61, 62, 63], dst_slots + keep,
+                           list(range(300, 300 + n)) + [200, 201, 202, 203])
+    assert failed == []
+    after = host(out)
+    for i in range(n):
+        assert np.array_equal(chunk(after, 50 + i), chunk(src, i)), i
+    for k, b in enumerate([40, 41, 42, 43]):
+        assert np.array_equal(chunk(after, 60 + k), chunk(src, b)), keep[k]
+
+
+@pytest.mark.parametrize("pattern", ["wraps", "two runs", "descending"])
+def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
+    """The round trip above catches a wrong copy plan: an engine that takes every plan for one
+    ascending run in the listed order overwrites neighbouring slots (a run that wraps, two runs)
+    or stores a descending run reversed (seen by the load in another order)."""
+    n_bits = lambda n: tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)  # noqa: E731
+    monkeypatch.setattr(te, "copy_plan", lambda slots: (None, n_bits(len(slots))))
+    bad, _ = slot_pattern_round_trip(engines, pattern)
+    assert bad
+
+
+# ---------------------------------------------------------------- copy structures (issue 24)
+@pytest.mark.parametrize("slots,copies", [
+    (list(range(26)), ((16, 1), (8, 1), (2, 1))),  # one run, no power of two: 3 copies, no padding
+    (list(range(25, -1, -1)), ((16, 1), (8, 1), (2, 1))),  # the same run descending
+    ([30, 31, 0, 1, 2, 3, 4, 5], ((4, 1), (2, 2))),  # wraps: runs 0..5 and 30..31
+    ([9, 8, 7, 1, 2, 3], ((2, 2), (1, 2))),  # a descending and an ascending run of 3
+    ([3, 3, 4, 5], ((2, 1), (1, 2))),  # a slot read twice (a load) breaks the run
+    ([7, 3, 11, 0, 30], ((1, 8),)),  # scattered: 5 copies of one, padded to 8
+    ([6], ((1, 1),)), ([], ()),
+])
+def test_copy_plan_examples(slots, copies):
+    assert pm.copy_plan(slots)[1] == copies
+
+
+def test_copy_plan_rows_are_runs_and_counts_powers_of_two():
+    """Random plans (runs of random lengths in either direction, shuffled, some slots repeated):
+    every copy of the structure is ``width`` consecutive ascending slots, every plan row is moved
+    once, padding only repeats real rows at the end, counts are powers of two, widths descend;
+    a list and an array of the same slots give the same plan (the same programs on every host)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        runs, base = [], 0
+        for _ in range(int(rng.integers(1, 12))):
+            length = int(rng.integers(1, 40))
+            base += int(rng.integers(1, 30))
+            run = list(range(base, base + length))
+            runs.append(run[::-1] if rng.random() < 0.5 else run)
+            base += length
+        order = rng.permutation(len(runs))
+        slots = [s for k in order for s in runs[k]]
+        if trial % 5 == 0 and slots:
+            slots += [slots[0]]  # a load may read one slot twice
+        n = len(slots)
+        perm, copies = pm.copy_plan(slots)
+        rows = pm.copy_rows(copies)
+        o = np.arange(n) if perm is None else perm
+        assert len(o) == rows and sorted(o[:n].tolist()) == list(range(n)) and all(0 <= i < n for i in o[n:])
+        assert rows - n < max(1, n // 2)
+        widths = [w for w, _ in copies]
+        assert widths == sorted(widths, reverse=True) and all(c & (c - 1) == 0 for _, c in copies)
+        ss, at = np.asarray(slots)[o], 0
+        for w, c in copies:
+            for _ in range(c):
+                assert (ss[at:at + w] == ss[at] + np.arange(w)).all(), (slots, copies)
+                at += w
+        p2, c2 = pm.copy_plan(np.asarray(slots))
+        assert c2 == copies and np.array_equal(np.arange(n) if p2 is None else p2, o)
+
+
+@pytest.mark.parametrize("slots,save_copies", [
+    (list(range(NUM_SLOTS - 1, NUM_SLOTS - 27, -1)), 3),  # 26 descending, to the store's last slot: 16 + 8 + 2
+    (list(range(3, 29)), 3),  # 26 ascending: no power of two
+    (list(range(20, 32))[::-1] + list(range(0, 12)), 4),  # two descending/ascending runs of 12: 8 + 4 each
+])
+def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, save_copies):
+    """Issue 24: a descending run, or a run of no power-of-two length, moves in a few wide copies
+    (the count the engine logs), not one per slot; the chunks come back byte-exact, loaded in
+    another order (reversed), and the slots around them keep their chunks."""
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 60)
+    eng = engines(caches)
+    per = eng.layout.groups[0].blocks_per_shard
+    src = host(caches)
+    n = len(slots)
+    blocks = [(i % 2) * per + i for i in range(n)]
+    keep = [s for s in range(NUM_SLOTS) if s not in slots][:4]
+    sentinels = [26, 27, per + 26, per + 27]  # each loaded back within its batch shard
+    save_ok(eng, caches, sentinels, keep, [500, 501, 502, 503])
+    ids = list(range(900, 900 + n))
+    save_ok(eng, caches, blocks, slots, ids)
+    ops = eng.finish_step().ops
+    assert logged_copies(ops[-1]) == save_copies and op_shape(ops[-1])[1] == n  # no padding
+    pos = list(range(n))[::-1]
+    targets = [(i % 2) * per + i // 2 for i in pos]  # the source's batch shard, other blocks
+    out, failed = eng.load(random_caches(name, 61), targets + [20, 21, per + 20, per + 21],
+                           [slots[i] for i in pos] + keep, [ids[i] for i in pos] + [500, 501, 502, 503])
+    assert failed == []
+    ops = eng.finish_step().ops
+    assert sum(logged_copies(op) for op in ops if op.startswith("load.read") or "copies=" in op) <= save_copies + 4
+    after = host(out)
+    for i, t in zip(pos, targets):
+        assert np.array_equal(chunk(after, t), chunk(src, blocks[i])), (slots[i], t)
+    for b, t in zip(sentinels, [20, 21, per + 20, per + 21]):
+        assert np.array_equal(chunk(after, t), chunk(src, b))
+
+
