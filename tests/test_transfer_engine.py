@@ -31,6 +31,7 @@ from tpuoffload.config import parse_config
 from tpuoffload.layout import CacheLayout, UnsupportedCache
 from tpuoffload.messages import LoadRequest, OffloadMetadata, StepPlan, SaveBatch
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.worker import copy_plan as cp
 from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
@@ -337,8 +338,9 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     assert failed == [per + 6, 9]
     # One part, or one copy per part: reads, then the scatter (two programs); otherwise one load
     # program overlapping them.
-    reads_first = eng._reads_first(pm.copy_plan(slots)[1])
-    assert reads_first == (parts == 1 or eng._programs[0].num_copies("load", pm.copy_plan(slots)[1]) <= te.READS_FIRST_COPIES)
+    copies = cp.copy_plan(slots, eng._copy_cost["load"]).copies
+    reads_first = eng._reads_first(copies)
+    assert reads_first == (parts == 1 or eng._programs[0].num_copies("load", copies) <= te.READS_FIRST_COPIES)
     assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if reads_first else ["load"])
     after = host(caches)
     for b, t in zip(blocks, targets):
@@ -487,7 +489,7 @@ def logged_copies(op: str) -> int:
 
 
 def widest(slots) -> int:
-    return pm.copy_plan(list(slots))[1][0][0]
+    return cp.copy_plan(list(slots)).copies[0][0]
 
 
 def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]]:
@@ -576,60 +578,12 @@ def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
     ascending run in the listed order overwrites neighbouring slots (a run that wraps, two runs)
     or stores a descending run reversed (seen by the load in another order)."""
     n_bits = lambda n: tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)  # noqa: E731
-    monkeypatch.setattr(te, "copy_plan", lambda slots: (None, n_bits(len(slots))))
+    monkeypatch.setattr(te, "copy_plan", lambda slots, cost: cp.CopyPlan(None, n_bits(len(slots)), None))
     bad, _ = slot_pattern_round_trip(engines, pattern)
     assert bad
 
 
 # ---------------------------------------------------------------- copy structures (issue 24)
-@pytest.mark.parametrize("slots,copies", [
-    (list(range(26)), ((16, 1), (8, 1), (2, 1))),  # one run, no power of two: 3 copies, no padding
-    (list(range(25, -1, -1)), ((16, 1), (8, 1), (2, 1))),  # the same run descending
-    ([30, 31, 0, 1, 2, 3, 4, 5], ((4, 1), (2, 2))),  # wraps: runs 0..5 and 30..31
-    ([9, 8, 7, 1, 2, 3], ((2, 2), (1, 2))),  # a descending and an ascending run of 3
-    ([3, 3, 4, 5], ((2, 1), (1, 2))),  # a slot read twice (a load) breaks the run
-    ([7, 3, 11, 0, 30], ((1, 8),)),  # scattered: 5 copies of one, padded to 8
-    ([6], ((1, 1),)), ([], ()),
-])
-def test_copy_plan_examples(slots, copies):
-    assert pm.copy_plan(slots)[1] == copies
-
-
-def test_copy_plan_rows_are_runs_and_counts_powers_of_two():
-    """Random plans (runs of random lengths in either direction, shuffled, some slots repeated):
-    every copy of the structure is ``width`` consecutive ascending slots, every plan row is moved
-    once, padding only repeats real rows at the end, counts are powers of two, widths descend;
-    a list and an array of the same slots give the same plan (the same programs on every host)."""
-    rng = np.random.default_rng(0)
-    for trial in range(300):
-        runs, base = [], 0
-        for _ in range(int(rng.integers(1, 12))):
-            length = int(rng.integers(1, 40))
-            base += int(rng.integers(1, 30))
-            run = list(range(base, base + length))
-            runs.append(run[::-1] if rng.random() < 0.5 else run)
-            base += length
-        order = rng.permutation(len(runs))
-        slots = [s for k in order for s in runs[k]]
-        if trial % 5 == 0 and slots:
-            slots += [slots[0]]  # a load may read one slot twice
-        n = len(slots)
-        perm, copies = pm.copy_plan(slots)
-        rows = pm.copy_rows(copies)
-        o = np.arange(n) if perm is None else perm
-        assert len(o) == rows and sorted(o[:n].tolist()) == list(range(n)) and all(0 <= i < n for i in o[n:])
-        assert rows - n < max(1, n // 2)
-        widths = [w for w, _ in copies]
-        assert widths == sorted(widths, reverse=True) and all(c & (c - 1) == 0 for _, c in copies)
-        ss, at = np.asarray(slots)[o], 0
-        for w, c in copies:
-            for _ in range(c):
-                assert (ss[at:at + w] == ss[at] + np.arange(w)).all(), (slots, copies)
-                at += w
-        p2, c2 = pm.copy_plan(np.asarray(slots))
-        assert c2 == copies and np.array_equal(np.arange(n) if p2 is None else p2, o)
-
-
 @pytest.mark.parametrize("slots,save_copies", [
     (list(range(NUM_SLOTS - 1, NUM_SLOTS - 27, -1)), 3),  # 26 descending, to the store's last slot: 16 + 8 + 2
     (list(range(3, 29)), 3),  # 26 ascending: no power of two
@@ -735,7 +689,8 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     assert [p.stop - p.start for p in eng.pieces(n)] == sizes
     listed = sorted(slots) if len(sizes) > 1 else slots
     starts = np.cumsum([0] + sizes[:-1])
-    plans = [pm.copy_plan(listed[a:a + p])[1] for a, p in zip(starts, sizes)]
+    plans = {op: [cp.copy_plan(listed[a:a + p], eng._copy_cost[op]).copies for a, p in zip(starts, sizes)]
+             for op in ("save", "load")}
     sentinel = [s for s in range(256) if s not in slots][:2]
     save_ok(eng, caches, [250, 251], sentinel, [1, 2])
     older, newer = list(range(1000, 1000 + n)), list(range(2000, 2000 + n))
@@ -745,8 +700,8 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     assert {r.save_id for r in eng.drain_results() if r.ok} == set(older) | set(newer)
     ops = eng.finish_step().ops
     saves = ops[1:]
-    assert [op_shape(op)[1] for op in saves] == [pm.copy_rows(c) for c in plans] * 2  # one program per piece
-    assert [logged_copies(op) for op in saves] == [eng._programs[0].num_copies("save", c) for c in plans] * 2
+    assert [op_shape(op)[1] for op in saves] == [cp.copy_rows(c) for c in plans["save"]] * 2  # one program per piece
+    assert [logged_copies(op) for op in saves] == [eng._programs[0].num_copies("save", c) for c in plans["save"]] * 2
     targets = list(range(120, 120 + n))
     fresh = random_caches(BF16, 51)
     fresh = [jax.device_put(np.concatenate([np.asarray(c)] * 4), caches[0].sharding) for c in fresh]
@@ -754,7 +709,7 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     out, failed = eng.load(fresh, targets, slots, newer)
     assert failed == []
     loads = eng.finish_step().ops
-    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == [pm.copy_rows(c) for c in plans]
+    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == [cp.copy_rows(c) for c in plans["load"]]
     after = host(out)
     for i, t in enumerate(targets):
         assert np.array_equal(chunk(after, t), chunk(src, i)), (i, t)
@@ -789,7 +744,7 @@ def test_a_call_of_several_pieces_completes_once_and_checks_once(engines):
     assert len(eng.pieces(n)) == 4
     save_ok(eng, caches, list(range(n)), list(range(n)), list(range(100, 100 + n)))
     assert faults.calls == [(FaultPoint.SAVE_PROGRAM, n), (FaultPoint.SAVE_RECORD, n)]
-    assert len(set(eng._last_write.values())) == 1
+    assert len(set(eng._write_call[:n].tolist())) == 1
     faults.calls.clear()
     out, failed = eng.load(caches, list(range(20, 20 + n)), list(range(n)), list(range(100, 100 + n)))
     assert failed == [] and faults.calls == [(FaultPoint.LOAD_SLOT_CHECK, n), (FaultPoint.LOAD_PREPARE, n)]
@@ -843,11 +798,7 @@ def _waw_run(engines, chain: bool, delay: float):
     faults = SlowOlder(delay)
     eng = engines(caches, faults=faults, save_threads=4)
     if not chain:
-        class Forgetful(dict):
-            def __setitem__(self, key, value):
-                pass
-
-        eng._last_write = Forgetful()  # mutation: no write chains
+        eng._earlier_writes = lambda slots: {}  # mutation: no write chains
     eng.save(caches, [5], [7], [1])  # A: older, slow
     eng.save(caches, [9, 10], [7, 8], [2, 3])  # B: newer, another block, same slot 7
     assert eng.wait_idle(30)

@@ -21,13 +21,13 @@ a row that is not valid scatters zeros (a placeholder for a block this host coul
 They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
 
 Copies: a program moves its rows as a few slices of consecutive slots, one dynamic slice of the
-store, one transfer and one update per copy. ``copy_plan`` sorts a plan's rows by slot, cuts them
-into maximal runs of consecutive slots and each run into power-of-two copies, with power-of-two
-copy counts per width so that few structures compile; the structure is a static argument of the
-program. Slots come from the manager's free slots and sorted LRU victims, so a fresh store's plan
-is one run and a churned store's a few runs per request. Per-copy cost is what limits small chunks
-on a churned store (docs/performance.md). The structure is a pure function of the slots (every
-host receives the same slots), so every host dispatches the same programs; it is logged with each
+store, one transfer and one update per copy, by a copy structure ``((width, count), ...)`` that is
+a static argument of the program (worker/copy_plan.py: runs of consecutive slots, power-of-two
+copies, covering copies where a copy costs more than the rows it moves twice). Slots come from the
+manager's free slots and sorted LRU victims, so a fresh store's plan is one run and a churned
+store's a few runs per request. Per-copy cost is what limits small chunks on a churned store
+(docs/performance.md). The structure is a pure function of the slots and the layout (every host
+receives the same slots), so every host dispatches the same programs; it is logged with each
 program.
 """
 
@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload.layout import GroupLayout, stacked_spec
+from tpuoffload.worker.copy_plan import copy_rows
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 SAVE_UNROLL = 4  # the loop unrolling that measured fastest on the H200 (docs/performance.md)
@@ -63,6 +64,11 @@ MAX_PARTS = 4
 # The fewest rows a program moves (``bucket`` pads its ids up to this): a 1-chunk step moves one
 # chunk, at the cost of compiling the shapes 1, 2 and 4.
 MIN_ROWS = 1
+# What one more copy costs a program, as the bytes the interconnect moves in that time (per device):
+# covering copies (worker/copy_plan.py) move rows twice where that saves a copy costing more. From
+# the H200 (docs/performance.md): a save's copy about 4-5 us, a load's about 8-12 us, at 45 GiB/s.
+SAVE_COPY_BYTES = 192 << 10
+LOAD_COPY_BYTES = 384 << 10
 # A plan too large for the transfer buffer moves in pieces, one program each per layer group;
 # a remainder is split only down to pieces of PIECE_BYTES per device (a dispatch costs the main
 # thread about what the interconnect moves in that time).
@@ -122,78 +128,6 @@ def slot_run(slots, padded: int) -> int:
 
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def copy_plan(slots) -> tuple[np.ndarray | None, tuple[tuple[int, int], ...]]:
-    """How a program moves the rows of a plan with these ``slots``: ``(order, copies)``.
-
-    The rows are taken in ascending slot order (a stable sort: a descending run becomes an
-    ascending one, runs listed apart that adjoin merge) and cut into maximal runs of consecutive
-    slots (a slot listed twice, as a load may read one slot into two blocks, breaks a run); each
-    run into power-of-two copies, widest first (26 -> 16 + 8 + 2). ``copies`` is the program's
-    static structure, ``((width, count), ...)`` with widths descending, power-of-two counts
-    (so few structures compile), rows in that order: the copies of each width, each copy one
-    slice of ``width`` consecutive slots. A width whose count is no power of two keeps the largest
-    power of two of its copies and splits the rest into two copies of half the width each (no
-    padding: one more copy, the same bytes); width 1 pads its count up to a power of two with
-    copies that repeat the last real row (a save rewrites the same bytes; a load's padding targets
-    no block), always the last rows of the program.
-
-    ``order[i]`` is the plan row that program row ``i`` moves (``len(order) - len(slots)``
-    padding rows at the end repeat real rows); None when it is the identity (the plan is one
-    ascending run, the usual fresh store: no numpy sort). A function of the slots alone, so every
-    host dispatches the same programs (invariant 1)."""
-    n = len(slots)
-    if not n:
-        return None, ()
-    if type(slots) is list and slots == list(range(slots[0], slots[0] + n)):
-        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
-    s = np.asarray(slots, np.int64)
-    order = np.argsort(s, kind="stable")
-    ss = s[order]
-    starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
-    lens = np.diff(np.concatenate((starts, [n])))
-    if len(starts) == 1 and order[0] == 0 and (order[1:] > order[:-1]).all():
-        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
-    # Copies of width 2**b start (sorted position) after the run's wider copies: start + the bits
-    # of its length above b.
-    top = int(lens.max()).bit_length()
-    at: dict[int, np.ndarray] = {}
-    for b in range(top):
-        has = (lens >> b) & 1 == 1
-        if has.any():
-            at[1 << b] = starts[has] + (lens[has] >> (b + 1) << (b + 1))
-    copies, positions = [], []
-    carry = np.zeros(0, np.int64)
-    for b in range(top - 1, -1, -1):
-        w = 1 << b
-        t = at.get(w, carry[:0])
-        if len(carry):
-            t = np.sort(np.concatenate((t, carry)))
-        if not len(t):
-            carry = t
-            continue
-        if w == 1:
-            k = _pow2_ceil(len(t))
-            t = np.concatenate((t, np.full(k - len(t), t[-1], np.int64)))
-            carry = t[:0]
-        else:
-            k = _pow2_floor(len(t))
-            rest = t[k:]
-            carry = np.concatenate((rest, rest + w // 2))
-            t = t[:k]
-        copies.append((w, k))
-        positions.append((t[:, None] + np.arange(w)).ravel())
-    return order[np.concatenate(positions)], tuple(copies)
-
-
-def copy_rows(copies) -> int:
-    """Rows a program of this structure moves (padding included)."""
-    return sum(w * c for w, c in copies)
 
 
 def cap_copies(copies, width: int) -> tuple[tuple[int, int], ...]:

@@ -1,0 +1,176 @@
+"""How a program moves a plan's rows: copies of consecutive slots (``copy_plan``).
+
+A save or load program moves its rows as slices of consecutive slots of the store, one dynamic
+slice, one transfer and one update per copy (worker/programs.py). Each copy costs a fixed time on
+top of its bytes, so a plan wants few copies; the copy structure ``((width, count), ...)`` is a
+static argument of the program, so it also wants few distinct structures. ``copy_plan`` trades
+the two against each other with one number, what a copy costs in rows (``copy_cost``, from the
+layout: programs.SAVE_COPY_BYTES / LOAD_COPY_BYTES over the bytes of one row), and is a pure
+function of the slots and that number: every host dispatches the same programs (invariant 1).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+Copies = tuple[tuple[int, int], ...]
+
+
+class CopyPlan(NamedTuple):
+    """``order[i]``: the plan row that program row ``i`` moves (None: the identity, no row
+    repeated). ``copies``: the program's static structure. ``repeats``: program rows whose plan
+    row an earlier-covered row of the same slot already moves (None: none): a save writes the
+    same bytes into the same slot again; a load must drop them (the engine points them at no
+    block), so each block is scattered once."""
+
+    order: np.ndarray | None
+    copies: Copies
+    repeats: np.ndarray | None
+
+
+def copy_rows(copies) -> int:
+    """Rows a program of this structure moves (repeated rows included)."""
+    return sum(w * c for w, c in copies)
+
+
+@functools.lru_cache(maxsize=4096)
+def _run_copies(length: int, copy_cost: float) -> tuple[tuple[int, int, int], ...]:
+    """The copies of one run of ``length`` consecutive slots: ``(offset, width, skip)`` each,
+    widest first, ``skip`` leading rows that an earlier copy of the run moves already.
+
+    The set bits of ``length``, widest first (26 -> 16 + 8 + 2); or the bits below some set bit,
+    ``rest``, in one copy of the next power of two placed at the run's end, reaching back over
+    slots already moved (23 -> 16 + 8, moving one slot twice): chosen where it saves the most,
+    ``copy_cost`` per copy saved against one per row moved twice. Never past the run, so a save
+    writes only its own slots."""
+    top = length.bit_length() - 1
+    best_gain, cut = 0.0, 0
+    for b in range(top):
+        rest = length & ((2 << b) - 1)
+        if length >> b & 1 and rest & (rest - 1):
+            gain = copy_cost * (bin(rest).count("1") - 1) - ((2 << b) - rest)
+            if gain > best_gain:
+                best_gain, cut = gain, rest
+    kept = length - cut
+    out, at = [], 0
+    for b in range(top, -1, -1):
+        if kept >> b & 1:
+            out.append((at, 1 << b, 0))
+            at += 1 << b
+    if cut:
+        width = 1 << cut.bit_length()
+        out.append((length - width, width, width - cut))
+    return tuple(out)
+
+
+def _sorted_runs(s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """``(order, starts, lens)``: rows in ascending slot order (``order`` into ``s``, None when
+    that is the listed order; listed runs of consecutive slots stay whole, sorted by their first
+    slot), and the maximal runs of consecutive slots in that order (positions into it). A slot
+    listed twice breaks a run."""
+    n = len(s)
+    brk = np.flatnonzero(s[1:] != s[:-1] + 1) + 1
+    lstart = np.concatenate(([0], brk))
+    ro = np.argsort(s[lstart], kind="stable")
+    if (ro[1:] > ro[:-1]).all():
+        return None, lstart, np.diff(np.concatenate((lstart, [n])))
+    llen = np.diff(np.concatenate((lstart, [n])))[ro]
+    lstart = lstart[ro]
+    order = np.arange(n) + np.repeat(lstart - (np.cumsum(llen) - llen), llen)
+    ss = s[order]
+    starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
+    return order, starts, np.diff(np.concatenate((starts, [n])))
+
+
+def copy_plan(slots, copy_cost: float = 0.0) -> CopyPlan:
+    """How a program moves the rows of a plan with these ``slots``.
+
+    The rows are taken in ascending slot order (a descending run becomes an ascending one, runs
+    listed apart that adjoin merge) and cut into maximal runs of consecutive slots (a slot listed
+    twice, as a load may read one slot into two blocks, breaks a run); each run into the copies
+    of ``_run_copies`` (``copy_cost`` 0: its set bits, no slot moved twice). ``copies`` has
+    widths descending and power-of-two counts (few structures compile): a width whose count is no
+    power of two either splits its copies past the largest power of two into two of half the
+    width each, or repeats its last copy up to the next power of two, whichever costs less (width
+    1 always repeats). Copies of one width are in ascending slot order."""
+    s = np.asarray(slots, np.int64).ravel()
+    n = len(s)
+    if not n:
+        return CopyPlan(None, (), None)
+    if s[-1] - s[0] == n - 1 and (n == 1 or (np.diff(s) == 1).all()):  # one ascending run: the fresh store
+        pattern = _run_copies(n, copy_cost)
+        if len(pattern) == 1 or not pattern[-1][2]:
+            return CopyPlan(None, tuple((w, 1) for _, w, _ in pattern), None)
+        order, starts, lens = None, np.zeros(1, np.int64), np.array([n], np.int64)
+    else:
+        order, starts, lens = _sorted_runs(s)
+    pos, width, skip = _run_pattern_copies(starts, lens, copy_cost)
+    copies, pos, width, skip = _power_of_two_counts(pos, width, skip, copy_cost)
+    first = np.cumsum(width) - width  # program row of each copy's first row
+    within = np.arange(int(first[-1] + width[-1])) - np.repeat(first, width)
+    rows = np.repeat(pos, width) + within
+    repeats = within < np.repeat(skip, width)
+    if order is not None:
+        rows = order[rows]
+    if not repeats.any():
+        if len(rows) == n and (rows == np.arange(n)).all():
+            return CopyPlan(None, copies, None)
+        repeats = None
+    return CopyPlan(rows, copies, repeats)
+
+
+def _run_pattern_copies(starts: np.ndarray, lens: np.ndarray, copy_cost: float):
+    """Every run's copies (``_run_copies``, one Python call per distinct run length):
+    ``(positions in the sorted rows, widths, skips)``."""
+    ul, inv = np.unique(lens, return_inverse=True)
+    pats = [_run_copies(length, copy_cost) for length in ul.tolist()]
+    cnt = np.array([len(p) for p in pats], np.int64)
+    flat = np.array([c for p in pats for c in p], np.int64)
+    k = cnt[inv]  # copies of each run
+    run = np.repeat(np.arange(len(lens)), k)
+    j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+    f = flat[(np.cumsum(cnt) - cnt)[inv][run] + j]
+    return starts[run] + f[:, 0], f[:, 1], f[:, 2]
+
+
+def _power_of_two_counts(pos: np.ndarray, width: np.ndarray, skip: np.ndarray, copy_cost: float):
+    """Widest first: a count that is no power of two splits its last copies (past the largest
+    power of two) into halves, carried to the next width, or repeats its last copy, whichever
+    costs less (width 1 always repeats). Returns the structure and every copy's position, width
+    and skip in program order (widths descending; within a width, ascending slot order, then the
+    halves carried in)."""
+    bits = np.frexp(width.astype(np.float64))[1] - 1  # log2 of each width
+    o = np.argsort((64 - bits) * (int(pos.max()) + 1) + pos)
+    pos, skip = pos[o], skip[o]
+    counts = np.bincount(bits).tolist()
+    ends = np.cumsum(counts[::-1]).tolist()[::-1]  # end of each width's copies in the sorted order
+    copies, out_p, out_k = [], [], []
+    carry_p = carry_k = pos[:0]
+    for b in range(len(counts) - 1, -1, -1):
+        w = 1 << b
+        lo = ends[b] - counts[b]
+        p, k = pos[lo:ends[b]], skip[lo:ends[b]]
+        if len(carry_p):
+            p, k = np.concatenate((p, carry_p)), np.concatenate((k, carry_k))
+            carry_p = carry_k = pos[:0]
+        c = len(p)
+        if not c:
+            continue
+        low = 1 << (c.bit_length() - 1)
+        high = low if low == c else 2 * low
+        if high != c and (w == 1 or (high - c) * (copy_cost + w) <= (c - low) * copy_cost):
+            p = np.concatenate((p, np.full(high - c, p[-1])))
+            k = np.concatenate((k, np.full(high - c, w)))
+        elif high != c:
+            h = w // 2
+            carry_p = np.concatenate((p[low:], p[low:] + h))
+            carry_k = np.concatenate((np.minimum(k[low:], h), np.maximum(k[low:] - h, 0)))
+            p, k = p[:low], k[:low]
+        copies.append((w, len(p)))
+        out_p.append(p)
+        out_k.append(k)
+    widths = np.repeat(np.array([w for w, _ in copies], np.int64), [c for _, c in copies])
+    return tuple(copies), np.concatenate(out_p), widths, np.concatenate(out_k)
