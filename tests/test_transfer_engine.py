@@ -621,6 +621,74 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
         assert np.array_equal(chunk(after, t), chunk(src, b))
 
 
+# Covering copies (copy_plan): in this layout a save's copy costs 6 rows and a load's 12, so a run
+# of 23 moves as 16 + 8 (one slot twice), a run of 11 loads as 8 + 4 (one slot twice) and seven
+# runs of 2 save as eight copies of 2, the last repeated.
+COVERED_RUNS = [list(range(25, 2, -1)), list(range(40, 51))] + [[60 + 4 * k, 61 + 4 * k] for k in range(7)]
+
+
+def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[str], int]:
+    """Save the covered runs (listed shuffled, one descending) from both batch shards around
+    sentinel slots, load them back in another order into other blocks of their shards, then the
+    sentinels. Returns the mismatches and the rows the load moved twice."""
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 70)
+    eng = engines(caches, slots=128)
+    per = eng.layout.groups[0].blocks_per_shard
+    src = host(caches)
+    rng = np.random.default_rng(7)
+    slots = [s for k in rng.permutation(len(COVERED_RUNS)) for s in COVERED_RUNS[k]]
+    n = len(slots)
+    assert cp.copy_plan(slots, eng._copy_cost["save"]).repeats is not None
+    blocks = [(i % 2) * per + i // 2 for i in range(n)]  # both batch shards
+    used = set(slots)
+    sentinels = sorted({s + d for run in COVERED_RUNS for s in (min(run), max(run)) for d in (-1, 1)} - used)
+    sentinel_blocks = [(k % 2) * per + k // 2 for k in range(len(sentinels))]
+    save_ok(eng, caches, sentinel_blocks, sentinels, list(range(500, 500 + len(sentinels))))
+    ids = list(range(900, 900 + n))
+    save_ok(eng, caches, blocks, slots, ids)
+    ops = eng.finish_step().ops
+    assert logged_copies(ops[-1]) == eng._programs[0].num_copies("save", cp.copy_plan(slots, eng._copy_cost["save"]).copies)
+    if mutate is not None:
+        monkeypatch.setattr(te, "copy_plan", mutate)
+    pos = rng.permutation(n).tolist()
+    within = rng.permutation(n // 2)  # another block of the source's own batch shard
+    targets = [(i % 2) * per + int(within[i // 2]) for i in pos]
+    load_plan = cp.copy_plan([slots[i] for i in pos], eng._copy_cost["load"])
+    out, failed = eng.load(random_caches(name, 71), targets, [slots[i] for i in pos], [ids[i] for i in pos])
+    assert failed == []
+    after = host(out)
+    bad = [f"slot {slots[i]}" for i, t in zip(pos, targets) if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
+    if mutate is not None:
+        monkeypatch.undo()  # the sentinels load with the real plan
+    out, failed = eng.load(out, sentinel_blocks, sentinels, list(range(500, 500 + len(sentinels))))
+    after = host(out)
+    bad += [f"sentinel {s}" for s, b in zip(sentinels, sentinel_blocks) if not np.array_equal(chunk(after, b), chunk(src, b))]
+    return bad, int(load_plan.repeats.sum()) if load_plan.repeats is not None else 0
+
+
+def test_covering_copies_round_trip_byte_exact(engines):
+    """A save writes the slots a covering copy reaches back over twice, with the same bytes, and
+    no slot outside its runs (the sentinels around every run keep their chunks); a load reads
+    them twice but scatters each block once (the repeated rows target no block): every chunk
+    comes back byte-exact in its own batch shard."""
+    bad, twice = covering_round_trip(engines)
+    assert bad == [] and twice > 0
+
+
+def test_covering_copies_negative_control_repeats_misplaced(engines, monkeypatch):
+    """With the load's repeated rows marked one row late, one row a covering copy alone moves is
+    dropped: the round trip above is sensitive to which rows a load drops."""
+    real = te.copy_plan
+
+    def late(slots, cost):
+        plan = real(slots, cost)
+        return plan if plan.repeats is None else plan._replace(repeats=np.roll(plan.repeats, 1))
+
+    bad, _ = covering_round_trip(engines, monkeypatch, late)
+    assert bad and not any(b.startswith("sentinel") for b in bad)
+
+
 # ---------------------------------------------------------------- power-of-two pieces
 @pytest.mark.parametrize("n,cap,step,sizes", [
     (0, 8, 1, []),

@@ -101,12 +101,8 @@ def copy_plan(slots, copy_cost: float = 0.0) -> CopyPlan:
     if not n:
         return CopyPlan(None, (), None)
     if s[-1] - s[0] == n - 1 and (n == 1 or (np.diff(s) == 1).all()):  # one ascending run: the fresh store
-        pattern = _run_copies(n, copy_cost)
-        if len(pattern) == 1 or not pattern[-1][2]:
-            return CopyPlan(None, tuple((w, 1) for _, w, _ in pattern), None)
-        order, starts, lens = None, np.zeros(1, np.int64), np.array([n], np.int64)
-    else:
-        order, starts, lens = _sorted_runs(s)
+        return _one_run(n, copy_cost)
+    order, starts, lens = _sorted_runs(s)
     pos, width, skip = _run_pattern_copies(starts, lens, copy_cost)
     copies, pos, width, skip = _power_of_two_counts(pos, width, skip, copy_cost)
     first = np.cumsum(width) - width  # program row of each copy's first row
@@ -120,6 +116,27 @@ def copy_plan(slots, copy_cost: float = 0.0) -> CopyPlan:
             return CopyPlan(None, copies, None)
         repeats = None
     return CopyPlan(rows, copies, repeats)
+
+
+def _one_run(n: int, copy_cost: float) -> CopyPlan:
+    """The plan of one ascending run listed in order: its copies in ``_run_copies`` order, which
+    is already program order (a covering copy is no wider than the narrowest other, and at most
+    one other has its width), so every count is 1 or 2."""
+    pattern = _run_copies(n, copy_cost)
+    copies: list[tuple[int, int]] = []
+    for _, w, _ in pattern:
+        if copies and copies[-1][0] == w:
+            copies[-1] = (w, 2)
+        else:
+            copies.append((w, 1))
+    _, width, skip = pattern[-1]
+    if not skip:
+        return CopyPlan(None, tuple(copies), None)
+    kept = n - width + skip  # rows before the covering copy, which reaches back over ``skip`` of them
+    rows = np.concatenate((np.arange(kept), np.arange(n - width, n)))
+    repeats = np.zeros(len(rows), bool)
+    repeats[kept:kept + skip] = True
+    return CopyPlan(rows, tuple(copies), repeats)
 
 
 def _run_pattern_copies(starts: np.ndarray, lens: np.ndarray, copy_cost: float):
