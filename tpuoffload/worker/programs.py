@@ -34,6 +34,7 @@ program.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -69,6 +70,10 @@ MIN_ROWS = 1
 # the H200 (docs/performance.md): a save's copy about 4-5 us, a load's about 8-12 us, at 45 GiB/s.
 SAVE_COPY_BYTES = 192 << 10
 LOAD_COPY_BYTES = 384 << 10
+# Blocks travel and sit in the store as unsigned words of this many bytes where the last axis allows
+# (unsharded, a whole number of words): an fp8 or bf16 block packed into uint32 words, the same
+# bytes. 0: words of the cache dtype's own width.
+WIRE_WORD = 0
 # A plan too large for the transfer buffer moves in pieces, one program each per layer group;
 # a remainder is split only down to pieces of PIECE_BYTES per device (a dispatch costs the main
 # thread about what the interconnect moves in that time).
@@ -212,6 +217,36 @@ def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int, run: int =
     return ids
 
 
+@dataclass(frozen=True)
+class Wire:
+    """How a layer group's blocks travel and sit in the store: unsigned words of ``dtype``, each
+    ``pack`` cache elements of the last axis (bit-exact: a bitcast, NaN payloads included)."""
+
+    dtype: np.dtype
+    pack: int
+
+    @staticmethod
+    def of(group: GroupLayout) -> "Wire":
+        item = group.dtype.itemsize
+        if (WIRE_WORD > item and group.spec[-1] is None and len(group.shape) > 1
+                and group.shape[-1] * item % WIRE_WORD == 0):
+            return Wire(np.dtype(f"uint{8 * WIRE_WORD}"), WIRE_WORD // item)
+        return Wire(group.wire_dtype, 1)
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The wire shape of an array of cache ``shape``."""
+        return (*shape[:-1], shape[-1] // self.pack)
+
+    def to_wire(self, x):
+        if self.pack == 1:
+            return jax.lax.bitcast_convert_type(x, self.dtype)
+        return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // self.pack, self.pack), self.dtype)
+
+    def from_wire(self, x, dtype):
+        out = jax.lax.bitcast_convert_type(x, dtype)
+        return out if self.pack == 1 else out.reshape(*x.shape[:-1], x.shape[-1] * self.pack)
+
+
 def _local_ids(ids, group: GroupLayout):
     """Global block ids -> ids in this device's batch shard (out of range where not local)."""
     if not group.batch_axes:
@@ -220,15 +255,13 @@ def _local_ids(ids, group: GroupLayout):
     return ids - shard * group.blocks_per_shard
 
 
-def _gather_local(ids, caches, *, group: GroupLayout):
+def _gather_local(ids, caches, *, group: GroupLayout, wire: Wire):
     local = _local_ids(ids, group)
-    wire = group.wire_dtype
-    rows = jnp.stack([jnp.take(jax.lax.bitcast_convert_type(c, wire), local, axis=0, mode="clip") for c in caches],
-                     axis=1)
-    return rows[None]  # (1, P, layers, *tile)
+    rows = jnp.stack([jnp.take(wire.to_wire(c), local, axis=0, mode="clip") for c in caches], axis=1)
+    return rows[None]  # (1, P, layers, *tile in wire words)
 
 
-def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
+def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout, wire: Wire):
     """Scatter rows into their blocks of this device's batch shard. The blocks of a load are
     distinct (the engine checks), and a row that is not ours (padding, another batch shard) gets
     its own index past the shard's end, where it is dropped: every index is unique, which XLA is
@@ -238,13 +271,11 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
     per_shard = group.blocks_per_shard
     spare = per_shard + jnp.arange(local.shape[0], dtype=local.dtype)
     local = jnp.where((local >= 0) & (local < per_shard), local, spare)  # not ours: dropped
-    wire, dtype = group.wire_dtype, group.dtype
     keep = (valid != 0).reshape((-1,) + (1,) * (rows.ndim - 3))
     # A row that is not valid scatters zeros (a placeholder for a chunk this host could not supply).
-    return tuple(jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(c, wire).at[local].set(jnp.where(keep, rows[0, :, i], 0), mode="drop",
-                                                            unique_indices=True), dtype)
-        for i, c in enumerate(caches))
+    return tuple(wire.from_wire(wire.to_wire(c).at[local].set(jnp.where(keep, rows[0, :, i], 0), mode="drop",
+                                                              unique_indices=True), group.dtype)
+                 for i, c in enumerate(caches))
 
 
 def _token(ids):
@@ -281,10 +312,11 @@ class GroupPrograms:
         self.device_sharding = NamedSharding(mesh, rows_spec)
         self.store_sharding = NamedSharding(mesh, rows_spec, memory_kind=host_memory_kind)
         n = len(group.layers)
-        self._gather = jax.shard_map(partial(_gather_local, group=group), mesh=mesh,
+        self.wire = Wire.of(group)
+        self._gather = jax.shard_map(partial(_gather_local, group=group, wire=self.wire), mesh=mesh,
                                      in_specs=(PartitionSpec(), (cache_spec,) * n), out_specs=rows_spec,
                                      check_vma=False)
-        self._scatter = jax.shard_map(partial(_scatter_local, group=group), mesh=mesh,
+        self._scatter = jax.shard_map(partial(_scatter_local, group=group, wire=self.wire), mesh=mesh,
                                       in_specs=(PartitionSpec(), PartitionSpec(), rows_spec, (cache_spec,) * n),
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
@@ -300,14 +332,14 @@ class GroupPrograms:
         self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
         self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
-        self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
+        self.store_shape = (group.num_shards, num_slots, n, *self.wire.shape(group.shape[1:]))
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize
         self._parts_of: dict[tuple[str, tuple], tuple] = {}
 
     def allocate(self) -> jax.Array:
         """The zeroed store (one dispatch, main thread, same on every host)."""
-        shape, dtype = self.store_shape, self.group.wire_dtype
+        shape, dtype = self.store_shape, self.wire.dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
     def op_parts(self, op: str, rows: int) -> int:
@@ -407,7 +439,7 @@ class GroupPrograms:
                      for off, w, c in groups for j in range(c)]
             return reads[0] if len(reads) == 1 else jnp.concatenate(reads, axis=1)
         g = self.group
-        acc = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
+        acc = jnp.zeros((g.num_shards, hi - lo, *self.store_shape[2:]), self.wire.dtype)
         acc = jax.lax.with_sharding_constraint(acc, self.device_sharding)
         for off, w, c in groups:
             def read(j, a, off=off, w=w):

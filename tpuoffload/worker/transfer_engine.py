@@ -510,7 +510,7 @@ class TransferEngine:
     @property
     def disk_chunk_bytes(self) -> int:
         """Bytes of one chunk on this host as the disk tier keeps it: every local piece of its rows."""
-        return sum(int(np.prod(shape)) // shape[1] * prog.group.wire_dtype.itemsize
+        return sum(int(np.prod(shape)) // shape[1] * prog.wire.dtype.itemsize
                    for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
 
     def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[list[jax.Array], list[bool]]:
@@ -560,8 +560,8 @@ class TransferEngine:
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
             arrays = []
             for device, shape in pieces:
-                size = int(np.prod(shape)) // cap * prog.group.wire_dtype.itemsize
-                chunk = host[:, offset:offset + size].copy().view(prog.group.wire_dtype)
+                size = int(np.prod(shape)) // cap * prog.wire.dtype.itemsize
+                chunk = host[:, offset:offset + size].copy().view(prog.wire.dtype)
                 chunk = np.moveaxis(chunk.reshape(cap, shape[0], *shape[2:]), 0, 1)
                 arrays.append(jax.device_put(np.ascontiguousarray(chunk), device))
                 offset += size
@@ -582,7 +582,7 @@ class TransferEngine:
 
     def store_targets(self) -> dict[str, jax.ShapeDtypeStruct]:
         """What ``stores()`` looks like (shape, dtype, sharding): the restore targets."""
-        return {f"group{i}": jax.ShapeDtypeStruct(p.store_shape, p.group.wire_dtype, sharding=p.store_sharding)
+        return {f"group{i}": jax.ShapeDtypeStruct(p.store_shape, p.wire.dtype, sharding=p.store_sharding)
                 for i, p in enumerate(self._programs)}
 
     def replace_stores(self, stores: dict[str, jax.Array]) -> None:
