@@ -10,6 +10,10 @@ For one deployment layout and step (tools/bench_transfer.py's DEPLOYMENTS), on o
   save path   (``--save-path``) a step's save of a fresh store's contiguous slots: the raw path
               (jitted gather + one device_put), the save program alone, the engine's save() until
               its store is ready, and until ``wait_idle`` returns (the background completion).
+  load phases (``--load-phases CHURN_FILE``) the engine's load() of the churned step's load slots
+              (tools/churn_slots.py): main-thread time in copy_plan, the reads dispatched first,
+              the checks, the load or scatter dispatch, against the whole call and until the
+              caches are ready.
 
     python tools/probe_copies.py --deployment gpt-oss-120b-tp8 --size-mib 64 --widths 512 64 8 1
     python tools/probe_copies.py --deployment deepseek-v3-mla-fp8 --size-mib 64 --save-path
@@ -37,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--size-mib", type=float, default=64)
     p.add_argument("--widths", type=int, nargs="*", default=[], help="copy widths of the structures timed")
     p.add_argument("--save-path", action="store_true")
+    p.add_argument("--load-phases", metavar="CHURN_FILE", default=None,
+                   help="time the phases of the engine's load() of the churned step in this churn file")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--json", default=None)
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
@@ -176,6 +182,45 @@ def main(argv=None) -> int:
             print(f"  save path {name}: {med:.3f} ms", flush=True)
         res["structure"] = "+".join(f"{w}x{c}" for w, c in plan.copies)
         out["save_path"] = res
+    if a.load_phases:
+        from tpuoffload.worker import transfer_engine as te
+
+        with open(a.load_phases) as f:
+            churn = json.load(f)[f"{8 * n}/{n}/0"]
+        slots = np.asarray(churn["load_slots"], np.int64)
+        src, dst = np.arange(n), n + np.arange(n)
+        save_ids = list(range(10**6, 10**6 + n))
+        eng.save(caches, src, slots, save_ids)
+        eng.wait_idle(60)
+        spent: dict[str, float] = {}
+
+        def timing(name, fn):
+            def wrapped(*args, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return wrapped
+
+        te.copy_plan = timing("copy_plan", te.copy_plan)
+        for name in ("_maybe_read_first", "_load_failures", "_dispatch_load", "_plan_arrays"):
+            setattr(eng, name, timing(name, getattr(eng, name)))
+        phases = []
+        for it in range(a.iters + 1):
+            spent.clear()
+            t0 = time.perf_counter()
+            caches, failed = eng.load(caches, dst, slots, save_ids)
+            t_main = time.perf_counter() - t0
+            jax.block_until_ready(caches)
+            t_all = time.perf_counter() - t0
+            assert not failed
+            if it:
+                phases.append({**{k: v * 1e3 for k, v in spent.items()}, "main": t_main * 1e3, "total": t_all * 1e3})
+        med = {k: statistics.median(p_[k] for p_ in phases) for k in phases[0]}
+        out["load_phases"] = {"median_ms": med, "samples": phases,
+                              "structure": "+".join(f"{w}x{c}" for w, c in copy_plan(slots, eng._copy_cost["load"]).copies)}
+        print("  load phases (ms, median): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
     eng.close()
     if a.json:
         with open(a.json, "w") as f:

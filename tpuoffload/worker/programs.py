@@ -67,13 +67,21 @@ MAX_PARTS = 4
 MIN_ROWS = 1
 # What one more copy costs a program, as the bytes the interconnect moves in that time (per device):
 # covering copies (worker/copy_plan.py) move rows twice where that saves a copy costing more. From
-# the H200 (docs/performance.md): a save's copy about 4-5 us, a load's about 8-12 us, at 45 GiB/s.
-SAVE_COPY_BYTES = 192 << 10
-LOAD_COPY_BYTES = 384 << 10
+# the H200 (docs/performance.md, tools/probe_copies.py): a save's copy about 1-2.5 us, a load's
+# about 4.5-5 us, at 45 GiB/s.
+SAVE_COPY_BYTES = 64 << 10
+LOAD_COPY_BYTES = 224 << 10
+# A save (or install) writes at most this many bytes per device in one copy into the store: wider
+# copies are split (one row at least). On the H200 a 39 MiB copy of DeepSeek's MLA rows took 1.8 ms
+# where 16 copies of one row took 1.5 (packed into 32-bit words: 12.4 against 1.2); other layouts
+# move as fast in copies of a few MiB as in one (docs/performance.md).
+SAVE_COPY_MAX_BYTES = 4 << 20
 # Blocks travel and sit in the store as unsigned words of this many bytes where the last axis allows
 # (unsharded, a whole number of words): an fp8 or bf16 block packed into uint32 words, the same
-# bytes. 0: words of the cache dtype's own width.
-WIRE_WORD = 0
+# bytes. 0: words of the cache dtype's own width. On the H200, fp8 rows moved as uint32 words saved
+# a 64 MiB step of Qwen3-Coder's in 82-94% of the raw path's time instead of 75-82%, and loaded 512
+# MiB in 77-101% instead of 71-86% (docs/performance.md).
+WIRE_WORD = 4
 # A plan too large for the transfer buffer moves in pieces, one program each per layer group;
 # a remainder is split only down to pieces of PIECE_BYTES per device (a dispatch costs the main
 # thread about what the interconnect moves in that time).
@@ -354,8 +362,8 @@ class GroupPrograms:
 
     def parts_of(self, op: str, copies) -> tuple:
         """``split_parts`` of program ``op`` on structure ``copies``, copies first narrowed to a
-        part's rows (so that part k+1's gather or scatter overlaps part k's copies). A function of
-        the structure and the layout only; cached."""
+        part's rows (so that part k+1's gather or scatter overlaps part k's copies) and, writing the
+        store, to SAVE_COPY_MAX_BYTES. A function of the structure and the layout only; cached."""
         key = (op, copies)
         out = self._parts_of.get(key)
         if out is None:
@@ -363,6 +371,8 @@ class GroupPrograms:
             parts = self.op_parts(op, rows)
             if parts > 1:
                 copies = cap_copies(copies, _pow2_floor(-(-rows // parts)))
+            if op in ("save", "install"):
+                copies = cap_copies(copies, _pow2_floor(max(1, SAVE_COPY_MAX_BYTES // self.row_bytes)))
             out = self._parts_of[key] = split_parts(copies, parts)
         return out
 
