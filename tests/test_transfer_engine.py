@@ -648,7 +648,10 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     ids = list(range(900, 900 + n))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    assert logged_copies(ops[-1]) == eng._programs[0].num_copies("save", cp.copy_plan(slots, eng._copy_cost["save"]).copies)
+    save_copies = cp.copy_plan(slots, eng._copy_cost["save"]).copies
+    assert logged_copies(ops[-1]) == eng._programs[0].num_copies("save", save_copies)
+    if pm.SAVE_SINGLE_ROW_BYTES <= eng._programs[0].row_bytes:  # rows this large: one per copy
+        assert logged_copies(ops[-1]) == cp.copy_rows(save_copies)
     if mutate is not None:
         monkeypatch.setattr(te, "copy_plan", mutate)
     pos = rng.permutation(n).tolist()
@@ -667,11 +670,14 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     return bad, int(load_plan.repeats.sum()) if load_plan.repeats is not None else 0
 
 
-def test_covering_copies_round_trip_byte_exact(engines):
+@pytest.mark.parametrize("single_row_bytes", [pm.SAVE_SINGLE_ROW_BYTES, 1], ids=["wide", "one row per copy"])
+def test_covering_copies_round_trip_byte_exact(engines, load_program_shape, single_row_bytes):
     """A save writes the slots a covering copy reaches back over twice, with the same bytes, and
     no slot outside its runs (the sentinels around every run keep their chunks); a load reads
     them twice but scatters each block once (the repeated rows target no block): every chunk
-    comes back byte-exact in its own batch shard."""
+    comes back byte-exact in its own batch shard. Alike when the save writes one row per copy
+    (rows of at least SAVE_SINGLE_ROW_BYTES)."""
+    load_program_shape(SAVE_SINGLE_ROW_BYTES=single_row_bytes)
     bad, twice = covering_round_trip(engines)
     assert bad == [] and twice > 0
 

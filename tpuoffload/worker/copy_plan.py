@@ -103,8 +103,8 @@ def copy_plan(slots, copy_cost: float = 0.0) -> CopyPlan:
     if s[-1] - s[0] == n - 1 and (n == 1 or (np.diff(s) == 1).all()):  # one ascending run: the fresh store
         return _one_run(n, copy_cost)
     order, starts, lens = _sorted_runs(s)
-    pos, width, skip = _run_pattern_copies(starts, lens, copy_cost)
-    copies, pos, width, skip = _power_of_two_counts(pos, width, skip, copy_cost)
+    copies, program = _power_of_two_counts(_copies_by_width(starts.tolist(), lens.tolist(), copy_cost), copy_cost)
+    pos, width, skip = np.array(program, np.int64).T
     first = np.cumsum(width) - width  # program row of each copy's first row
     within = np.arange(int(first[-1] + width[-1])) - np.repeat(first, width)
     rows = np.repeat(pos, width) + within
@@ -139,55 +139,41 @@ def _one_run(n: int, copy_cost: float) -> CopyPlan:
     return CopyPlan(rows, tuple(copies), repeats)
 
 
-def _run_pattern_copies(starts: np.ndarray, lens: np.ndarray, copy_cost: float):
-    """Every run's copies (``_run_copies``, one Python call per distinct run length):
-    ``(positions in the sorted rows, widths, skips)``."""
-    ul, inv = np.unique(lens, return_inverse=True)
-    pats = [_run_copies(length, copy_cost) for length in ul.tolist()]
-    cnt = np.array([len(p) for p in pats], np.int64)
-    flat = np.array([c for p in pats for c in p], np.int64)
-    k = cnt[inv]  # copies of each run
-    run = np.repeat(np.arange(len(lens)), k)
-    j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
-    f = flat[(np.cumsum(cnt) - cnt)[inv][run] + j]
-    return starts[run] + f[:, 0], f[:, 1], f[:, 2]
+def _copies_by_width(starts: list[int], lens: list[int], copy_cost: float) -> dict[int, list[tuple[int, int]]]:
+    """Every run's copies (``_run_copies``) by width: ``(position in the sorted rows, skip)``, in
+    ascending position (runs come in slot order, and a run has at most two copies of one width,
+    in order)."""
+    by_width: dict[int, list[tuple[int, int]]] = {}
+    for start, length in zip(starts, lens):
+        for offset, w, skip in _run_copies(length, copy_cost):
+            by_width.setdefault(w, []).append((start + offset, skip))
+    return by_width
 
 
-def _power_of_two_counts(pos: np.ndarray, width: np.ndarray, skip: np.ndarray, copy_cost: float):
+def _power_of_two_counts(by_width: dict[int, list[tuple[int, int]]], copy_cost: float):
     """Widest first: a count that is no power of two splits its last copies (past the largest
     power of two) into halves, carried to the next width, or repeats its last copy, whichever
-    costs less (width 1 always repeats). Returns the structure and every copy's position, width
-    and skip in program order (widths descending; within a width, ascending slot order, then the
-    halves carried in)."""
-    bits = np.frexp(width.astype(np.float64))[1] - 1  # log2 of each width
-    o = np.argsort((64 - bits) * (int(pos.max()) + 1) + pos)
-    pos, skip = pos[o], skip[o]
-    counts = np.bincount(bits).tolist()
-    ends = np.cumsum(counts[::-1]).tolist()[::-1]  # end of each width's copies in the sorted order
-    copies, out_p, out_k = [], [], []
-    carry_p = carry_k = pos[:0]
-    for b in range(len(counts) - 1, -1, -1):
+    costs less (width 1 always repeats). Returns the structure and every copy's ``(position,
+    width, skip)`` in program order (widths descending; within a width, its own copies in
+    ascending slot order, then the halves carried in)."""
+    copies: list[tuple[int, int]] = []
+    program: list[tuple[int, int, int]] = []
+    carry: list[tuple[int, int]] = []
+    for b in range(max(by_width).bit_length() - 1, -1, -1):
         w = 1 << b
-        lo = ends[b] - counts[b]
-        p, k = pos[lo:ends[b]], skip[lo:ends[b]]
-        if len(carry_p):
-            p, k = np.concatenate((p, carry_p)), np.concatenate((k, carry_k))
-            carry_p = carry_k = pos[:0]
-        c = len(p)
+        todo = by_width.get(w, []) + carry
+        carry = []
+        c = len(todo)
         if not c:
             continue
         low = 1 << (c.bit_length() - 1)
         high = low if low == c else 2 * low
         if high != c and (w == 1 or (high - c) * (copy_cost + w) <= (c - low) * copy_cost):
-            p = np.concatenate((p, np.full(high - c, p[-1])))
-            k = np.concatenate((k, np.full(high - c, w)))
+            todo += [(todo[-1][0], w)] * (high - c)
         elif high != c:
             h = w // 2
-            carry_p = np.concatenate((p[low:], p[low:] + h))
-            carry_k = np.concatenate((np.minimum(k[low:], h), np.maximum(k[low:] - h, 0)))
-            p, k = p[:low], k[:low]
-        copies.append((w, len(p)))
-        out_p.append(p)
-        out_k.append(k)
-    widths = np.repeat(np.array([w for w, _ in copies], np.int64), [c for _, c in copies])
-    return tuple(copies), np.concatenate(out_p), widths, np.concatenate(out_k)
+            rest, todo = todo[low:], todo[:low]
+            carry = [(p, min(k, h)) for p, k in rest] + [(p + h, max(k - h, 0)) for p, k in rest]
+        copies.append((w, len(todo)))
+        program += [(p, w, k) for p, k in todo]
+    return tuple(copies), program

@@ -71,11 +71,12 @@ MIN_ROWS = 1
 # about 4.5-5 us, at 45 GiB/s.
 SAVE_COPY_BYTES = 64 << 10
 LOAD_COPY_BYTES = 224 << 10
-# A save (or install) writes at most this many bytes per device in one copy into the store: wider
-# copies are split (one row at least). On the H200 a 39 MiB copy of DeepSeek's MLA rows took 1.8 ms
-# where 16 copies of one row took 1.5 (packed into 32-bit words: 12.4 against 1.2); other layouts
-# move as fast in copies of a few MiB as in one (docs/performance.md).
-SAVE_COPY_MAX_BYTES = 4 << 20
+# A save (or install) writes rows of at least this many bytes per device into the store one row per
+# copy. On the H200 16 rows of DeepSeek's MLA layout (2.4 MiB each) took 1.8 ms in one copy, 2.1 in
+# four, 1.5 in sixteen (packed into 32-bit words: 12.4, 8.8, 1.2); the other layouts' saves were
+# as fast or faster in wide copies, and every copy more costs the dispatching thread time
+# (docs/performance.md).
+SAVE_SINGLE_ROW_BYTES = 2 << 20
 # Blocks travel and sit in the store as unsigned words of this many bytes where the last axis allows
 # (unsharded, a whole number of words): an fp8 or bf16 block packed into uint32 words, the same
 # bytes. 0: words of the cache dtype's own width. On the H200, fp8 rows moved as uint32 words saved
@@ -363,7 +364,8 @@ class GroupPrograms:
     def parts_of(self, op: str, copies) -> tuple:
         """``split_parts`` of program ``op`` on structure ``copies``, copies first narrowed to a
         part's rows (so that part k+1's gather or scatter overlaps part k's copies) and, writing the
-        store, to SAVE_COPY_MAX_BYTES. A function of the structure and the layout only; cached."""
+        store, to one row where rows reach SAVE_SINGLE_ROW_BYTES. A function of the structure and
+        the layout only; cached."""
         key = (op, copies)
         out = self._parts_of.get(key)
         if out is None:
@@ -371,8 +373,8 @@ class GroupPrograms:
             parts = self.op_parts(op, rows)
             if parts > 1:
                 copies = cap_copies(copies, _pow2_floor(-(-rows // parts)))
-            if op in ("save", "install"):
-                copies = cap_copies(copies, _pow2_floor(max(1, SAVE_COPY_MAX_BYTES // self.row_bytes)))
+            if op in ("save", "install") and self.row_bytes >= SAVE_SINGLE_ROW_BYTES:
+                copies = cap_copies(copies, 1)
             out = self._parts_of[key] = split_parts(copies, parts)
         return out
 
