@@ -13,8 +13,9 @@ data dependency.
 
 Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
 own shard and no collective is added: each device moves the requested blocks that fall in its
-batch shard's block range and ignores the others. Blocks travel as unsigned integers of the cache
-dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives unchanged.
+batch shard's block range and ignores the others. Blocks travel as unsigned integers (a bitcast:
+32-bit words packing the last axis where it allows, ``Wire``; else the cache dtype's width), so every
+bit pattern, NaN payloads included, arrives unchanged.
 
 The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).

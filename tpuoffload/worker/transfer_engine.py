@@ -7,8 +7,8 @@ Threading contract (invariants 1-4):
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
   scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
   group, dispatched before the checks, then a scatter program per group); see worker/programs.py.
-  Each program moves its slots in copies of consecutive slots (programs.copy_plan), a function of
-  the slots alone, so the same on every host. Calls from any other thread raise RuntimeError before
+  Each program moves its slots in copies of consecutive slots (worker/copy_plan.py), a function of
+  the slots and the layout alone, so the same on every host. Calls from any other thread raise RuntimeError before
   touching JAX.
 * A plan larger than the transfer buffer moves in pieces, a function of its length and the layout
   alone.
@@ -234,7 +234,7 @@ class TransferEngine:
     def pieces(self, n: int) -> list[slice]:
         """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``:
         as many full buffers as fit, then the rest (one program each per layer group; the copy
-        structure moves any number of rows with little padding, programs.copy_plan)."""
+        structure moves any number of rows with little padding, worker/copy_plan.py)."""
         return self._pieces(n)
 
     def _pieces(self, n: int) -> list[slice]:
@@ -438,7 +438,7 @@ class TransferEngine:
         return new
 
     def _reads_first(self, copies) -> bool:
-        """Whether a load whose rows have copy structure ``copies`` (programs.copy_plan) runs as
+        """Whether a load whose rows have copy structure ``copies`` (worker/copy_plan.py) runs as
         two programs, reads then scatter, rather than as one load program: when that program
         would have one part, or at most READS_FIRST_COPIES copies in all (nothing much to overlap
         inside: the copies start before the checks and the scatter's dispatch). The earlier rule
