@@ -661,12 +661,14 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     out, failed = eng.load(random_caches(name, 71), targets, [slots[i] for i in pos], [ids[i] for i in pos])
     assert failed == []
     after = host(out)
-    bad = [f"slot {slots[i]}" for i, t in zip(pos, targets) if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
+    bad = [f"slot {slots[i]}" for i, t in zip(pos, targets)
+           if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
     if mutate is not None:
         monkeypatch.undo()  # the sentinels load with the real plan
     out, failed = eng.load(out, sentinel_blocks, sentinels, list(range(500, 500 + len(sentinels))))
     after = host(out)
-    bad += [f"sentinel {s}" for s, b in zip(sentinels, sentinel_blocks) if not np.array_equal(chunk(after, b), chunk(src, b))]
+    bad += [f"sentinel {s}" for s, b in zip(sentinels, sentinel_blocks)
+            if not np.array_equal(chunk(after, b), chunk(src, b))]
     return bad, int(load_plan.repeats.sum()) if load_plan.repeats is not None else 0
 
 

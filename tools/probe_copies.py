@@ -132,7 +132,8 @@ def main(argv=None) -> int:
 
     if a.save_path:
         src = np.arange(n)
-        gather = jax.jit(lambda cs_, ids_: jnp.stack([c[ids_] for c in cs_], axis=1), out_shardings=NamedSharding(mesh, P()))
+        gather = jax.jit(lambda cs_, ids_: jnp.stack([c[ids_] for c in cs_], axis=1),
+                         out_shardings=NamedSharding(mesh, P()))
         host = NamedSharding(mesh, P(), memory_kind="pinned_host")
         res = {}
 
@@ -218,8 +219,9 @@ def main(argv=None) -> int:
             if it:
                 phases.append({**{k: v * 1e3 for k, v in spent.items()}, "main": t_main * 1e3, "total": t_all * 1e3})
         med = {k: statistics.median(p_[k] for p_ in phases) for k in phases[0]}
+        structure = copy_plan(slots, eng._copy_cost["load"]).copies
         out["load_phases"] = {"median_ms": med, "samples": phases,
-                              "structure": "+".join(f"{w}x{c}" for w, c in copy_plan(slots, eng._copy_cost["load"]).copies)}
+                              "structure": "+".join(f"{w}x{c}" for w, c in structure)}
         print("  load phases (ms, median): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
     eng.close()
     if a.json:

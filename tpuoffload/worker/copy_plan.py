@@ -95,7 +95,9 @@ def copy_plan(slots, copy_cost: float = 0.0) -> CopyPlan:
     widths descending and power-of-two counts (few structures compile): a width whose count is no
     power of two either splits its copies past the largest power of two into two of half the
     width each, or repeats its last copy up to the next power of two, whichever costs less (width
-    1 always repeats). Copies of one width are in ascending slot order."""
+    1 always repeats; ``_power_of_two_counts``). ``copy_cost`` 0 moves every plan row once but
+    width-1 repeats at the end. Costs Python work per copy: a plan of scattered slots (a run per
+    slot, which the allocator does not hand out) is the slow case."""
     s = np.asarray(slots, np.int64).ravel()
     n = len(s)
     if not n:

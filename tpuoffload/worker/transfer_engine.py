@@ -8,8 +8,8 @@ Threading contract (invariants 1-4):
   scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
   group, dispatched before the checks, then a scatter program per group); see worker/programs.py.
   Each program moves its slots in copies of consecutive slots (worker/copy_plan.py), a function of
-  the slots and the layout alone, so the same on every host. Calls from any other thread raise RuntimeError before
-  touching JAX.
+  the slots and the layout alone, so the same on every host. Calls from any other thread raise
+  RuntimeError before touching JAX.
 * A plan larger than the transfer buffer moves in pieces, a function of its length and the layout
   alone.
 * The bytes never pass through a host thread: the programs read and write the store, and the
