@@ -92,6 +92,7 @@ def test_failed_load_on_one_host_is_recomputed_on_every_host(async_scheduling):
         loads = [(step, ld) for step, m in enumerate(h.metas()) for ld in m.loads]
         step, failed_load = next((s, ld) for s, ld in loads if ld.req_id == req)
         assert h.eng.stats.totals()["discarded"] == len(failed_load.save_ids) > 0
+        assert h.eng.stats.totals()["failed_requests"] == 1
         later = {sid for s, ld in loads if s != step for sid in ld.save_ids}
         assert later.isdisjoint(failed_load.save_ids)
         # The other request's loads landed byte-exact on both hosts.

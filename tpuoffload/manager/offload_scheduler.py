@@ -280,6 +280,7 @@ class OffloadScheduler:
         # Several KV cache groups: failures come by request, and every chunk its load read goes.
         failed_recving = getattr(output, "failed_recving", None)
         if failed_recving:
+            self.counters[C.FAILED_REQUESTS] += len(failed_recving)
             for slot, save_id in self.loads.failed_requests(failed_recving):
                 self.index.discard(slot, save_id)
         if output.invalid_block_ids:
