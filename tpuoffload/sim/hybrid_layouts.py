@@ -134,7 +134,10 @@ def kv_cache_config(spec: HybridLayoutSpec, budget_bytes: int, *, hma: bool, mes
     tpu-inference's specs and vLLM's own grouping and block-count computation."""
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
 
-    mesh = mesh if mesh is not None else runner_mesh(spec.tpu_spec(), jax.devices()[:spec.num_devices])
+    # The specs read only the mesh's axis sizes (as ``tpu_layouts.slice_page_bytes``): a scheduler
+    # process of a simulated slice, which has no such mesh, can ask too.
+    mesh = mesh if mesh is not None else types.SimpleNamespace(shape={"data": 1, "model": spec.tp},
+                                                               axis_names=("data", "model"))
     manager, vllm_config = _manager(spec, hma, mesh)
     specs = manager.get_kv_cache_spec()
     configs = get_kv_cache_configs(vllm_config, [specs], [budget_bytes])
