@@ -170,6 +170,18 @@ class RequestLifecycle:
                 rec.watermark = full
         return blocks, runs
 
+    def step_spans(self, so: "SchedulerOutput") -> list[tuple[str, list[bytes], int, int]]:
+        """``step_candidates`` for several KV cache groups (manager/kv_groups.py): per request, its
+        id, its block hashes and the span ``start .. full - 1`` of blocks to save, whose ids the
+        caller reads per group."""
+        spans = []
+        for rec, full in self._filled(so):
+            start = rec.watermark
+            if full > start:
+                spans.append((rec.request.request_id, rec.request.block_hashes, start, full))
+                rec.watermark = full
+        return spans
+
     def track_computed(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> None:
         """Lazy mode: remember the ids of the full blocks each scheduled request has computed once
         this step's forward ran, for a flush at its finish or preemption."""
