@@ -58,3 +58,18 @@ def engines():
     for eng in made:
         eng.wait_idle(10)
         eng.close()
+
+
+@pytest.fixture
+def load_program_shape(monkeypatch):
+    """(tests/test_engine_*.py) Rebuild the programs with the load split into parts / read by loops (module constants)."""
+    from tpuoffload.worker import programs
+
+    def set_(**consts):
+        for k, v in consts.items():
+            monkeypatch.setattr(programs, k, v)
+        programs.programs_for.cache_clear()
+
+    yield set_
+    monkeypatch.undo()
+    programs.programs_for.cache_clear()  # no program built with patched constants outlives the test

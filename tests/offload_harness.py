@@ -3,7 +3,7 @@ Scheduler or AsyncScheduler, the connector's scheduler half, one SyntheticRunner
 simulated host) plus recorders, all through public interfaces:
 
 * every SchedulerOutput (preemptions, the connector metadata);
-* every ``request_finished`` answer and the block ids vLLM passed;
+* every ``request_finished_all_groups`` answer and the block ids vLLM passed;
 * right after each host executed a step, the bytes of every block that step's loads wrote (a load
   lands before the forward and the loading request is not scheduled in that step, so nothing else
   writes those blocks in it), and the blocks the host reported as load errors;
@@ -44,26 +44,34 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
 
 class Harness:
     def __init__(self, hosts=1, async_scheduling=False, num_blocks=64, extra=None, faults=None,
-                 max_num_batched_tokens=256, max_num_seqs=16, scheduler_kwargs=None, same_chunk=True):
+                 max_num_batched_tokens=256, max_num_seqs=16, scheduler_kwargs=None, same_chunk=True,
+                 hybrid=None, kv_budget_bytes=0):
+        """``hybrid``: a ``HybridLayoutSpec`` (vLLM's hybrid KV cache manager on, tpu-inference's
+        arrays for ``kv_budget_bytes`` of KV memory) instead of the default one-group layout."""
         extra = {"cpu_bytes_to_use": 1 << 22} if extra is None else extra
         self.eng = InProcessEngine(
             EngineSpec(num_hosts=hosts, num_blocks=num_blocks, async_scheduling=async_scheduling,
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                       extra_config=extra, scheduler_kwargs=dict(scheduler_kwargs or {})),
+                       extra_config=extra, scheduler_kwargs=dict(scheduler_kwargs or {}),
+                       hybrid=hybrid, kv_budget_bytes=kv_budget_bytes),
             faults=faults,
         )
         # The scheduler plans in units of one host slot: both halves must agree on its size
         # (same_chunk=False: a test that misconfigures the number of reporting workers on purpose).
+        # (A hybrid layout's hosts each hold the whole mesh, vLLM's config the mesh once: the
+        # scheduler's share per host is 1/hosts of a host's slot, and num_cpu_chunks sets the slots.)
+        want = chunk_bytes() if hybrid is None else self.eng.connectors[0].worker.engine.backend.slot_bytes
         if same_chunk:
-            assert self.eng.offload.chunk_bytes == chunk_bytes()
-        assert all(c.worker.engine.backend.slot_bytes == chunk_bytes() for c in self.eng.connectors)
+            assert self.eng.offload.chunk_bytes * (hosts if hybrid is not None else 1) == want
+        assert all(c.worker.engine.backend.slot_bytes == want for c in self.eng.connectors)
         self.prompts: dict[str, list[int]] = {}
         self.requests: dict = {}  # req_id -> vllm Request
         self.outputs: list = []  # SchedulerOutputs, in schedule order
         self.finished_answers: dict[str, bool] = {}  # req_id -> delay_free returned to vLLM
         self.finished_blocks: dict[str, list[int]] = {}  # req_id -> block ids vLLM passed
         self.released_too_early: list[str] = []  # released when vLLM no longer held the request
-        self.loaded: list[tuple[int, str, int, int, list[np.ndarray]]] = []  # host, req, block idx, id, per-layer bytes
+        self.loaded: list[tuple[int, str, int, int, list[np.ndarray]]] = []  # host, req, block idx, id, per-array bytes
+        self.loaded_groups: list[int] = []  # the KV cache group of each entry of ``loaded``
         self.load_failed: list[tuple[int, str, int]] = []  # host, req, block id
 
         sched = self.eng.scheduler
@@ -77,16 +85,18 @@ class Harness:
         sched.schedule = schedule
         # Wrapped on the connector vLLM calls (its scheduler-side hooks are the scheduler half's
         # bound methods, taken at construction: wrapping the scheduler half would not be seen).
+        # The connector is SupportsHMA, so vLLM calls request_finished_all_groups (every group's
+        # block ids); finished_blocks keeps the first group's.
         off = sched.connector
-        orig_finished = off.request_finished
+        orig_finished = off.request_finished_all_groups
 
-        def request_finished(request, block_ids):
+        def request_finished_all_groups(request, block_ids):
             delay, params = orig_finished(request, block_ids)
             self.finished_answers[request.request_id] = delay
-            self.finished_blocks[request.request_id] = list(block_ids)
+            self.finished_blocks[request.request_id] = list(block_ids[0]) if block_ids else []
             return delay, params
 
-        off.request_finished = request_finished
+        off.request_finished_all_groups = request_finished_all_groups
         for host, (runner, conn) in enumerate(zip(self.eng.runners, self.eng.connectors)):
             self._wrap_execute(host, runner)
             self._wrap_bind(conn)
@@ -113,14 +123,18 @@ class Harness:
             if connector is None or not isinstance(meta, OffloadMetadata) or not meta.plan.loads:
                 return out
             errors = out.kv_connector_output.invalid_block_ids if out.kv_connector_output else set()
+            failed_reqs = out.kv_connector_output.failed_recving if out.kv_connector_output else set()
             for load in meta.plan.loads:
-                req_blocks = kvm.get_block_ids(load.req_id)[0]
+                groups = kvm.get_block_ids(load.req_id)
                 for b in (*load.block_ids, *load.unavailable_block_ids):
-                    if b in errors:
+                    if b in errors or load.req_id in failed_reqs:
                         self.load_failed.append((host, load.req_id, b))
                     elif b in load.block_ids:
+                        # A block id belongs to one KV cache group (they share one pool).
+                        g = next(g for g, ids in enumerate(groups) if b in ids)
                         data = [np.asarray(c[b]) for c in runner.kv_caches]
-                        self.loaded.append((host, load.req_id, req_blocks.index(b), b, data))
+                        self.loaded.append((host, load.req_id, groups[g].index(b), b, data))
+                        self.loaded_groups.append(g)
             return out
 
         runner.execute = execute
@@ -160,13 +174,19 @@ class Harness:
     def check_loaded_bytes(self, min_blocks=1):
         """Every block snapshotted right after a load equals what the synthetic model computes."""
         runner = self.eng.runners[0]
-        for host, req_id, idx, block_id, data in self.loaded:
+        checked = 0
+        for (host, req_id, idx, block_id, data), group in zip(self.loaded, self.loaded_groups):
             tokens = self.prompts[req_id] + self.eng.outputs.get(req_id, [])  # a resumed request's context
-            for layer, got in enumerate(data):
-                want = runner.expected_block(tokens, idx, layer)
+            for array, got in enumerate(data):
+                want = runner.expected_block(tokens, idx, array, group)
+                if want is None:  # this array serves no layer of that KV cache group
+                    continue
                 assert got.shape == want.shape
-                np.testing.assert_array_equal(got, want, err_msg=f"host {host} {req_id} block #{idx} (id {block_id}) layer {layer}")
+                np.testing.assert_array_equal(
+                    got, want, err_msg=f"host {host} {req_id} group {group} block #{idx} (id {block_id}) array {array}")
+                checked += got.nbytes
         assert len(self.loaded) >= min_blocks
+        return checked
 
     def check_idle(self):
         """Nothing held anywhere: vLLM, the scheduler half (its public gauges), every worker."""

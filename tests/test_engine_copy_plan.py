@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from tpuoffload.worker import copy_plan as cp
 from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
 
@@ -100,7 +101,7 @@ def logged_run(op: str) -> int:
 
 
 def widest(slots) -> int:
-    return pm.copy_plan(list(slots))[1][0][0]
+    return cp.copy_plan(list(slots)).copies[0][0]
 
 
 def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]]:
@@ -189,60 +190,12 @@ def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
     ascending run in the listed order overwrites neighbouring slots (a run that wraps, two runs)
     or stores a descending run reversed (seen by the load in another order)."""
     n_bits = lambda n: tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)  # noqa: E731
-    monkeypatch.setattr(te, "copy_plan", lambda slots: (None, n_bits(len(slots))))
+    monkeypatch.setattr(te, "copy_plan", lambda slots, cost: cp.CopyPlan(None, n_bits(len(slots)), None))
     bad, _ = slot_pattern_round_trip(engines, pattern)
     assert bad
 
 
 # ---------------------------------------------------------------- copy structures (issue 24)
-@pytest.mark.parametrize("slots,copies", [
-    (list(range(26)), ((16, 1), (8, 1), (2, 1))),  # one run, no power of two: 3 copies, no padding
-    (list(range(25, -1, -1)), ((16, 1), (8, 1), (2, 1))),  # the same run descending
-    ([30, 31, 0, 1, 2, 3, 4, 5], ((4, 1), (2, 2))),  # wraps: runs 0..5 and 30..31
-    ([9, 8, 7, 1, 2, 3], ((2, 2), (1, 2))),  # a descending and an ascending run of 3
-    ([3, 3, 4, 5], ((2, 1), (1, 2))),  # a slot read twice (a load) breaks the run
-    ([7, 3, 11, 0, 30], ((1, 8),)),  # scattered: 5 copies of one, padded to 8
-    ([6], ((1, 1),)), ([], ()),
-])
-def test_copy_plan_examples(slots, copies):
-    assert pm.copy_plan(slots)[1] == copies
-
-
-def test_copy_plan_rows_are_runs_and_counts_powers_of_two():
-    """Random plans (runs of random lengths in either direction, shuffled, some slots repeated):
-    every copy of the structure is ``width`` consecutive ascending slots, every plan row is moved
-    once, padding only repeats real rows at the end, counts are powers of two, widths descend;
-    a list and an array of the same slots give the same plan (the same programs on every host)."""
-    rng = np.random.default_rng(0)
-    for trial in range(300):
-        runs, base = [], 0
-        for _ in range(int(rng.integers(1, 12))):
-            length = int(rng.integers(1, 40))
-            base += int(rng.integers(1, 30))
-            run = list(range(base, base + length))
-            runs.append(run[::-1] if rng.random() < 0.5 else run)
-            base += length
-        order = rng.permutation(len(runs))
-        slots = [s for k in order for s in runs[k]]
-        if trial % 5 == 0 and slots:
-            slots += [slots[0]]  # a load may read one slot twice
-        n = len(slots)
-        perm, copies = pm.copy_plan(slots)
-        rows = pm.copy_rows(copies)
-        o = np.arange(n) if perm is None else perm
-        assert len(o) == rows and sorted(o[:n].tolist()) == list(range(n)) and all(0 <= i < n for i in o[n:])
-        assert rows - n < max(1, n // 2)
-        widths = [w for w, _ in copies]
-        assert widths == sorted(widths, reverse=True) and all(c & (c - 1) == 0 for _, c in copies)
-        ss, at = np.asarray(slots)[o], 0
-        for w, c in copies:
-            for _ in range(c):
-                assert (ss[at:at + w] == ss[at] + np.arange(w)).all(), (slots, copies)
-                at += w
-        p2, c2 = pm.copy_plan(np.asarray(slots))
-        assert c2 == copies and np.array_equal(np.arange(n) if p2 is None else p2, o)
-
-
 @pytest.mark.parametrize("slots,save_copies", [
     (list(range(NUM_SLOTS - 1, NUM_SLOTS - 27, -1)), 3),  # 26 descending, to the store's last slot: 16 + 8 + 2
     (list(range(3, 29)), 3),  # 26 ascending: no power of two
@@ -280,3 +233,77 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
         assert np.array_equal(chunk(after, t), chunk(src, b))
 
 
+# Covering copies (copy_plan): in this layout a save's copy costs 6 rows and a load's 12, so a run
+# of 23 moves as 16 + 8 (one slot twice), a run of 11 loads as 8 + 4 (one slot twice) and seven
+# runs of 2 save as eight copies of 2, the last repeated.
+COVERED_RUNS = [list(range(25, 2, -1)), list(range(40, 51))] + [[60 + 4 * k, 61 + 4 * k] for k in range(7)]
+
+
+def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[str], int]:
+    """Save the covered runs (listed shuffled, one descending) from both batch shards around
+    sentinel slots, load them back in another order into other blocks of their shards, then the
+    sentinels. Returns the mismatches and the rows the load moved twice."""
+    name = "bf16-dp2-tp4"
+    caches = random_caches(name, 70)
+    eng = engines(caches, slots=128)
+    per = eng.layout.groups[0].blocks_per_shard
+    src = host(caches)
+    rng = np.random.default_rng(7)
+    slots = [s for k in rng.permutation(len(COVERED_RUNS)) for s in COVERED_RUNS[k]]
+    n = len(slots)
+    assert cp.copy_plan(slots, eng._copy_cost["save"]).repeats is not None
+    blocks = [(i % 2) * per + i // 2 for i in range(n)]  # both batch shards
+    used = set(slots)
+    sentinels = sorted({s + d for run in COVERED_RUNS for s in (min(run), max(run)) for d in (-1, 1)} - used)
+    sentinel_blocks = [(k % 2) * per + k // 2 for k in range(len(sentinels))]
+    save_ok(eng, caches, sentinel_blocks, sentinels, list(range(500, 500 + len(sentinels))))
+    ids = list(range(900, 900 + n))
+    save_ok(eng, caches, blocks, slots, ids)
+    ops = eng.finish_step().ops
+    save_copies = cp.copy_plan(slots, eng._copy_cost["save"]).copies
+    assert logged_copies(ops[-1]) == eng._programs[0].num_copies("save", save_copies)
+    if pm.SAVE_SINGLE_ROW_BYTES <= eng._programs[0].row_bytes:  # rows this large: one per copy
+        assert logged_copies(ops[-1]) == cp.copy_rows(save_copies)
+    if mutate is not None:
+        monkeypatch.setattr(te, "copy_plan", mutate)
+    pos = rng.permutation(n).tolist()
+    within = rng.permutation(n // 2)  # another block of the source's own batch shard
+    targets = [(i % 2) * per + int(within[i // 2]) for i in pos]
+    load_plan = cp.copy_plan([slots[i] for i in pos], eng._copy_cost["load"])
+    out, failed = eng.load(random_caches(name, 71), targets, [slots[i] for i in pos], [ids[i] for i in pos])
+    assert failed == []
+    after = host(out)
+    bad = [f"slot {slots[i]}" for i, t in zip(pos, targets)
+           if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
+    if mutate is not None:
+        monkeypatch.undo()  # the sentinels load with the real plan
+    out, failed = eng.load(out, sentinel_blocks, sentinels, list(range(500, 500 + len(sentinels))))
+    after = host(out)
+    bad += [f"sentinel {s}" for s, b in zip(sentinels, sentinel_blocks)
+            if not np.array_equal(chunk(after, b), chunk(src, b))]
+    return bad, int(load_plan.repeats.sum()) if load_plan.repeats is not None else 0
+
+
+@pytest.mark.parametrize("single_row_bytes", [pm.SAVE_SINGLE_ROW_BYTES, 1], ids=["wide", "one row per copy"])
+def test_covering_copies_round_trip_byte_exact(engines, load_program_shape, single_row_bytes):
+    """A save writes the slots a covering copy reaches back over twice, with the same bytes, and
+    no slot outside its runs (the sentinels around every run keep their chunks); a load reads
+    them twice but scatters each block once (the repeated rows target no block): every chunk
+    comes back byte-exact in its own batch shard. Alike when the save writes one row per copy
+    (rows of at least SAVE_SINGLE_ROW_BYTES)."""
+    load_program_shape(SAVE_SINGLE_ROW_BYTES=single_row_bytes)
+    bad, twice = covering_round_trip(engines)
+    assert bad == [] and twice > 0
+
+
+def test_covering_copies_negative_control_repeats_misplaced(engines, monkeypatch):
+    """With the load's repeated rows marked one row late, one row a covering copy alone moves is
+    dropped: the round trip above is sensitive to which rows a load drops."""
+    real = te.copy_plan
+
+    def late(slots, cost):
+        plan = real(slots, cost)
+        return plan if plan.repeats is None else plan._replace(repeats=np.roll(plan.repeats, 1))
+
+    bad, _ = covering_round_trip(engines, monkeypatch, late)
+    assert bad and not any(b.startswith("sentinel") for b in bad)

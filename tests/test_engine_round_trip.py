@@ -17,6 +17,7 @@ import pytest
 
 from tpuoffload.layout import CacheLayout
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.worker import copy_plan as cp
 from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
@@ -124,21 +125,6 @@ def test_blocks_split_by_data_parallelism(name, engines):
         assert np.array_equal(chunk(after, t), chunk(src, b)), (b, t)
 
 
-@pytest.fixture
-def load_program_shape(monkeypatch):
-    """Rebuild the programs with the load split into parts / read by loops (module constants)."""
-    from tpuoffload.worker import programs
-
-    def set_(**consts):
-        for k, v in consts.items():
-            monkeypatch.setattr(programs, k, v)
-        programs.programs_for.cache_clear()
-
-    yield set_
-    monkeypatch.undo()
-    programs.programs_for.cache_clear()  # no program built with patched constants outlives the test
-
-
 @pytest.mark.parametrize("slots", [[7, 3, 11, 0, 30, 12, 5, 9], [8, 9, 20, 21, 4, 5, 14, 15]],
                          ids=["scattered", "runs of 2"])
 @pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0), (1, 0)])
@@ -168,8 +154,9 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     assert failed == [per + 6, 9]
     # One part, or one copy per part: reads, then the scatter (two programs); otherwise one load
     # program overlapping them.
-    reads_first = eng._reads_first(pm.copy_plan(slots)[1])
-    assert reads_first == (parts == 1 or eng._programs[0].num_copies("load", pm.copy_plan(slots)[1]) <= te.READS_FIRST_COPIES)
+    copies = cp.copy_plan(slots, eng._copy_cost["load"]).copies
+    reads_first = eng._reads_first(copies)
+    assert reads_first == (parts == 1 or eng._programs[0].num_copies("load", copies) <= te.READS_FIRST_COPIES)
     assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if reads_first else ["load"])
     after = host(caches)
     for b, t in zip(blocks, targets):
@@ -298,7 +285,8 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     assert [p.stop - p.start for p in eng.pieces(n)] == sizes
     listed = sorted(slots) if len(sizes) > 1 else slots
     starts = np.cumsum([0] + sizes[:-1])
-    plans = [pm.copy_plan(listed[a:a + p])[1] for a, p in zip(starts, sizes)]
+    plans = {op: [cp.copy_plan(listed[a:a + p], eng._copy_cost[op]).copies for a, p in zip(starts, sizes)]
+             for op in ("save", "load")}
     sentinel = [s for s in range(256) if s not in slots][:2]
     save_ok(eng, caches, [250, 251], sentinel, [1, 2])
     older, newer = list(range(1000, 1000 + n)), list(range(2000, 2000 + n))
@@ -308,8 +296,8 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     assert {r.save_id for r in eng.drain_results() if r.ok} == set(older) | set(newer)
     ops = eng.finish_step().ops
     saves = ops[1:]
-    assert [op_shape(op)[1] for op in saves] == [pm.copy_rows(c) for c in plans] * 2  # one program per piece
-    assert [logged_copies(op) for op in saves] == [eng._programs[0].num_copies("save", c) for c in plans] * 2
+    assert [op_shape(op)[1] for op in saves] == [cp.copy_rows(c) for c in plans["save"]] * 2  # one program per piece
+    assert [logged_copies(op) for op in saves] == [eng._programs[0].num_copies("save", c) for c in plans["save"]] * 2
     targets = list(range(120, 120 + n))
     fresh = random_caches(BF16, 51)
     fresh = [jax.device_put(np.concatenate([np.asarray(c)] * 4), caches[0].sharding) for c in fresh]
@@ -317,7 +305,7 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     out, failed = eng.load(fresh, targets, slots, newer)
     assert failed == []
     loads = eng.finish_step().ops
-    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == [pm.copy_rows(c) for c in plans]
+    assert [op_shape(op)[1] for op in loads if op.startswith("load ")] == [cp.copy_rows(c) for c in plans["load"]]
     after = host(out)
     for i, t in enumerate(targets):
         assert np.array_equal(chunk(after, t), chunk(src, i)), (i, t)
@@ -352,7 +340,7 @@ def test_a_call_of_several_pieces_completes_once_and_checks_once(engines):
     assert len(eng.pieces(n)) == 4
     save_ok(eng, caches, list(range(n)), list(range(n)), list(range(100, 100 + n)))
     assert faults.calls == [(FaultPoint.SAVE_PROGRAM, n), (FaultPoint.SAVE_RECORD, n)]
-    assert len(set(eng._last_write.values())) == 1
+    assert len(set(eng._write_call[:n].tolist())) == 1
     faults.calls.clear()
     out, failed = eng.load(caches, list(range(20, 20 + n)), list(range(n)), list(range(100, 100 + n)))
     assert failed == [] and faults.calls == [(FaultPoint.LOAD_SLOT_CHECK, n), (FaultPoint.LOAD_PREPARE, n)]

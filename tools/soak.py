@@ -4,6 +4,7 @@
     python tools/soak.py --mode fast --hosts 2 --runs 1000            # in-process slice (InProcSlice)
     python tools/soak.py --mode podslice --hosts 4 --runs 30          # N worker processes (PodSlice)
     python tools/soak.py --mode fast --hosts 2 --seed 1017 --runs 1   # replay one run
+    python tools/soak.py --mode podslice --hosts 2 --hybrid gpt-oss-like --runs 5  # a hybrid model
 
 Every run is a pure function of its seed (and --mode, --hosts, --broken): the seed picks the
 cache (tpu-inference's layout for 1, 2 or 4 KV heads per host, bf16, fp8 or int8, 1 or 2 devices
@@ -78,6 +79,9 @@ class Scenario:
     requests: list[dict[str, Any]]  # {"req_id", "prompt", "max_tokens", "wave", "arrival_step"}
     settle_between_waves: bool = True
     stall: tuple[int, int] | None = None  # negative control (fast mode): (host, step) that never answers
+    # A hybrid model (tpuoffload.sim.hybrid_layouts.HYBRID_LAYOUTS, vLLM's hybrid KV cache manager on):
+    # its own heads and dtype; num_blocks is vLLM's block count for the KV memory given.
+    hybrid: str | None = None
 
     def knobs(self) -> str:
         """A one-line description of what this run turned on."""
@@ -88,8 +92,9 @@ class Scenario:
             on.append(f"resets({self.reset_rate:.2f}/step)")
         if self.stall:
             on.append(f"stall(host {self.stall[0]} at step {self.stall[1]})")
+        cache = self.hybrid or f"{self.num_kv_heads} KV heads {self.dtype}"
         return (f"{len(self.requests)} requests in {len({r['wave'] for r in self.requests})} waves, "
-                f"{self.num_kv_heads} KV heads {self.dtype} on {self.hosts}x{self.devices_per_host} devices, "
+                f"{cache} on {self.hosts}x{self.devices_per_host} devices, "
                 f"{self.num_blocks} GPU blocks, "
                 f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots, "
                 f"{'lazy' if self.extra_config.get('lazy_offload') else 'eager'}; chaos: {', '.join(on) or 'none'}")
@@ -116,7 +121,7 @@ def _workload(rng: random.Random, block_size: int) -> list[dict[str, Any]]:
     return out
 
 
-def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -> Scenario:
+def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, hybrid: str | None = None) -> Scenario:
     rng = random.Random(f"soak-{seed}")
     block_size = 16
     # The same draws in both modes, so that a pod-slice failure can be replayed in fast mode.
@@ -179,11 +184,20 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None) -
         chaos["broken"] = broken
     if mode == "podslice":
         devices_per_host = 1  # processes are the expensive part; each holds one device
+    if hybrid is not None:
+        # The layout's devices spread over the hosts; vLLM needs 41 blocks for one 256-token request
+        # of the gpt-oss-like layout (16 full-attention blocks, 25 for a window and a prefill chunk);
+        # lazy offload is refused with several KV cache groups.
+        from tpuoffload.sim.hybrid_layouts import HYBRID_LAYOUTS
+
+        devices_per_host = max(1, HYBRID_LAYOUTS[hybrid].num_devices // hosts)
+        num_blocks = num_blocks if num_blocks >= 48 else 48
+        extra["lazy_offload"] = False
     return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host,
                     num_kv_heads=kv_heads_per_host * hosts, dtype=dtype, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
                     extra_config=extra, chaos=chaos, point_faults=point_faults, reset_rate=reset_rate,
-                    requests=requests, stall=stall, settle_between_waves=settle_between_waves)
+                    requests=requests, stall=stall, settle_between_waves=settle_between_waves, hybrid=hybrid)
 
 
 # ================================================================ one run (child process)
@@ -250,6 +264,16 @@ def _progress(pod) -> tuple:
             sum(len(v) for v in pod.outputs.values()))
 
 
+def _hybrid_budget(sc: Scenario) -> int:
+    """KV memory for which vLLM gives a hybrid scenario its ``num_blocks`` (0: not hybrid)."""
+    if sc.hybrid is None:
+        return 0
+    from tpuoffload.sim.hybrid_layouts import HYBRID_LAYOUTS, kv_cache_config
+
+    probe = 1 << 30
+    return sc.num_blocks * (probe // kv_cache_config(HYBRID_LAYOUTS[sc.hybrid], probe, hma=True).num_blocks)
+
+
 def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> RunResult:
     """One run. Never raises: every failure becomes the result's kind and message."""
     from tpuoffload.sim.podslice import DigestMismatch, PodSlice, SliceError, SliceSpec
@@ -263,7 +287,8 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
     spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host, num_kv_heads=sc.num_kv_heads,
                      dtype=sc.dtype, num_blocks=sc.num_blocks,
                      max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-                     extra_config=dict(sc.extra_config), step_timeout_s=30.0)
+                     extra_config=dict(sc.extra_config), step_timeout_s=30.0,
+                     hybrid=sc.hybrid, kv_budget_bytes=_hybrid_budget(sc), max_model_len=256 if sc.hybrid else 0)
     chaos = Chaos(**sc.chaos)
     pf = PointFaults(**sc.point_faults) if sc.point_faults else None
     pod = None
@@ -382,7 +407,7 @@ def child_main(args: argparse.Namespace) -> None:
         import tpuoffload.sim.inproc_slice  # noqa: F401
     emit(event="ready")
     for seed in map(int, args.seeds.split(",")):
-        sc = make_scenario(seed, args.mode, args.hosts, args.broken)
+        sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid)
         emit(event="start", seed=seed)
         log_dir = os.path.join(args.log_dir, f"seed-{seed}")
         res = run_scenario(sc, log_dir, args.stall_s, args.max_steps)
@@ -402,6 +427,8 @@ class _Child:
                "--stall-s", str(args.stall_s), "--max-steps", str(args.max_steps)]
         if args.broken:
             cmd += ["--broken", args.broken]
+        if args.hybrid:
+            cmd += ["--hybrid", args.hybrid]
         env = dict(os.environ)
         devices = args.hosts * 2 if args.mode == "fast" else 1
         env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -476,6 +503,8 @@ def replay_command(args: argparse.Namespace, seed: int) -> str:
            "tools/soak.py", "--mode", args.mode, "--hosts", str(args.hosts), "--seed", str(seed), "--runs", "1"]
     if args.broken:
         cmd += ["--broken", args.broken]
+    if args.hybrid:
+        cmd += ["--hybrid", args.hybrid]
     return f"cd {shlex.quote(REPO)} && " + " ".join(map(shlex.quote, cmd))
 
 
@@ -525,6 +554,7 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
     ]
     width = max(len(k) for k, _ in rows)
     title = (f"soak --mode {args.mode} --hosts {args.hosts}" + (f" --broken {args.broken}" if args.broken else "")
+             + (f" --hybrid {args.hybrid}" if args.hybrid else "")
              + f"  (scenarios v{SCENARIO_VERSION})")
     lines = [title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows]
     if failed:
@@ -547,7 +577,7 @@ def _next_result(args: argparse.Namespace, child: _Child, seed: int) -> tuple[Ru
     timed_out = event is None and child.proc.poll() is None
     status = f"killed after {args.run_timeout:.0f} s" if timed_out else f"child {child.exit_status()}"
     child.kill()
-    sc = make_scenario(seed, args.mode, args.hosts, args.broken)
+    sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid)
     return RunResult(seed=seed, kind="hang" if timed_out else "crash", knobs=sc.knobs(), requests=len(sc.requests),
                      message=f"run {status}; last lines of {child.log_path}:\n{child.tail()}"), True
 
@@ -612,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broken", default=None,
                    help="negative control: host_order (a host dispatches in another order), background_dispatch, "
                         "or stall (fast mode: the last host stops answering at step 3)")
+    p.add_argument("--hybrid", default=None,
+                   help="podslice mode: a hybrid layout of tpuoffload.sim.hybrid_layouts (e.g. gpt-oss-like)")
     p.add_argument("--log-dir", default=None, help="child logs and pod-slice host logs (default: a temp dir)")
     p.add_argument("--jax-cache-dir", default=os.path.join(tempfile.gettempdir(), "tpuoffload-soak-jax-cache"),
                    help="JAX persistent compilation cache shared by all runs ('' to disable)")
@@ -625,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hosts, --runs and --repeat must be positive")
     if args.broken == "stall" and args.mode != "fast":
         p.error("--broken stall is a fast-mode control")
+    if args.hybrid and args.mode != "podslice":
+        p.error("--hybrid runs in podslice mode")
     if args.child:
         child_main(args)
         return 0

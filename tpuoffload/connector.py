@@ -18,7 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -26,6 +28,7 @@ from tpuoffload.config import check_dp_config, parse_config, per_engine
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.manager import OffloadScheduler
 from tpuoffload.manager.events import event_format
+from tpuoffload.manager.kv_groups import KVCacheGroups
 from tpuoffload.manager.topology import (DPRank, host_chunk_bytes, publish_as_dp_rank, reporting_workers,
                                          storage_factor)
 from tpuoffload.stats import OffloadStats
@@ -46,7 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TPUOffloadConnector(KVConnectorBase_V1):
+class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with this connector. With several
+    KV cache groups a chunk is keyed by content hash and group (manager/kv_groups.py), and load
+    failures reach vLLM by request (``failed_recving``), never by block id."""
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -74,17 +81,19 @@ class TPUOffloadConnector(KVConnectorBase_V1):
                 num_hosts=self.num_workers,
                 hosts_source=workers_source,
                 dp=dp,
+                kv_groups=KVCacheGroups.of(kv_cache_config, vllm_config.cache_config.block_size),
                 events=event_format(vllm_config, kv_cache_config),
             )
             logger.info("tpuoffload scheduler%s: %d host slots of %d bytes per host; %d worker processes confirm "
-                        "each chunk (%s); %s",
+                        "each chunk (%s); KV cache groups: %s; %s",
                         f" (DPScheduler rank of {dp.ranks}, {dp.num_blocks} blocks, source {dp.source})"
                         if dp.ranks > 1 else "", self.scheduler.index.num_slots, self.scheduler.chunk_bytes,
-                        self.num_workers, workers_source, self.config.summary())
+                        self.num_workers, workers_source, self.scheduler.kv_groups.describe(), self.config.summary())
             self._bind_scheduler_hooks()
         else:
             self.worker = OffloadWorker(self.config, deployment=Deployment(
-                vllm_config.model_config.model, vllm_config.cache_config.block_size))
+                vllm_config.model_config.model, vllm_config.cache_config.block_size),
+                kv_cache_config=kv_cache_config)
             logger.info("tpuoffload worker (host %d): %s", self.worker.host_id, self.config.summary())
 
     @property
@@ -126,6 +135,12 @@ class TPUOffloadConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's mixin asks this (not ``get_finished``): loads done, and, with several KV cache
+        groups, the loads that failed (also listed as done, as vLLM requires)."""
+        sending, recving = self.worker.get_finished()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self.worker.take_failed_recving())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
@@ -150,7 +165,8 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         takes the scheduler half's bound methods (same signatures), and the class methods below,
         which say the same, are never reached on the scheduler side."""
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                     "update_connector_output", "request_finished", "take_events"):
+                     "update_connector_output", "request_finished", "request_finished_all_groups",
+                     "take_events"):
             setattr(self, name, getattr(self.scheduler, name))
         self.get_kv_connector_stats = self.scheduler.take_stats  # once per step
 
@@ -171,6 +187,10 @@ class TPUOffloadConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished_all_groups(request, block_ids)
 
     def take_events(self) -> "Iterable[KVCacheEvent]":
         """KV events since the last call (vLLM publishes them each step): chunks that became

@@ -65,6 +65,7 @@ LOOKUP_TOKENS = "lookup_tokens"
 HIT_TOKENS = "hit_tokens"
 LOADS_CANCELLED = "loads_cancelled"
 DISCARDED = "discarded"
+FAILED_REQUESTS = "failed_requests"
 
 # ---- scheduler half: save planning (every save candidate lands in exactly one of these) ----
 SAVES_ISSUED = "saves_issued"
@@ -136,6 +137,7 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
     CounterInfo(DISCARDED, _S, "Chunks dropped from the index after a load of them failed on a host"),
+    CounterInfo(FAILED_REQUESTS, _S, "Loads failed by request (several KV cache groups): vLLM recomputed the whole request"),
     CounterInfo(SAVES_ISSUED, _S, "Unique chunks the scheduler asked the hosts to save"),
     CounterInfo(DEDUP_BATCH, _S, "Chunk saves deduplicated within one step"),
     CounterInfo(DEDUP_INDEX, _S, "Chunk saves skipped: content already in host RAM or being saved"),

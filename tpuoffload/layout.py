@@ -204,3 +204,54 @@ def stacked_spec(group: GroupLayout) -> PartitionSpec:
     batch shard, every block dim sharded as in the cache."""
     spec = group.spec
     return PartitionSpec(spec[0], None, None, *spec[1:])
+
+
+@dataclass(frozen=True)
+class KVGroupMap:
+    """Which of vLLM's KV cache groups (its hybrid KV cache manager, HMA) each array of
+    ``runner.kv_caches`` serves, and through which block ids. Not to be confused with
+    ``GroupLayout`` (arrays of one shape, dtype and sharding).
+
+    With HMA on, vLLM's groups (layers of one attention type) draw block ids from one shared
+    pool, and tpu-inference's ``initialize_kv_cache`` allocates arrays that each serve one layer of
+    several groups: e.g. gpt-oss-like, 4 layers alternating sliding window and full attention, two
+    groups, two arrays, layers 0 (sliding) and 1 (full) sharing array 0. Layer ``L`` of group ``g``
+    reads and writes its array at group ``g``'s block ids, and a block id belongs to one group at a
+    time, so block ``b`` of every array holds group ``g``'s KV when ``b`` is one of ``g``'s blocks:
+    a chunk (one block of every array, ``CacheLayout``) serves every group alike, keyed by group
+    on the scheduler side (manager/kv_groups.py).
+    """
+
+    #: Per array, the (KV cache group, vLLM layer name) pairs it serves.
+    uses: tuple[tuple[tuple[int, str], ...], ...]
+    num_kv_groups: int
+
+    @classmethod
+    def of(cls, kv_cache_config, layer_to_array: dict[str, int], num_arrays: int) -> "KVGroupMap":
+        """From vLLM's KV cache config (the groups' layer names) and the runner's
+        ``layer_name_to_kvcache_index``. Raises UnsupportedCache when a chunk of one block of every
+        array could not serve every group: a layer without an array, two layers of one group on
+        one array (they would write the same block), or arrays not shared between the groups."""
+        uses: list[list[tuple[int, str]]] = [[] for _ in range(num_arrays)]
+        groups = kv_cache_config.kv_cache_groups
+        for g, group in enumerate(groups):
+            for name in group.layer_names:
+                array = layer_to_array.get(name)
+                if array is None or not 0 <= array < num_arrays:
+                    raise UnsupportedCache(f"layer {name} of KV cache group {g} has no array in runner.kv_caches")
+                if any(og == g for og, _ in uses[array]):
+                    raise UnsupportedCache(f"array {array} serves two layers of KV cache group {g}")
+                uses[array].append((g, name))
+        widest = max(len(group.layer_names) for group in groups)
+        if num_arrays != widest:
+            # The scheduler half sizes a chunk from vLLM's config alone (manager/topology.py:
+            # host_chunk_bytes): one page of the largest group's layers, one array per layer.
+            raise UnsupportedCache(
+                f"{num_arrays} arrays serve {len(groups)} KV cache groups of at most {widest} layers: tpu-inference "
+                "did not share its arrays between the groups (it allocates one array per KV cache tensor when a "
+                "group has a single layer), so a chunk would not be one page of a group's layers")
+        return cls(tuple(tuple(u) for u in uses), len(groups))
+
+    def describe(self) -> str:
+        return "; ".join(f"array {i}: " + ", ".join(f"{name} (group {g})" for g, name in u)
+                         for i, u in enumerate(self.uses))

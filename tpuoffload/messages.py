@@ -125,6 +125,9 @@ class StepPlan:
     # Loads complete within the step (DP mode: vLLM is told they are synchronous, so no
     # finished_recving, which DPScheduler would hand to every rank, is ever reported).
     sync_loads: bool = False
+    # Several KV cache groups (vLLM's hybrid KV cache manager): block ids are unique only within a
+    # group, so vLLM takes load failures only by request (``failed_recving``), never by block.
+    failures_by_request: bool = False
     # DPScheduler's merge adds ``rank * num_blocks`` to every entry of a plan's
     # ``local_block_ids``: this one entry, 0 when planned, tells the workers where the rank's
     # blocks start in the engine's cache. The DP scheduler's own translation, so it cannot drift.

@@ -26,6 +26,7 @@ import numpy as np
 
 from tpuoffload.manager.events import EventLog
 from tpuoffload.manager.hash_table import HashKeys, PackedHashes
+from tpuoffload.manager.kv_groups import chunk_keys
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,18 @@ META_FILE = "kv-events-meta.npz"
 
 
 class RestoredMeta:
-    """The records a previous run wrote, looked up by hash keys."""
+    """The records a previous run wrote, looked up by the keys the indexes hold (the content hash,
+    mixed with the KV cache group: kv_groups.chunk_keys)."""
 
     def __init__(self, rows: np.ndarray, loras: list, log: EventLog) -> None:
-        keys = HashKeys.of(PackedHashes(np.ascontiguousarray(rows["hash"]).tobytes(), log.fmt.width))
-        order = np.lexsort((keys.k2, keys.k1))
-        self._k1, self._k2 = keys.k1[order], keys.k2[order]
+        k1, k2 = np.zeros(len(rows), np.uint64), np.zeros(len(rows), np.uint64)
+        for g in np.unique(rows["group"]).tolist():
+            mine = rows["group"] == g
+            packed = PackedHashes(np.ascontiguousarray(rows["hash"][mine]).tobytes(), log.fmt.width)
+            keys = HashKeys.of(chunk_keys(packed, g))
+            k1[mine], k2[mine] = keys.k1, keys.k2
+        order = np.lexsort((k2, k1))
+        self._k1, self._k2 = k1[order], k2[order]
         rows = rows[order]
         # The old run's LoRA numbers -> this run's.
         remap = np.array([0] + [log.lora_of(*k) for k in loras[1:]], dtype=np.int32)

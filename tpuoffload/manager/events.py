@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpuoffload.manager.hash_table import HashKeys, PackedHashes
+from tpuoffload.manager.hash_table import HashKeys
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -46,13 +46,54 @@ MEDIUM_CPU = "CPU"  # vllm.distributed.kv_events.MEDIUM_CPU
 MEDIUM_STORAGE = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE
 
 
-#: Where a run of save candidates comes from: ``(request, start, count, group)``, ``count``
-#: consecutive blocks of ``request`` from block ``start``, of KV cache group ``group``. The group of a
-#: chunk is this field and nothing else (0 until the connector saves several groups). A plain tuple:
-#: the lifecycle builds one per request and step with blocks to save, events on or off.
+#: Where a run of save candidates comes from, with one KV cache group: ``(request, start, count,
+#: group)``, ``count`` consecutive blocks of ``request`` from block ``start``, of ``group``. A plain
+#: tuple: the lifecycle builds one per request and step with blocks to save, events on or off.
 Origin = tuple
-Origins = Sequence[Origin]
-ORIGIN_REQUEST, ORIGIN_START, ORIGIN_COUNT, ORIGIN_GROUP = range(4)
+
+
+class GroupedOrigins:
+    """Where the save candidates of several KV cache groups come from: per span ``(request, block
+    ids per group, start, full)``, blocks ``start .. full - 1`` block by block, in each block every
+    group whose block is not vLLM's null block, the order ``KVCacheGroups.candidates`` gives them.
+    One object per step; the per-candidate layout is computed only for an event sink."""
+
+    __slots__ = ("spans",)
+
+    def __init__(self, spans: Sequence[tuple["Request", Sequence[Sequence[int]], int, int]]) -> None:
+        self.spans = spans
+
+    def layout(self) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+        from tpuoffload.manager.kv_groups import NULL_BLOCK
+
+        spans = self.spans
+        num_groups = len(spans[0][1])
+        ids = np.array([[b for _, block_ids, start, full in spans for b in block_ids[g][start:full]]
+                        for g in range(num_groups)], dtype=np.int64).T  # (blocks, groups)
+        real = (ids != NULL_BLOCK).reshape(-1)
+        lengths = np.array([full - start for _, _, start, full in spans], dtype=np.int64)
+        run = np.repeat(np.arange(len(spans)), lengths)
+        index = np.concatenate([np.arange(start, full) for _, _, start, full in spans])
+        group = np.tile(np.arange(num_groups, dtype=np.int32), len(run))
+        return ([r for r, _, _, _ in spans], np.repeat(run, num_groups)[real], np.repeat(index, num_groups)[real],
+                group[real])
+
+
+Origins = "Sequence[Origin] | GroupedOrigins"
+
+
+def candidate_layout(origins) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """(requests, run, index, group) of every candidate of a save batch, in candidate order: the
+    candidate is block ``index`` of ``requests[run]``, of KV cache group ``group`` (the one place a
+    chunk's group is read)."""
+    if isinstance(origins, GroupedOrigins):
+        return origins.layout()
+    counts = np.fromiter((o[2] for o in origins), dtype=np.int64, count=len(origins))
+    starts = np.fromiter((o[1] for o in origins), dtype=np.int64, count=len(origins))
+    groups = np.fromiter((o[3] for o in origins), dtype=np.int32, count=len(origins))
+    run = np.repeat(np.arange(len(origins)), counts)
+    index = starts[run] + np.arange(len(run)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return [o[0] for o in origins], run, index, groups[run]
 
 
 @dataclass(frozen=True)
@@ -178,9 +219,9 @@ class ChunkEvents:
     """An index's event sink. This class is the disabled one (``NO_EVENTS``): every method does
     nothing, so an index without events pays one call per batch. ``TierEvents`` is the real one."""
 
-    def record(self, slots: np.ndarray, packed: PackedHashes, positions: np.ndarray, origins: Origins) -> None:
+    def record(self, slots: np.ndarray, positions: np.ndarray, origins: Origins) -> None:
         """New chunks named in ``slots`` (SAVING): candidate ``positions[i]`` of a save batch went to
-        ``slots[i]``; the batch's hashes are ``packed`` and its candidates come from ``origins``."""
+        ``slots[i]``; the batch's candidates come from ``origins`` (``candidate_layout``)."""
 
     def rows(self, slots: np.ndarray) -> Any:
         """A copy of the entries' records (for another index: spill, fetch)."""
@@ -224,55 +265,49 @@ class TierEvents(ChunkEvents):
         self._restored = restored
         self._width_warned = False
 
-    def record(self, slots: np.ndarray, packed: PackedHashes, positions: np.ndarray, origins: Origins) -> None:
+    def record(self, slots: np.ndarray, positions: np.ndarray, origins: Origins) -> None:
         n = len(slots)
         if not n:
             return
         fmt, rows = self.fmt, self._rows
-        if packed.width != fmt.width:  # not vLLM's hashes (PackedHashes normalised them): never announced
+        requests, run, index, group = candidate_layout(origins)
+        positions = np.asarray(positions, dtype=np.int64)
+        run, index, group = run[positions], index[positions], group[positions]
+        # Per request run (Python: two list slices each): its block hashes from the block before
+        # its first named chunk to its last, and those blocks' tokens, end to end; one conversion
+        # each for the batch. A chunk's hash and its parent's are rows of the first.
+        used = np.flatnonzero(np.bincount(run, minlength=len(requests))).tolist()
+        cuts = np.searchsorted(run, used)  # ``run`` never decreases: where each used run's chunks begin
+        lo_hi = np.stack((np.minimum.reduceat(index, cuts), np.maximum.reduceat(index, cuts)), axis=1).tolist()
+        hash_row, token_row = np.zeros(len(requests), np.int64), np.zeros(len(requests), np.int64)
+        lora = np.zeros(len(requests), dtype=np.int32)
+        bs, hashes, tokens = fmt.block_size, [], []
+        for r, (lo, hi) in zip(used, lo_hi):
+            request = requests[r]
+            below = 1 if lo else 0
+            hash_row[r] = len(hashes) + below - lo  # + index: the row of block ``index``'s hash
+            token_row[r] = len(tokens) // bs - lo
+            hashes += request.block_hashes[lo - below:hi + 1]
+            tokens += request.all_token_ids[lo * bs:(hi + 1) * bs]
+            lora[r] = self.log.lora_index(request)
+        buf = b"".join(hashes)
+        if len(buf) != len(hashes) * fmt.width:  # not vLLM's hashes of this deployment: never announced
             rows["valid"][slots] = False
             if not self._width_warned:
                 self._width_warned = True
-                logger.error("tpuoffload events: block hashes of %d bytes, expected %d; those chunks are not "
-                             "announced", packed.width, fmt.width)
+                logger.error("tpuoffload events: block hashes are not all of %d bytes; those chunks are not "
+                             "announced", fmt.width)
             return
-        positions = np.asarray(positions, dtype=np.int64)
-        hashes = np.frombuffer(packed.buf, dtype=np.uint8).reshape(-1, fmt.width)
-        counts = np.fromiter((o[ORIGIN_COUNT] for o in origins), dtype=np.int64, count=len(origins))
-        offsets = np.concatenate(([0], np.cumsum(counts)))
-        run = np.searchsorted(offsets, positions, side="right") - 1  # each chunk's origin
-        starts = np.fromiter((o[ORIGIN_START] for o in origins), dtype=np.int64, count=len(origins))
-        index = starts[run] + positions - offsets[run]  # each chunk's block index in its request
-        # Per run (Python: one list slice each): the tokens of its blocks from its first named
-        # chunk to its last, end to end, then one conversion for the batch.
-        used = np.flatnonzero(np.bincount(run, minlength=len(origins))).tolist()
-        first = np.zeros(len(origins), dtype=np.int64)
-        base = np.zeros(len(origins), dtype=np.int64)
-        group = np.zeros(len(origins), dtype=np.int32)
-        lora = np.zeros(len(origins), dtype=np.int32)
-        cuts = np.searchsorted(run, used)  # ``run`` ascends: where each used run's chunks begin
-        lo_hi = np.stack((np.minimum.reduceat(index, cuts), np.maximum.reduceat(index, cuts)), axis=1).tolist()
-        bs, flat, rows_so_far = fmt.block_size, [], 0
-        for r, (lo, hi) in zip(used, lo_hi):
-            request, _, _, group[r] = origins[r]
-            flat += request.all_token_ids[lo * bs:(hi + 1) * bs]
-            first[r], base[r], lora[r] = lo, rows_so_far, self.log.lora_index(request)
-            rows_so_far += hi + 1 - lo
-        tokens = np.fromiter(flat, dtype=np.int32, count=len(flat)).reshape(-1, bs)
-        # The parent is the previous block of the same request: in the batch unless the chunk
-        # opens its run, then the request's (block 0 has none).
-        parent = np.zeros((n, fmt.width), dtype=np.uint8)
-        inside = positions > offsets[run]
-        parent[inside] = hashes[positions[inside] - 1]
-        for i in np.flatnonzero(~inside & (index > 0)).tolist():
-            request = origins[run[i]][ORIGIN_REQUEST]
-            parent[i] = np.frombuffer(request.block_hashes[index[i] - 1], dtype=np.uint8)
+        hashes = np.frombuffer(buf, dtype=np.uint8).reshape(-1, fmt.width)
+        tokens = np.fromiter(tokens, dtype=np.int32, count=len(tokens)).reshape(-1, bs)
+        mine = hash_row[run] + index
+        has_parent = index > 0
         # Field by field into the records (a whole-record copy through a temporary costs twice).
-        rows["hash"][slots] = hashes[positions]
-        rows["parent"][slots] = parent
-        rows["tokens"][slots] = tokens[base[run] + index - first[run]]
-        rows["group"][slots], rows["lora"][slots] = group[run], lora[run]
-        rows["has_parent"][slots] = index > 0
+        rows["hash"][slots] = hashes[mine]
+        rows["parent"][slots] = np.where(has_parent[:, None], hashes[np.maximum(mine - 1, 0)], 0)
+        rows["tokens"][slots] = tokens[token_row[run] + index]
+        rows["group"][slots], rows["lora"][slots] = group, lora[run]
+        rows["has_parent"][slots] = has_parent
         rows["valid"][slots] = True
 
     def rows(self, slots: np.ndarray) -> np.ndarray:

@@ -189,6 +189,13 @@ class ChunkIndex:
         slot, k2 = self._table.find_hash(chunk_hash)
         return slot if slot >= 0 and int(self._key2[slot]) == k2 and self._state_np[slot] == READY else -1
 
+    def ready_slots(self, keys: HashKeys) -> np.ndarray:
+        """Slot of each key that is READY (loadable), -1 for the others; no effect on the index."""
+        slots = self.find(keys)
+        held = slots >= 0
+        slots[held] = np.where(self._state_np[slots[held]] == READY, slots[held], -1)
+        return slots
+
     def ready_prefix_saved(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> "SavedPrefix":
         """``ready_prefix`` as a load lists it: the slots, their save ids, and whether each is a
         run. The first hash is looked up in plain Python (``ready_slot``); after a hit, the rest,

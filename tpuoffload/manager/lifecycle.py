@@ -177,6 +177,18 @@ class RequestLifecycle:
                 rec.watermark = full
         return blocks, runs, origins
 
+    def step_spans(self, so: "SchedulerOutput") -> list[tuple["Request", int, int]]:
+        """``step_candidates`` for several KV cache groups (manager/kv_groups.py): per request, the
+        request and the span ``start .. full - 1`` of blocks to save, whose ids the caller reads per
+        group."""
+        spans = []
+        for rec, full in self._filled(so):
+            start = rec.watermark
+            if full > start:
+                spans.append((rec.request, start, full))
+                rec.watermark = full
+        return spans
+
     def track_computed(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> None:
         """Lazy mode: remember the ids of the full blocks each scheduled request has computed once
         this step's forward ran, for a flush at its finish or preemption."""

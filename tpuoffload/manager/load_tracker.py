@@ -26,6 +26,7 @@ import numpy as np
 from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
 from tpuoffload.manager.index import ChunkIndex, SavedPrefix
+from tpuoffload.manager.kv_groups import NULL_BLOCK, GroupedHit, KVCacheGroups
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -36,7 +37,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 @dataclass(slots=True)
 class _Lookup:
     local: int  # blocks vLLM's own prefix cache covers
-    found: SavedPrefix  # the READY blocks right after them: host slots and save ids
+    found: SavedPrefix | GroupedHit  # the READY blocks right after them: host slots and save ids
     version: int  # index version when looked up: ``found`` is exact while it is unchanged
 
 
@@ -53,8 +54,10 @@ class _Planned:
 
 
 class LoadTracker:
-    def __init__(self, index: ChunkIndex, block_size: int, counters: Counter[str]) -> None:
+    def __init__(self, index: ChunkIndex, block_size: int, counters: Counter[str],
+                 groups: KVCacheGroups = KVCacheGroups()) -> None:
         self.index = index
+        self.groups = groups
         self.block_size = block_size
         self.counters = counters
         self._lookups: dict[str, _Lookup] = {}
@@ -79,6 +82,8 @@ class LoadTracker:
         local = num_computed_tokens // bs
         req_id = request.request_id
         memo = self._lookups.get(req_id)
+        if self.groups.several:
+            return self._lookup_groups(request, local, memo)
         if memo is not None and memo.local == local and memo.version == self.index.version:
             return len(memo.found.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
@@ -86,6 +91,14 @@ class LoadTracker:
         # A miss (the usual answer: one probe of the first block) is not worth a memo of its own.
         self._lookups[req_id] = _Lookup(local, found, self.index.version) if len(found.slots) else _MISS
         return len(found.slots)
+
+    def _lookup_groups(self, request: "Request", local: int, memo: _Lookup | None) -> int:
+        """``lookup`` with several KV cache groups: a hit every group can serve (kv_groups.py)."""
+        if memo is not None and memo.local == local and memo.version == self.index.version:
+            return memo.found.n
+        found = self.groups.find_hit(self.index, request.block_hashes, local, (request.num_tokens - 1) // self.block_size)
+        self._lookups[request.request_id] = _Lookup(local, found, self.index.version) if found.n else _MISS
+        return found.n
 
     def take_lookup(self, req_id: str) -> _Lookup | None:
         return self._lookups.pop(req_id, None)
@@ -102,11 +115,13 @@ class LoadTracker:
         self._lookups.clear()
 
     # ------------------------------------------------------------------ planning
-    def plan(self, request: "Request", lookup: _Lookup | None, num_blocks: int, block_ids: list[int]) -> None:
+    def plan(self, request: "Request", lookup: _Lookup | None, num_blocks: int, block_ids) -> None:
         """vLLM admitted ``request`` expecting ``num_blocks`` blocks from host RAM, right after
-        its local hit, into ``block_ids`` (all its block ids). Blocks promised but no longer READY
-        are listed as unavailable: the workers report them as load errors and vLLM recomputes
-        (invariant 11: a missing load is explicit)."""
+        its local hit, into ``block_ids`` (all its block ids; with several KV cache groups, one
+        list per group). Blocks promised but no longer READY are listed as unavailable: the workers
+        report them as load errors and vLLM recomputes (invariant 11: a missing load is explicit)."""
+        if self.groups.several:
+            return self._plan_groups(request, lookup, num_blocks, block_ids)
         if lookup is not None and lookup.version == self.index.version:
             local, found = lookup.local, lookup.found
         else:  # no memo, or the index changed since: look again
@@ -122,6 +137,30 @@ class LoadTracker:
             slots=slot_seq,
             save_ids=save_ids,
             unavailable_block_ids=tuple(block_ids[local + ready:local + num_blocks]),
+        ), slots)
+
+    def _plan_groups(self, request: "Request", lookup: _Lookup | None, num_blocks: int,
+                     block_ids: tuple[list[int], ...]) -> None:
+        """``plan`` with several KV cache groups: each group loads its part of a hit of exactly
+        ``num_blocks`` (a full-attention group all of it, a sliding-window group the window's tail),
+        into its own block ids. A hit no longer servable whole fails the request (vLLM takes load
+        failures of several groups only by request): nothing is copied and the workers report it."""
+        local = lookup.local if lookup is not None else 0
+        hit = lookup.found if lookup is not None and lookup.version == self.index.version else None
+        if hit is None or hit.n != num_blocks:
+            hit = self.groups.find_hit(self.index, request.block_hashes, local, local + num_blocks)
+        targets = [ids[local + first:local + hit.n] for ids, first in zip(block_ids, hit.first)]
+        if hit.n != num_blocks or any(NULL_BLOCK in t for t in targets):
+            promised = tuple(b for ids in block_ids for b in ids[local:local + num_blocks] if b != NULL_BLOCK)
+            load = LoadRequest(request.request_id, (), (), (), unavailable_block_ids=promised or (NULL_BLOCK,))
+            self._planned[request.request_id] = _Planned(request, load, _EMPTY)
+            return
+        slots = hit.all_slots()
+        self._planned[request.request_id] = _Planned(request, LoadRequest(
+            req_id=request.request_id,
+            block_ids=tuple(b for t in targets for b in t),
+            slots=tuple(slots.tolist()),
+            save_ids=tuple(np.concatenate(hit.save_ids).tolist()),
         ), slots)
 
     def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:
@@ -156,6 +195,16 @@ class LoadTracker:
         emission arrives; vLLM gets no completion for them. (With async scheduling a load emitted one
         step later is dropped here too: its failures then recompute without discarding the chunk.)"""
         self._in_flight.clear()
+
+    def failed_requests(self, req_ids: Iterable[str]) -> list[tuple[int, int]]:
+        """(slot, save_id) of every chunk the in-flight loads of these requests read (several KV
+        cache groups: failures come by request, so each such load's chunks are all suspect)."""
+        out = []
+        for req_id in req_ids:
+            load = self._in_flight.get(req_id)
+            if load is not None:
+                out += zip(load.slots, load.save_ids)
+        return out
 
     def failed_blocks(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
         """(slot, save_id) of the in-flight loads' chunks whose target block failed to load."""

@@ -31,14 +31,15 @@ import numpy as np
 from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
-from tpuoffload.config import OffloadConfig
+from tpuoffload.config import OffloadConfig, check_kv_groups_config
 from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
 from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,
-                                       TierEvents)
+                                       GroupedOrigins, TierEvents)
 from tpuoffload.manager.hash_table import PackedHashes
 from tpuoffload.manager.index import ChunkIndex
+from tpuoffload.manager.kv_groups import KVCacheGroups
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.lifecycle import RequestLifecycle
 from tpuoffload.manager.load_tracker import LoadTracker
@@ -72,7 +73,8 @@ def waits_for_load(request: "Request") -> bool:
 class OffloadScheduler:
     def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
                  hosts_source: str = "", clock: Callable[[], float] = time.monotonic,
-                 dp: DPRank | None = None, events: EventFormat | None = None) -> None:
+                 dp: DPRank | None = None, kv_groups: KVCacheGroups = KVCacheGroups(),
+                 events: EventFormat | None = None) -> None:
         if block_size <= 0 or chunk_bytes <= 0:
             raise ValueError(f"block_size ({block_size}) and chunk_bytes ({chunk_bytes}) must be positive")
         self.config = config
@@ -81,6 +83,9 @@ class OffloadScheduler:
         host_bytes = config.host_bytes(chunk_bytes)
         # Under DPScheduler each rank's half plans over its own share of every host's slots.
         self.dp = dp or DPRank()
+        # vLLM's KV cache groups (HMA): a chunk is keyed by content hash and group (kv_groups.py).
+        self.kv_groups = kv_groups
+        check_kv_groups_config(config, kv_groups, self.dp.ranks)
         num_slots = host_bytes // chunk_bytes // self.dp.ranks
         if num_slots == 0:
             raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than one chunk ({chunk_bytes} bytes per host)")
@@ -103,7 +108,7 @@ class OffloadScheduler:
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
                                  counters=self.counters, with_keys=config.persist_path is not None)
-        self.loads = LoadTracker(self.index, block_size, self.counters)
+        self.loads = LoadTracker(self.index, block_size, self.counters, kv_groups)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
         self.tiers: list[Tier] = self._make_tiers(config, num_hosts)
@@ -165,8 +170,10 @@ class OffloadScheduler:
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self._kv_cache_manager = kv_cache_manager
 
-    def _block_ids(self, req_id: str) -> list[int]:
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+    def _block_ids(self, req_id: str):
+        """The request's block ids: group 0's list, or with several KV cache groups all of them."""
+        ids = self._kv_cache_manager.get_block_ids(req_id)
+        return ids if self.kv_groups.several else ids[0]
 
     # ------------------------------------------------------------------ admission
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -192,7 +199,10 @@ class OffloadScheduler:
             return
         self.counters[C.LOOKUP_TOKENS] += request.num_tokens
         self.counters[C.HIT_TOKENS] += num_external_tokens
-        block_ids = blocks.get_block_ids()[0] if blocks is not None else self._block_ids(request.request_id)
+        if blocks is None:
+            block_ids = self._block_ids(request.request_id)
+        else:
+            block_ids = blocks.get_block_ids() if self.kv_groups.several else blocks.get_block_ids()[0]
         self.loads.plan(request, lookup, num_external_tokens // self.block_size, block_ids)
 
     # ------------------------------------------------------------------ per-step plan
@@ -215,7 +225,8 @@ class OffloadScheduler:
             loads, load_slots = self.loads.emit(waits_for_load)
         # A newly scheduled request's block ids are in the output already (vLLM built them for the
         # workers); the others come from the KV cache manager.
-        new_blocks = {r.req_id: r.block_ids[0] for r in getattr(scheduler_output, "scheduled_new_reqs", ())}
+        group = slice(None) if self.kv_groups.several else 0
+        new_blocks = {r.req_id: r.block_ids[group] for r in getattr(scheduler_output, "scheduled_new_reqs", ())}
 
         def block_ids_of(req_id: str) -> list[int]:
             ids = new_blocks.get(req_id)
@@ -237,6 +248,13 @@ class OffloadScheduler:
             if self.config.lazy_offload:
                 self.requests.track_computed(scheduler_output, block_ids_of)
                 save: SaveBatch = NO_SAVES
+            elif self.kv_groups.several:
+                spans = [(r, block_ids_of(r.request_id), start, full)
+                         for r, start, full in self.requests.step_spans(scheduler_output)]
+                blocks, keys = (self.kv_groups.candidates([(ids, r.block_hashes, start, full)
+                                                           for r, ids, start, full in spans])
+                                if spans else ([], None))
+                save = plan(blocks, keys, step, GroupedOrigins(spans)) if blocks else NO_SAVES
             else:
                 blocks, runs, origins = self.requests.step_candidates(scheduler_output, block_ids_of)
                 save = plan(blocks, PackedHashes.of_runs(runs), step, origins) if blocks else NO_SAVES
@@ -246,7 +264,7 @@ class OffloadScheduler:
         self._apply_resolved()  # early reports replayed by the new batches
         plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
                         tiers=parts, source=self.dp.source, num_blocks=self.dp.num_blocks,
-                        sync_loads=self.dp.sync_loads)
+                        sync_loads=self.dp.sync_loads, failures_by_request=self.kv_groups.several)
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()
@@ -268,6 +286,13 @@ class OffloadScheduler:
             t.forget(req_id)
         return self.requests.finish(request, block_ids, load_in_flight), None
 
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager (``SupportsHMA``) calls this instead of
+        ``request_finished``, with the block ids of every group. Lazy offload (the only user of
+        the block ids) runs with one group only (config.check_kv_groups_config)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ------------------------------------------------------------------ reports from workers
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The workers' merged outputs: save outcomes into the ledger (invariants 7, 8), load
@@ -288,6 +313,12 @@ class OffloadScheduler:
                 t.on_report(report.tiers.get(t.name, {}))
             self._apply_resolved()
         # A chunk that failed to load on some host is not offered again (vLLM recomputes it).
+        # Several KV cache groups: failures come by request, and every chunk its load read goes.
+        failed_recving = getattr(output, "failed_recving", None)
+        if failed_recving:
+            self.counters[C.FAILED_REQUESTS] += len(failed_recving)
+            for slot, save_id in self.loads.failed_requests(failed_recving):
+                self.index.discard(slot, save_id)
         if output.invalid_block_ids:
             for slot, save_id in self.loads.failed_blocks(output.invalid_block_ids):
                 self.index.discard(slot, save_id)

@@ -91,7 +91,7 @@ class SavePlanner:
         if not got:
             return NO_SAVES
         counters[C.SAVES_ISSUED] += got
-        self.index.events.record(c.slots, packed, c.keep, origins)
+        self.index.events.record(c.slots, c.keep, origins)
         blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, c.keep.tolist()))
         keys, base = c.keys, c.first_save_id
         return SaveBatch(block_ids=blocks, slots=compact_ints(c.slots, c.run_step), save_ids=range(base, base + got),

@@ -73,11 +73,17 @@ def storage_factor(vllm_config: "VllmConfig") -> int:
 
 
 def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor: int = 1) -> int:
-    """Bytes one worker process stores per chunk (one block, all layers): vLLM's page sizes cover
+    """Bytes one worker process stores per chunk (one block of every array): vLLM's page sizes cover
     the whole mesh, so the sum over KV cache groups of ``page_size_bytes * layers``, times
     ``storage_factor``, is divided by the number of reporting processes."""
-    total = factor * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
-                         for g in kv_cache_config.kv_cache_groups)
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        # vLLM's hybrid KV cache manager: the groups share one block pool and tpu-inference's
+        # arrays each serve one layer of every group, so a chunk (one block of every array, keyed
+        # by its group) is a page of the largest group's layers.
+        total = factor * max(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    else:
+        total = factor * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     if total <= 0:
         raise ValueError("the KV cache config has no layers: nothing to offload")
     if total % num_workers:

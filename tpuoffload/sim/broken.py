@@ -47,8 +47,8 @@ def announce_while_saving(offload) -> None:
     events = offload.index.events
     record = events.record
 
-    def record_and_announce(slots, packed, positions, origins):
-        record(slots, packed, positions, origins)
+    def record_and_announce(slots, positions, origins):
+        record(slots, positions, origins)
         real_ready(slots, offload.index.save_ids(slots))
 
     real_ready = events.ready

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-_MARKED_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+_MARKED_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
                  "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
                  "clear_connector_metadata")
 

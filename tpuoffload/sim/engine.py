@@ -19,6 +19,7 @@ import jax
 
 from tpuoffload.connector import TPUOffloadConnector
 from tpuoffload.layout import CacheLayout
+from tpuoffload.sim.hybrid_layouts import HybridLayoutSpec, create_hybrid_cache, runner_roles
 from tpuoffload.sim.runner import SyntheticRunner
 from tpuoffload.sim.tpu_layouts import TpuLayoutSpec, create_caches, scheduler_kv_shape
 from tpuoffload.sim.vllm_setup import make_scheduler, make_worker_connector
@@ -41,6 +42,10 @@ class EngineSpec:
     async_scheduling: bool = False
     extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
     scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A hybrid model (vLLM's hybrid KV cache manager on) instead of ``layout``: tpu-inference's
+    # arrays and vLLM's KV cache config for ``kv_budget_bytes`` of KV memory per host.
+    hybrid: HybridLayoutSpec | None = None
+    kv_budget_bytes: int = 0
     kv_events: dict[str, Any] | None = None  # vLLM's --kv-events-config (KVEventsConfig fields)
 
 
@@ -80,28 +85,43 @@ class InProcessEngine:
         layout = dataclasses.replace(spec.layout, num_blocks=spec.num_blocks or spec.layout.num_blocks,
                                      block_size=spec.block_size or spec.layout.block_size)
         devices = jax.devices()
-        need = spec.num_hosts * layout.num_devices
+        per_host = spec.hybrid.num_devices if spec.hybrid is not None else layout.num_devices
+        need = spec.num_hosts * per_host
         if len(devices) < need:
-            raise ValueError(f"{spec.num_hosts} hosts x {layout.num_devices} devices need {need} devices; "
+            raise ValueError(f"{spec.num_hosts} hosts x {per_host} devices need {need} devices; "
                              f"JAX has {len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
-        host_caches = [create_caches(layout, devices[h * layout.num_devices:(h + 1) * layout.num_devices])
-                       for h in range(spec.num_hosts)]
-        slot_bytes = CacheLayout.from_caches(host_caches[0][0]).device_bytes_per_chunk
-        self.scheduler = make_scheduler(
-            num_blocks=layout.num_blocks, block_size=layout.block_size, kv_connector_extra_config=spec.extra_config,
-            async_scheduling=spec.async_scheduling, max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens, tensor_parallel_size=spec.num_hosts,
-            **scheduler_kv_shape(slot_bytes * spec.num_hosts, layout.block_size), kv_events=spec.kv_events,
-            **spec.scheduler_kwargs,
-        )
+        host_devices = [devices[h * per_host:(h + 1) * per_host] for h in range(spec.num_hosts)]
+        common = dict(kv_connector_extra_config=spec.extra_config, async_scheduling=spec.async_scheduling,
+                      max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                      tensor_parallel_size=spec.num_hosts, kv_events=spec.kv_events, **spec.scheduler_kwargs)
+        roles: dict[str, Any] = {}
+        if spec.hybrid is not None:
+            hybrid = [create_hybrid_cache(spec.hybrid, spec.kv_budget_bytes, d) for d in host_devices]
+            host_caches = [(h.kv_caches, h.mesh) for h in hybrid]
+            cfg = hybrid[0].kv_cache_config
+            self.scheduler = make_scheduler(num_blocks=cfg.num_blocks, block_size=spec.hybrid.block_size,
+                                            kv_cache_config=cfg, max_model_len=spec.hybrid.max_model_len, **common)
+            roles = runner_roles(hybrid[0])
+            block_size = spec.hybrid.block_size
+        else:
+            host_caches = [create_caches(layout, d) for d in host_devices]
+            slot_bytes = CacheLayout.from_caches(host_caches[0][0]).device_bytes_per_chunk
+            self.scheduler = make_scheduler(
+                num_blocks=layout.num_blocks, block_size=layout.block_size,
+                **scheduler_kv_shape(slot_bytes * spec.num_hosts, layout.block_size), **common)
+            block_size = layout.block_size
         faults = list(faults) if faults is not None else [None] * spec.num_hosts
         self.runners: list[SyntheticRunner] = []
         self.connectors = []
         for host, (caches, mesh) in enumerate(host_caches):
-            runner = SyntheticRunner(caches, mesh, block_size=layout.block_size)
+            runner = SyntheticRunner(caches, mesh, block_size=block_size, serves=roles.get("serves"),
+                                     windows=roles.get("windows", (None,)))
+            if roles:
+                runner.layer_name_to_kvcache_index = roles["layer_name_to_kvcache_index"]
             connector = make_worker_connector(self.scheduler)
             connector.worker = OffloadWorker(connector.config, host_id=host, faults=faults[host],
-                                             deployment=connector.worker.deployment)
+                                             deployment=connector.worker.deployment,
+                                             kv_cache_config=connector.worker.kv_cache_config)
             connector.register_runner(runner)
             self.runners.append(runner)
             self.connectors.append(connector)

@@ -3,14 +3,14 @@
 ``EventSubscriber`` is a real ZMQ SUB socket on localhost that vLLM's own ``ZmqEventPublisher``
 connects to (as in llm-d's central mode); it decodes each message with vLLM's msgspec types
 (``KVEventBatch``) and checks that no sequence number is missing. ``EventView`` applies the batches
-the way a router keeps a replica's residency: the set of (block hash, medium) that the events say
-the replica can serve, strictly (a hash stored twice on one medium, or removed while absent, is an
-error: tpuoffload announces each chunk once per medium). It also keeps what vLLM's own HBM events
-("GPU") said of every hash, to check that tpuoffload's events join them: same hash for the same
-tokens, with the same parent.
+the way a router keeps a replica's residency: the set of (block hash, medium, KV cache group) that
+the events say the replica can serve, strictly (a hash stored twice on one medium and group, or
+removed while absent, is an error: tpuoffload announces each chunk once). It also keeps what vLLM's
+own HBM events ("GPU") said of every hash, to check that tpuoffload's events join them: same hash
+for the same tokens, with the same parent.
 
-``loadable`` is the connector's own truth: every (hash, medium) it would serve right now, asked of
-its indexes hash by hash (``ChunkIndex.ready_slot``), not of its event records.
+``loadable`` is the connector's own truth: every (hash, medium, group) it would serve right now,
+asked of its indexes hash by hash (``ChunkIndex.ready_slot``), not of its event records.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class EventView:
     """What a replica's events say it can serve, and what they say about each hash."""
 
     def __init__(self, gpu_blocks: dict | None = None) -> None:
-        self.held: set[tuple[object, str]] = set()  # (hash, medium)
+        self.held: set[tuple[object, str, int]] = set()  # (hash, medium, group)
+        self.ever: set[tuple[object, str, int]] = set()  # every one announced
         self.errors: list[tuple] = []
         self.stored = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}  # hashes announced
         self.removed = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}
@@ -92,7 +93,7 @@ class EventView:
         self.batches = 0
         self.ranks: set = set()
 
-    def offloaded(self) -> set[tuple[object, str]]:
+    def offloaded(self) -> set[tuple[object, str, int]]:
         return {k for k in self.held if k[1] != MEDIUM_GPU}
 
     def apply(self, batch) -> None:
@@ -105,7 +106,7 @@ class EventView:
                 self._stored(ev)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    key = (h, ev.medium)
+                    key = (h, ev.medium, ev.group_idx)
                     if ev.medium != MEDIUM_GPU:
                         self.removed[ev.medium] += 1
                         if key not in self.held:
@@ -121,42 +122,47 @@ class EventView:
         parent = ev.parent_block_hash
         for i, h in enumerate(ev.block_hashes):
             tokens = tuple(ev.token_ids[i * bs:(i + 1) * bs])
-            key = (h, ev.medium)
+            key = (h, ev.medium, ev.group_idx)
             if ev.medium == MEDIUM_GPU:
                 self.gpu_blocks[h] = (tokens, parent)
             else:
                 self.stored[ev.medium] += 1
                 if key in self.held:
                     self.errors.append(("stored twice", key))
-                if ev.group_idx != 0 or ev.kv_cache_spec_kind != "full_attention" or len(tokens) != bs:
-                    self.errors.append(("payload", key, ev.group_idx, ev.kv_cache_spec_kind, len(tokens)))
+                if ev.kv_cache_spec_kind not in ("full_attention", "sliding_window") or len(tokens) != bs:
+                    self.errors.append(("payload", key, ev.kv_cache_spec_kind, len(tokens)))
                 gpu = self.gpu_blocks.get(h)
                 if gpu is None:
                     self.errors.append(("hash unknown to vLLM's HBM events", key))
                 elif gpu != (tokens, parent):
                     self.errors.append(("tokens or parent differ from vLLM's HBM event", key))
             self.held.add(key)
+            self.ever.add(key)
             parent = h
 
 
-def loadable(offload, hashes: Iterable[bytes]) -> set[tuple[object, str]]:
-    """Every (hash as vLLM publishes it, medium) the scheduler half ``offload`` can serve now,
-    among ``hashes`` (vLLM's block hashes); raises if an index holds a loadable chunk none of them
-    names (the truth would be incomplete)."""
+def loadable(offload, hashes: Iterable[bytes]) -> set[tuple[object, str, int]]:
+    """Every (hash as vLLM publishes it, medium, KV cache group) the scheduler half ``offload`` can
+    serve now, among ``hashes`` (vLLM's block hashes); raises if an index holds a loadable chunk
+    none of them names (the truth would be incomplete)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from tpuoffload.manager.kv_groups import chunk_hash
 
     ram = offload.index
     disk = offload.tier("disk")
     disk_index = disk.disk.index if disk is not None else None
-    out: set[tuple[object, str]] = set()
+    out: set[tuple[object, str, int]] = set()
     cpu = storage = 0
     for h in set(hashes):
-        if ram.ready_slot(h) >= 0:
-            out.add((maybe_convert_block_hash(h), MEDIUM_CPU))
-            cpu += 1
-        if disk_index is not None and disk_index.ready_slot(h) >= 0:
-            out.add((maybe_convert_block_hash(h), MEDIUM_STORAGE))
-            storage += 1
+        for g in range(offload.kv_groups.num):
+            key = chunk_hash(h, g)  # the index's key of group g's chunk of these tokens
+            if ram.ready_slot(key) >= 0:
+                out.add((maybe_convert_block_hash(h), MEDIUM_CPU, g))
+                cpu += 1
+            if disk_index is not None and disk_index.ready_slot(key) >= 0:
+                out.add((maybe_convert_block_hash(h), MEDIUM_STORAGE, g))
+                storage += 1
     if cpu != ram.num_ready() or (disk_index is not None and storage != disk_index.num_ready()):
         raise AssertionError(f"loadable chunks of unknown hashes: {cpu}/{ram.num_ready()} in host RAM, "
                              f"{storage}/{disk_index.num_ready() if disk_index else 0} on disk")

@@ -39,6 +39,8 @@ from typing import Any
 
 from tpuoffload.manager.offload_scheduler import leaks_in
 from tpuoffload.sim.engine import absorb_outputs
+from tpuoffload.sim.hybrid_layouts import HYBRID_LAYOUTS, HybridLayoutSpec
+from tpuoffload.sim.hybrid_layouts import kv_cache_config as hybrid_kv_cache_config
 from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, scheduler_kv_shape, sharding_config,
                                         slice_page_bytes)
 from tpuoffload.sim.chaos import Chaos, PointFaults
@@ -75,6 +77,12 @@ class SliceSpec:
     head_dim: int = 128
     dtype: str = "bfloat16"
     layout: str | None = None
+    # A hybrid model (vLLM's hybrid KV cache manager on) by name in
+    # ``tpuoffload.sim.hybrid_layouts.HYBRID_LAYOUTS``, with ``kv_budget_bytes`` of KV memory for
+    # vLLM's block count: tpu-inference's arrays over every host's devices (``layout`` ignored).
+    hybrid: str | None = None
+    kv_budget_bytes: int = 0
+    max_model_len: int = 0  # hybrid: 0 keeps the layout's
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
@@ -83,8 +91,19 @@ class SliceSpec:
     log_tail_lines: int = 25  # lines of each concerned host's log quoted in a SliceError
 
 
+    def hybrid_layout(self) -> HybridLayoutSpec:
+        hybrid = dataclasses.replace(HYBRID_LAYOUTS[self.hybrid], block_size=self.block_size)
+        if self.max_model_len:
+            hybrid = dataclasses.replace(hybrid, max_model_len=self.max_model_len)
+        if hybrid.num_devices != self.num_hosts * self.devices_per_host:
+            raise ValueError(f"layout {hybrid.name} needs {hybrid.num_devices} devices; the slice has "
+                             f"{self.num_hosts} hosts x {self.devices_per_host}")
+        return hybrid
+
     def slice_layout(self) -> TpuLayoutSpec:
         """The whole slice's cache: one mesh over every host's devices."""
+        if self.hybrid is not None:
+            return self.hybrid_layout().tpu_spec()
         if self.layout is not None:
             named = LAYOUTS[self.layout]
             spec = dataclasses.replace(named, num_blocks=self.num_blocks, block_size=self.block_size)
@@ -174,14 +193,19 @@ class PodSlice:
             for name in os.listdir(self.stats_dir):
                 if name.endswith(".json"):
                     os.remove(os.path.join(self.stats_dir, name))
-        self.scheduler = make_scheduler(
-            num_blocks=spec.num_blocks, block_size=spec.block_size, kv_connector_extra_config=extra,
-            max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-            tensor_parallel_size=spec.num_hosts,
-            # What tpu-inference's KV cache spec reports: the page of the whole mesh.
-            **scheduler_kv_shape(slice_page_bytes(spec.slice_layout()), spec.block_size),
-            sharding_config=sharding,
-        )
+        common = dict(kv_connector_extra_config=extra, max_num_seqs=spec.max_num_seqs,
+                      max_num_batched_tokens=spec.max_num_batched_tokens, tensor_parallel_size=spec.num_hosts,
+                      sharding_config=sharding)
+        if spec.hybrid is not None:
+            hybrid = spec.hybrid_layout()
+            cfg = hybrid_kv_cache_config(hybrid, spec.kv_budget_bytes, hma=True)
+            self.scheduler = make_scheduler(num_blocks=cfg.num_blocks, block_size=hybrid.block_size,
+                                            kv_cache_config=cfg, max_model_len=hybrid.max_model_len, **common)
+        else:
+            self.scheduler = make_scheduler(
+                num_blocks=spec.num_blocks, block_size=spec.block_size,
+                # What tpu-inference's KV cache spec reports: the page of the whole mesh.
+                **scheduler_kv_shape(slice_page_bytes(spec.slice_layout()), spec.block_size), **common)
         #: tpu-inference's DPScheduler runs the scheduler (total_dp_size > 1): one vLLM scheduler
         #: and one tpuoffload scheduler half per DP rank, each in a forked process.
         self.dp_ranks = sharding.total_dp_size if is_dp_scheduler(self.scheduler) else 1

@@ -63,21 +63,24 @@ def _bucket(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _step_program(rests, dtypes, shardings, mesh):
+def _step_program(rests, dtypes, shardings, mesh, serves):
     """The runner's jitted step for one cache layout, shared by every runner with that layout
-    (simulated hosts and soak runs compile it once)."""
+    (simulated hosts and soak runs compile it once). ``serves[i]``: the (KV cache group, layer)
+    pairs array i holds, each reached through its group's row of the block arrays."""
 
-    def step(caches, w_blk, w_off, w_hash, r_blk, r_off, r_hash):
-        bad = jnp.zeros(r_blk.shape[0], jnp.bool_)
+    def step(caches, w_blk, w_off, w_hash, r_blk, r_ok, r_off, r_hash):
+        bad = jnp.zeros(r_blk.shape[1], jnp.bool_)
         out = []
-        for layer, cache in enumerate(caches):
-            rest, dtype = rests[layer], dtypes[layer]
+        for i, cache in enumerate(caches):
+            rest, dtype = rests[i], dtypes[i]
             # Write, then read: as in a real forward, where each layer's new KV is in the cache
             # before attention reads it, so a request may read blocks another computes this step.
-            cache = cache.at[w_blk, w_off].set(kv_values(w_hash, layer, rest, dtype), mode="drop")
-            got = cache[r_blk, r_off].reshape(r_blk.shape[0], -1)
-            want = kv_values(r_hash, layer, rest, dtype).reshape(r_blk.shape[0], -1)
-            bad = bad | jnp.any(got != want, axis=1)
+            for group, layer in serves[i]:
+                cache = cache.at[w_blk[group], w_off].set(kv_values(w_hash, layer, rest, dtype), mode="drop")
+            for group, layer in serves[i]:
+                got = cache[r_blk[group], r_off].reshape(r_blk.shape[1], -1)
+                want = kv_values(r_hash, layer, rest, dtype).reshape(r_blk.shape[1], -1)
+                bad = bad | (r_ok[group] & jnp.any(got != want, axis=1))
             out.append(cache)
         return tuple(out), bad
 
@@ -88,7 +91,7 @@ def _step_program(rests, dtypes, shardings, mesh):
 class _Req:
     tokens: list[int]
     hashes: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     verify_next: bool = True
     num_computed: int = 0
 
@@ -106,10 +109,16 @@ class SyntheticRunner:
     """One host's runner. ``kv_caches`` is replaced after every donating update, as in tpu-inference."""
 
     def __init__(self, kv_caches: Sequence[jax.Array], mesh: Mesh, *, block_size: int, vocab: int = 32000,
-                 dp_ranks: int = 1) -> None:
-        """``kv_caches``: the per-layer cache arrays (e.g. from tpu-inference's ``create_kv_caches``:
-        see ``tpuoffload.sim.tpu_layouts``), axis 0 blocks, axis 1 at least ``block_size`` token
-        positions (decode-context parallelism makes it a multiple), any shape and sharding beyond."""
+                 dp_ranks: int = 1, serves: Sequence[Sequence[tuple[int, int]]] | None = None,
+                 windows: Sequence[int | None] = (None,)) -> None:
+        """``kv_caches``: the cache arrays (e.g. from tpu-inference's ``create_kv_caches``: see
+        ``tpuoffload.sim.tpu_layouts``), axis 0 blocks, axis 1 at least ``block_size`` token
+        positions (decode-context parallelism makes it a multiple), any shape and sharding beyond.
+
+        Hybrid models (vLLM's KV cache groups, ``tpuoffload.sim.hybrid_layouts``): ``serves[i]`` lists
+        the (KV cache group, layer) pairs array i holds, each written and read at its group's block
+        ids; ``windows[g]`` is group g's sliding window in tokens (None: full attention), so a check
+        reads only what that layer attends to. The default: one group, array i is layer i."""
         self.mesh = mesh
         self.block_size = block_size
         self.num_blocks = kv_caches[0].shape[0]
@@ -120,10 +129,13 @@ class SyntheticRunner:
         self.kv_caches: list[jax.Array] = list(kv_caches)
         self._rests = [tuple(c.shape[2:]) for c in kv_caches]
         self._dtypes = [c.dtype for c in kv_caches]
+        self.serves = tuple(tuple(map(tuple, s)) for s in serves) if serves is not None else \
+            tuple(((0, i),) for i in range(len(kv_caches)))
+        self.windows = tuple(windows)
         self._reqs: dict[str, _Req] = {}
         self.stats = RunnerStats()
         self._step_fn = _step_program(tuple(self._rests), tuple(self._dtypes),
-                                      tuple(c.sharding for c in self.kv_caches), mesh)
+                                      tuple(c.sharding for c in self.kv_caches), mesh, self.serves)
 
     # ------------------------------------------------------------------ one engine step
     def execute(self, scheduler_output, connector=None) -> ModelRunnerOutput:
@@ -139,10 +151,11 @@ class SyntheticRunner:
             if not scheduler_output.has_sync_kv_loads:
                 connector.start_load_kv(None)
             connector.wait_for_save()
-            sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
+            results = connector.get_transfer_results(scheduler_output.finished_req_ids)
             kv_out = KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=recving,
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
                 invalid_block_ids=connector.get_block_ids_with_load_errors(),
                 kv_connector_stats=connector.get_kv_connector_stats(),
                 kv_connector_worker_meta=connector.build_connector_worker_meta(),
@@ -159,15 +172,15 @@ class SyntheticRunner:
     def _update_requests(self, so) -> None:
         ranks = getattr(so, "assigned_dp_rank", None) or {}
 
-        def placed(req_id: str, blocks) -> list[int]:
+        def placed(req_id: str, groups) -> list[list[int]]:
             offset = ranks.get(req_id, 0) * self.blocks_per_rank
-            return [b + offset for b in blocks]
+            return [[b + offset for b in blocks] for blocks in groups]
 
         for req_id in so.finished_req_ids:
             self._reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids)
-            self._reqs[new.req_id] = _Req(tokens, prefix_hashes(tokens), placed(new.req_id, new.block_ids[0]),
+            self._reqs[new.req_id] = _Req(tokens, prefix_hashes(tokens), placed(new.req_id, new.block_ids),
                                           num_computed=new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -176,28 +189,38 @@ class SyntheticRunner:
             if req_id in cached.resumed_req_ids:
                 tokens = list(cached.all_token_ids[req_id]) if req_id in cached.all_token_ids else req.tokens
                 req = self._reqs[req_id] = _Req(tokens, prefix_hashes(tokens),
-                                                placed(req_id, new_blocks[0]) if new_blocks else [])
+                                                placed(req_id, new_blocks) if new_blocks else
+                                                [[] for _ in self.windows])
             elif new_blocks is not None:
-                req.block_ids.extend(placed(req_id, new_blocks[0]))
+                for mine, more in zip(req.block_ids, placed(req_id, new_blocks)):
+                    mine.extend(more)
             req.num_computed = cached.num_computed_tokens[i]
 
     def _forward(self, so) -> dict[str, int]:
         bs = self.block_size
-        w_blk, w_off, w_hash, r_blk, r_off, r_hash, r_req = [], [], [], [], [], [], []
+        G = len(self.windows)
+        w_blk, w_off, w_hash = [[] for _ in range(G)], [], []
+        r_blk, r_ok, r_off, r_hash, r_req = [[] for _ in range(G)], [[] for _ in range(G)], [], [], []
         sampled: dict[str, int] = {}
         for req_id, n in so.num_scheduled_tokens.items():
             req = self._reqs[req_id]
             start = req.num_computed
             if req.verify_next and start:
                 positions = range(start)
-                r_blk += [req.block_ids[p // bs] for p in positions]
+                for g, window in enumerate(self.windows):
+                    # A sliding-window layer reads only the window of the next token.
+                    first = 0 if window is None else max(0, start - window + 1)
+                    ids = req.block_ids[g]
+                    r_blk[g] += [ids[p // bs] if p >= first else 0 for p in positions]
+                    r_ok[g] += [p >= first for p in positions]
                 r_off += [p % bs for p in positions]
                 r_hash += req.hashes[:start]
                 r_req += [req_id] * start
             req.verify_next = False
             end = start + n
             for p in range(start, min(end, len(req.tokens))):
-                w_blk.append(req.block_ids[p // bs])
+                for g in range(G):
+                    w_blk[g].append(req.block_ids[g][p // bs])
                 w_off.append(p % bs)
                 w_hash.append(req.hashes[p])
             req.num_computed = end
@@ -206,30 +229,33 @@ class SyntheticRunner:
                 req.tokens.append(tok)
                 req.hashes.append((req.hashes[-1] * 1000003 + tok + 1) & _MASK)
                 sampled[req_id] = tok
+        n_w, n_r = len(w_off), len(r_off)
         self.stats.steps += 1
-        self.stats.tokens_written += len(w_blk)
-        self.stats.positions_verified += len(r_blk)
-        w = _bucket(len(w_blk))
-        r = _bucket(len(r_blk))
-        pad_w = w - len(w_blk)
-        pad_r = r - len(r_blk)
+        self.stats.tokens_written += n_w
+        self.stats.positions_verified += sum(map(sum, r_ok)) if G > 1 else n_r
+        pad_w = _bucket(n_w) - n_w
+        pad_r = _bucket(n_r) - n_r
         caches, bad = self._step_fn(
             tuple(self.kv_caches),
-            np.array(w_blk + [self.num_blocks] * pad_w, np.int32), np.array(w_off + [0] * pad_w, np.int32),
+            np.array([b + [self.num_blocks] * pad_w for b in w_blk], np.int32), np.array(w_off + [0] * pad_w, np.int32),
             np.array(w_hash + [0] * pad_w, np.uint32),
-            np.array(r_blk + [0] * pad_r, np.int32), np.array(r_off + [0] * pad_r, np.int32),
-            np.array(r_hash + [0] * pad_r, np.uint32),
+            np.array([b + [0] * pad_r for b in r_blk], np.int32), np.array([k + [False] * pad_r for k in r_ok], bool),
+            np.array(r_off + [0] * pad_r, np.int32), np.array(r_hash + [0] * pad_r, np.uint32),
         )
         self.kv_caches = list(caches)
-        if r_blk:
-            bad = np.asarray(bad)[: len(r_blk)]
+        if n_r:
+            bad = np.asarray(bad)[:n_r]
             if bad.any():
                 self.stats.mismatches += int(bad.sum())
                 self.stats.mismatched_requests.update(r_req[i] for i in np.nonzero(bad)[0])
         return sampled
 
-    def expected_block(self, tokens: Sequence[int], block_index: int, layer: int) -> np.ndarray:
+    def expected_block(self, tokens: Sequence[int], block_index: int, array: int, kv_group: int = 0) -> np.ndarray:
         """What positions ``0..block_size-1`` of block ``block_index`` of a request with these token
-        ids must hold in ``layer``: (block_size, *rest)."""
+        ids must hold in ``array`` for KV cache group ``kv_group``: (block_size, *rest). None when
+        the array serves no layer of that group."""
+        layer = next((layer for g, layer in self.serves[array] if g == kv_group), None)
+        if layer is None:
+            return None
         hashes = prefix_hashes(tokens)[block_index * self.block_size:(block_index + 1) * self.block_size]
-        return np.asarray(kv_values(np.array(hashes, np.uint32), layer, self._rests[layer], self._dtypes[layer]))
+        return np.asarray(kv_values(np.array(hashes, np.uint32), layer, self._rests[array], self._dtypes[array]))

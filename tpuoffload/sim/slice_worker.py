@@ -62,15 +62,26 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         from tpuoffload.worker.persistence import Deployment
 
         # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
-        caches, mesh = create_caches(spec.slice_layout(), jax.devices())
+        roles = {}
+        if spec.hybrid is not None:  # tpu-inference's initialize_kv_cache with vLLM's hybrid KV cache manager
+            from tpuoffload.sim.hybrid_layouts import create_hybrid_cache, runner_roles
+
+            hybrid = create_hybrid_cache(spec.hybrid_layout(), spec.kv_budget_bytes, jax.devices())
+            caches, mesh, roles = hybrid.kv_caches, hybrid.mesh, runner_roles(hybrid)
+        else:
+            caches, mesh = create_caches(spec.slice_layout(), jax.devices())
         vllm_config = init["vllm_config"]
         runner = SyntheticRunner(caches, mesh, block_size=spec.block_size,
-                                 dp_ranks=vllm_config.sharding_config.total_dp_size)
+                                 dp_ranks=vllm_config.sharding_config.total_dp_size,
+                                 serves=roles.get("serves"), windows=roles.get("windows", (None,)))
+        if roles:
+            runner.layer_name_to_kvcache_index = roles["layer_name_to_kvcache_index"]
         connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, init["kv_cache_config"])
         connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
             vllm_config.model_config.model, vllm_config.cache_config.block_size),
             disk_faults=ChaosDiskFaults(chaos, rank),
-            persist_faults=DieInCheckpoint() if chaos.die_in_checkpoint_host == rank else None)
+            persist_faults=DieInCheckpoint() if chaos.die_in_checkpoint_host == rank else None,
+            kv_cache_config=init["kv_cache_config"])
         connector.register_runner(runner)
         mark_hooks(connector, runner)
         if chaos.broken:

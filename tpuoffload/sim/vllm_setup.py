@@ -16,6 +16,7 @@ host). Pitfalls handled here (docs/vllm-integration-notes.md has the details):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -187,15 +188,16 @@ def make_vllm_config(
         from vllm.config.kv_events import KVEventsConfig
 
         kv_events_config = KVEventsConfig(**kv_events)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        parallel_config=parallel_config,
-        kv_transfer_config=kv_transfer_config,
-        kv_events_config=kv_events_config,
-        device_config=DeviceConfig("cpu"),
-    )
+    with tpu_platform_hybrid_kv_cache():
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            parallel_config=parallel_config,
+            kv_transfer_config=kv_transfer_config,
+            kv_events_config=kv_events_config,
+            device_config=DeviceConfig("cpu"),
+        )
     # PITFALL: CpuPlatform.check_and_update_config (platforms/cpu.py:330-331)
     # unconditionally forces async_scheduling=False. Restore the requested
     # value; max_concurrent_batches (config/vllm.py:577-587) then becomes 2.
@@ -208,6 +210,27 @@ def make_vllm_config(
         vllm_config.cache_config.block_size
     )
     return vllm_config
+
+
+@contextlib.contextmanager
+def tpu_platform_hybrid_kv_cache():
+    """While vLLM resolves a config: answer vLLM's "does the platform support the hybrid KV cache
+    manager" as tpu-inference's ``TpuPlatform.support_hybrid_kv_cache`` does (yes), whatever
+    platform this process resolved (tests touch vLLM's platform before VLLM_TARGET_DEVICE can
+    select the CPU one, and the unspecified platform says no). vLLM then decides HMA from the
+    connector, as it does on TPU."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    saved = cls.__dict__.get("support_hybrid_kv_cache")
+    cls.support_hybrid_kv_cache = classmethod(lambda c: True)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del cls.support_hybrid_kv_cache
+        else:
+            cls.support_hybrid_kv_cache = saved
 
 
 def make_kv_cache_config(
@@ -262,6 +285,7 @@ def make_scheduler(
     parallel_overrides: dict | None = None,
     sharding_config=None,
     kv_events: dict | None = None,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> Scheduler:
     """Build vLLM's real Scheduler (or AsyncScheduler) exactly as EngineCore does,
     minus the executor. The connector (role SCHEDULER) is ``sched.connector``.
@@ -314,9 +338,10 @@ def make_scheduler(
         update_vllm_config_for_dp_scheduler(vllm_config)
     # EngineCore sets this from the resolved scheduler KV cache config.
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = make_kv_cache_config(
-        num_blocks, block_size, num_layers, num_kv_heads, head_size
-    )
+    if kv_cache_config is None:
+        kv_cache_config = make_kv_cache_config(
+            num_blocks, block_size, num_layers, num_kv_heads, head_size
+        )
     # Same hashing setup as EngineCore.__init__ (v1/engine/core.py:231-240).
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
@@ -412,4 +437,6 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # null block
     for b in pool.blocks:
-        assert b.ref_cnt == 0, b
+        # vLLM does not maintain the null block's ref_cnt (block_pool.py; sliding-window and
+        # skipped blocks point at it).
+        assert b.ref_cnt == 0 or b.is_null, b

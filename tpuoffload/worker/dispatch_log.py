@@ -8,13 +8,15 @@ the dispatch path: formatting a 64-chunk save's line (two 64-int lists) and hash
 engine's main thread 0.02-0.03 ms per save on an H200 host (docs/performance.md), after
 its program was dispatched but before ``save()`` returned. The text and the digest are what eager
 formatting produced; callers hand over values they never mutate afterwards (the engine's fresh
-lists and tuples of ints).
+arrays, lists and tuples of ints). An array is written as the list of its values.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class StepDigest:
 
 
 def _line(op: str, fields: dict) -> str:
-    return op + " " + " ".join(f"{k}={v}" for k, v in fields.items())
+    return op + " " + " ".join(f"{k}={v.tolist() if isinstance(v, np.ndarray) else v}" for k, v in fields.items())
 
 
 class DispatchLog:

@@ -34,7 +34,7 @@ import jax
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
-from tpuoffload.layout import CacheLayout
+from tpuoffload.layout import CacheLayout, KVGroupMap
 from tpuoffload.messages import (
     RANK_SAVE_ID_SHIFT,
     LoadRequest,
@@ -70,8 +70,11 @@ class CacheOwner(Protocol):
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: FaultInjector | None = None,
                  digest_history: int = 64, deployment: Deployment = Deployment(),
-                 disk_faults: DiskFaults | None = None, persist_faults: PersistFaults | None = None) -> None:
+                 disk_faults: DiskFaults | None = None, persist_faults: PersistFaults | None = None,
+                 kv_cache_config=None) -> None:
         self.config = config
+        self.kv_cache_config = kv_cache_config  # vLLM's (its KV cache groups), when given
+        self.kv_group_map: KVGroupMap | None = None
         self.deployment = deployment
         self.host_id = jax.process_index() if host_id is None else host_id
         self._faults = faults
@@ -82,6 +85,7 @@ class OffloadWorker:
         self._sources: dict[int, int] = {}  # DP rank -> the source of its scheduler half
         self._saved = False
         self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()  # several KV cache groups: failed loads, by request
         self._load_errors: set[int] = set()
         self._report_failures: list[int] = []
         self._stats_seq = 0
@@ -97,6 +101,12 @@ class OffloadWorker:
     def register_runner(self, runner: CacheOwner) -> None:
         caches = list(runner.kv_caches)
         layout = CacheLayout.from_caches(caches)  # UnsupportedCache names what cannot be offloaded
+        groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            self.kv_group_map = KVGroupMap.of(self.kv_cache_config, getattr(runner, "layer_name_to_kvcache_index", {}),
+                                              len(caches))
+            logger.info("tpuoffload worker %d: %d KV cache groups; %s", self.host_id, len(groups),
+                        self.kv_group_map.describe())
         host_bytes = self.config.host_bytes(layout.device_bytes_per_chunk)
         check_fits_in_ram(host_bytes)
         self._runner = runner
@@ -218,10 +228,15 @@ class OffloadWorker:
             self._count(C.LOAD_ERRORS, len(blocks))
         failed = set(failed)
         for p in placed:
+            by_request = p.plan.failures_by_request
             for load in p.loads:
-                if failed:  # (the usual step has none: no per-block work on the main thread then)
-                    self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
-                self._load_errors.update(load.unavailable_block_ids)
+                if by_request:  # several KV cache groups: vLLM takes failures by request only
+                    if load.unavailable_block_ids or (failed and not failed.isdisjoint(load.block_ids)):
+                        self._failed_recving.add(load.req_id)
+                else:
+                    if failed:  # (the usual step has none: no per-block work on the main thread then)
+                        self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
+                    self._load_errors.update(load.unavailable_block_ids)
                 if not p.plan.sync_loads:
                     self._finished_recving.add(load.req_id)
 
@@ -256,6 +271,12 @@ class OffloadWorker:
         sending = {r for p in self._placed for r in p.plan.release_req_ids} if self._meta is not None else set()
         recving, self._finished_recving = self._finished_recving, set()
         return sending or None, recving or None
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed on this host (several KV cache groups); each is also in this
+        step's ``get_finished`` loads, as vLLM requires."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -353,7 +374,7 @@ class OffloadWorker:
             "inflight_saves": chunks,
             "staging_bytes": staging,
             "unreported_save_failures": len(self._report_failures),
-            "pending_load_reports": len(self._finished_recving),
+            "pending_load_reports": len(self._finished_recving) + len(self._failed_recving),
             **{k: v for t in self.tiers for k, v in t.idle_report().items()},
         }
 

@@ -13,27 +13,29 @@ data dependency.
 
 Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
 own shard and no collective is added: each device moves the requested blocks that fall in its
-batch shard's block range and ignores the others. Blocks travel as unsigned integers of the cache
-dtype's width (a bitcast), so every bit pattern, NaN payloads included, arrives unchanged.
+batch shard's block range and ignores the others. Blocks travel as unsigned integers (a bitcast:
+32-bit words packing the last axis where it allows, ``Wire``; else the cache dtype's width), so every
+bit pattern, NaN payloads included, arrives unchanged.
 
 The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
 a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
 They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
 
 Copies: a program moves its rows as a few slices of consecutive slots, one dynamic slice of the
-store, one transfer and one update per copy. ``copy_plan`` sorts a plan's rows by slot, cuts them
-into maximal runs of consecutive slots and each run into power-of-two copies, with power-of-two
-copy counts per width so that few structures compile; the structure is a static argument of the
-program. Slots come from the manager's free slots and sorted LRU victims, so a fresh store's plan
-is one run and a churned store's a few runs per request. Per-copy cost is what limits small chunks
-on a churned store (docs/performance.md). The structure is a pure function of the slots (every
-host receives the same slots), so every host dispatches the same programs; it is logged with each
+store, one transfer and one update per copy, by a copy structure ``((width, count), ...)`` that is
+a static argument of the program (worker/copy_plan.py: runs of consecutive slots, power-of-two
+copies, covering copies where a copy costs more than the rows it moves twice). Slots come from the
+manager's free slots and sorted LRU victims, so a fresh store's plan is one run and a churned
+store's a few runs per request. Per-copy cost is what limits small chunks on a churned store
+(docs/performance.md). The structure is a pure function of the slots and the layout (every host
+receives the same slots), so every host dispatches the same programs; it is logged with each
 program.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -42,6 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload.layout import GroupLayout, stacked_spec
+from tpuoffload.worker.copy_plan import copy_rows
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 SAVE_UNROLL = 4  # the loop unrolling that measured fastest on the H200 (docs/performance.md)
@@ -63,6 +66,24 @@ MAX_PARTS = 4
 # The fewest rows a program moves (``bucket`` pads its ids up to this): a 1-chunk step moves one
 # chunk, at the cost of compiling the shapes 1, 2 and 4.
 MIN_ROWS = 1
+# What one more copy costs a program, as the bytes the interconnect moves in that time (per device):
+# covering copies (worker/copy_plan.py) move rows twice where that saves a copy costing more. From
+# the H200 (docs/performance.md, tools/probe_copies.py): a save's copy about 1-2.5 us, a load's
+# about 4.5-5 us, at 45 GiB/s.
+SAVE_COPY_BYTES = 64 << 10
+LOAD_COPY_BYTES = 224 << 10
+# A save (or install) writes rows of at least this many bytes per device into the store one row per
+# copy. On the H200 16 rows of DeepSeek's MLA layout (2.4 MiB each) took 1.8 ms in one copy, 2.1 in
+# four, 1.5 in sixteen (packed into 32-bit words: 12.4, 8.8, 1.2); the other layouts' saves were
+# as fast or faster in wide copies, and every copy more costs the dispatching thread time
+# (docs/performance.md).
+SAVE_SINGLE_ROW_BYTES = 2 << 20
+# Blocks travel and sit in the store as unsigned words of this many bytes where the last axis allows
+# (unsharded, a whole number of words): an fp8 or bf16 block packed into uint32 words, the same
+# bytes. 0: words of the cache dtype's own width. On the H200, fp8 rows moved as uint32 words saved
+# a 64 MiB step of Qwen3-Coder's in 82-94% of the raw path's time instead of 75-82%, and loaded 512
+# MiB in 77-101% instead of 71-86% (docs/performance.md).
+WIRE_WORD = 4
 # A plan too large for the transfer buffer moves in pieces, one program each per layer group;
 # a remainder is split only down to pieces of PIECE_BYTES per device (a dispatch costs the main
 # thread about what the interconnect moves in that time).
@@ -122,78 +143,6 @@ def slot_run(slots, padded: int) -> int:
 
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def copy_plan(slots) -> tuple[np.ndarray | None, tuple[tuple[int, int], ...]]:
-    """How a program moves the rows of a plan with these ``slots``: ``(order, copies)``.
-
-    The rows are taken in ascending slot order (a stable sort: a descending run becomes an
-    ascending one, runs listed apart that adjoin merge) and cut into maximal runs of consecutive
-    slots (a slot listed twice, as a load may read one slot into two blocks, breaks a run); each
-    run into power-of-two copies, widest first (26 -> 16 + 8 + 2). ``copies`` is the program's
-    static structure, ``((width, count), ...)`` with widths descending, power-of-two counts
-    (so few structures compile), rows in that order: the copies of each width, each copy one
-    slice of ``width`` consecutive slots. A width whose count is no power of two keeps the largest
-    power of two of its copies and splits the rest into two copies of half the width each (no
-    padding: one more copy, the same bytes); width 1 pads its count up to a power of two with
-    copies that repeat the last real row (a save rewrites the same bytes; a load's padding targets
-    no block), always the last rows of the program.
-
-    ``order[i]`` is the plan row that program row ``i`` moves (``len(order) - len(slots)``
-    padding rows at the end repeat real rows); None when it is the identity (the plan is one
-    ascending run, the usual fresh store: no numpy sort). A function of the slots alone, so every
-    host dispatches the same programs (invariant 1)."""
-    n = len(slots)
-    if not n:
-        return None, ()
-    if type(slots) is list and slots == list(range(slots[0], slots[0] + n)):
-        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
-    s = np.asarray(slots, np.int64)
-    order = np.argsort(s, kind="stable")
-    ss = s[order]
-    starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
-    lens = np.diff(np.concatenate((starts, [n])))
-    if len(starts) == 1 and order[0] == 0 and (order[1:] > order[:-1]).all():
-        return None, tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)
-    # Copies of width 2**b start (sorted position) after the run's wider copies: start + the bits
-    # of its length above b.
-    top = int(lens.max()).bit_length()
-    at: dict[int, np.ndarray] = {}
-    for b in range(top):
-        has = (lens >> b) & 1 == 1
-        if has.any():
-            at[1 << b] = starts[has] + (lens[has] >> (b + 1) << (b + 1))
-    copies, positions = [], []
-    carry = np.zeros(0, np.int64)
-    for b in range(top - 1, -1, -1):
-        w = 1 << b
-        t = at.get(w, carry[:0])
-        if len(carry):
-            t = np.sort(np.concatenate((t, carry)))
-        if not len(t):
-            carry = t
-            continue
-        if w == 1:
-            k = _pow2_ceil(len(t))
-            t = np.concatenate((t, np.full(k - len(t), t[-1], np.int64)))
-            carry = t[:0]
-        else:
-            k = _pow2_floor(len(t))
-            rest = t[k:]
-            carry = np.concatenate((rest, rest + w // 2))
-            t = t[:k]
-        copies.append((w, k))
-        positions.append((t[:, None] + np.arange(w)).ravel())
-    return order[np.concatenate(positions)], tuple(copies)
-
-
-def copy_rows(copies) -> int:
-    """Rows a program of this structure moves (padding included)."""
-    return sum(w * c for w, c in copies)
 
 
 def cap_copies(copies, width: int) -> tuple[tuple[int, int], ...]:
@@ -278,6 +227,36 @@ def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int, run: int =
     return ids
 
 
+@dataclass(frozen=True)
+class Wire:
+    """How a layer group's blocks travel and sit in the store: unsigned words of ``dtype``, each
+    ``pack`` cache elements of the last axis (bit-exact: a bitcast, NaN payloads included)."""
+
+    dtype: np.dtype
+    pack: int
+
+    @staticmethod
+    def of(group: GroupLayout) -> "Wire":
+        item = group.dtype.itemsize
+        if (WIRE_WORD > item and group.spec[-1] is None and len(group.shape) > 1
+                and group.shape[-1] * item % WIRE_WORD == 0):
+            return Wire(np.dtype(f"uint{8 * WIRE_WORD}"), WIRE_WORD // item)
+        return Wire(group.wire_dtype, 1)
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The wire shape of an array of cache ``shape``."""
+        return (*shape[:-1], shape[-1] // self.pack)
+
+    def to_wire(self, x):
+        if self.pack == 1:
+            return jax.lax.bitcast_convert_type(x, self.dtype)
+        return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // self.pack, self.pack), self.dtype)
+
+    def from_wire(self, x, dtype):
+        out = jax.lax.bitcast_convert_type(x, dtype)
+        return out if self.pack == 1 else out.reshape(*x.shape[:-1], x.shape[-1] * self.pack)
+
+
 def _local_ids(ids, group: GroupLayout):
     """Global block ids -> ids in this device's batch shard (out of range where not local)."""
     if not group.batch_axes:
@@ -286,15 +265,13 @@ def _local_ids(ids, group: GroupLayout):
     return ids - shard * group.blocks_per_shard
 
 
-def _gather_local(ids, caches, *, group: GroupLayout):
+def _gather_local(ids, caches, *, group: GroupLayout, wire: Wire):
     local = _local_ids(ids, group)
-    wire = group.wire_dtype
-    rows = jnp.stack([jnp.take(jax.lax.bitcast_convert_type(c, wire), local, axis=0, mode="clip") for c in caches],
-                     axis=1)
-    return rows[None]  # (1, P, layers, *tile)
+    rows = jnp.stack([jnp.take(wire.to_wire(c), local, axis=0, mode="clip") for c in caches], axis=1)
+    return rows[None]  # (1, P, layers, *tile in wire words)
 
 
-def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
+def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout, wire: Wire):
     """Scatter rows into their blocks of this device's batch shard. The blocks of a load are
     distinct (the engine checks), and a row that is not ours (padding, another batch shard) gets
     its own index past the shard's end, where it is dropped: every index is unique, which XLA is
@@ -304,13 +281,11 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout):
     per_shard = group.blocks_per_shard
     spare = per_shard + jnp.arange(local.shape[0], dtype=local.dtype)
     local = jnp.where((local >= 0) & (local < per_shard), local, spare)  # not ours: dropped
-    wire, dtype = group.wire_dtype, group.dtype
     keep = (valid != 0).reshape((-1,) + (1,) * (rows.ndim - 3))
     # A row that is not valid scatters zeros (a placeholder for a chunk this host could not supply).
-    return tuple(jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(c, wire).at[local].set(jnp.where(keep, rows[0, :, i], 0), mode="drop",
-                                                            unique_indices=True), dtype)
-        for i, c in enumerate(caches))
+    return tuple(wire.from_wire(wire.to_wire(c).at[local].set(jnp.where(keep, rows[0, :, i], 0), mode="drop",
+                                                              unique_indices=True), group.dtype)
+                 for i, c in enumerate(caches))
 
 
 def _token(ids):
@@ -347,10 +322,11 @@ class GroupPrograms:
         self.device_sharding = NamedSharding(mesh, rows_spec)
         self.store_sharding = NamedSharding(mesh, rows_spec, memory_kind=host_memory_kind)
         n = len(group.layers)
-        self._gather = jax.shard_map(partial(_gather_local, group=group), mesh=mesh,
+        self.wire = Wire.of(group)
+        self._gather = jax.shard_map(partial(_gather_local, group=group, wire=self.wire), mesh=mesh,
                                      in_specs=(PartitionSpec(), (cache_spec,) * n), out_specs=rows_spec,
                                      check_vma=False)
-        self._scatter = jax.shard_map(partial(_scatter_local, group=group), mesh=mesh,
+        self._scatter = jax.shard_map(partial(_scatter_local, group=group, wire=self.wire), mesh=mesh,
                                       in_specs=(PartitionSpec(), PartitionSpec(), rows_spec, (cache_spec,) * n),
                                       out_specs=(cache_spec,) * n, check_vma=False)
         token_sharding = NamedSharding(mesh, PartitionSpec())
@@ -366,14 +342,14 @@ class GroupPrograms:
         self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
         self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
-        self.store_shape = (group.num_shards, num_slots, n, *group.shape[1:])
+        self.store_shape = (group.num_shards, num_slots, n, *self.wire.shape(group.shape[1:]))
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize
         self._parts_of: dict[tuple[str, tuple], tuple] = {}
 
     def allocate(self) -> jax.Array:
         """The zeroed store (one dispatch, main thread, same on every host)."""
-        shape, dtype = self.store_shape, self.group.wire_dtype
+        shape, dtype = self.store_shape, self.wire.dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.store_sharding)()
 
     def op_parts(self, op: str, rows: int) -> int:
@@ -388,8 +364,9 @@ class GroupPrograms:
 
     def parts_of(self, op: str, copies) -> tuple:
         """``split_parts`` of program ``op`` on structure ``copies``, copies first narrowed to a
-        part's rows (so that part k+1's gather or scatter overlaps part k's copies). A function of
-        the structure and the layout only; cached."""
+        part's rows (so that part k+1's gather or scatter overlaps part k's copies) and, writing the
+        store, to one row where rows reach SAVE_SINGLE_ROW_BYTES. A function of the structure and
+        the layout only; cached."""
         key = (op, copies)
         out = self._parts_of.get(key)
         if out is None:
@@ -397,6 +374,8 @@ class GroupPrograms:
             parts = self.op_parts(op, rows)
             if parts > 1:
                 copies = cap_copies(copies, _pow2_floor(-(-rows // parts)))
+            if op in ("save", "install") and self.row_bytes >= SAVE_SINGLE_ROW_BYTES:
+                copies = cap_copies(copies, 1)
             out = self._parts_of[key] = split_parts(copies, parts)
         return out
 
@@ -473,7 +452,7 @@ class GroupPrograms:
                      for off, w, c in groups for j in range(c)]
             return reads[0] if len(reads) == 1 else jnp.concatenate(reads, axis=1)
         g = self.group
-        acc = jnp.zeros((g.num_shards, hi - lo, len(g.layers), *g.shape[1:]), g.wire_dtype)
+        acc = jnp.zeros((g.num_shards, hi - lo, *self.store_shape[2:]), self.wire.dtype)
         acc = jax.lax.with_sharding_constraint(acc, self.device_sharding)
         for off, w, c in groups:
             def read(j, a, off=off, w=w):

@@ -7,9 +7,9 @@ Threading contract (invariants 1-4):
   device-to-host, write into the slot store) or ONE load program (read slots, host-to-device,
   scatter; a load moved in one part, or in parts of one copy each, runs as a read program per
   group, dispatched before the checks, then a scatter program per group); see worker/programs.py.
-  Each program moves its slots in copies of consecutive slots (programs.copy_plan), a function of
-  the slots alone, so the same on every host. Calls from any other thread raise RuntimeError before
-  touching JAX.
+  Each program moves its slots in copies of consecutive slots (worker/copy_plan.py), a function of
+  the slots and the layout alone, so the same on every host. Calls from any other thread raise
+  RuntimeError before touching JAX.
 * A plan larger than the transfer buffer moves in pieces, a function of its length and the layout
   alone.
 * The bytes never pass through a host thread: the programs read and write the store, and the
@@ -51,8 +51,9 @@ from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
 from tpuoffload.worker import programs as programs_module
-from tpuoffload.worker.programs import (bucket, copy_plan, copy_rows, load_plan_ids, pad_rows, programs_for,
-                                        save_plan_ids, slot_run, uniform_copies)
+from tpuoffload.worker.copy_plan import CopyPlan, copy_plan, copy_rows
+from tpuoffload.worker.programs import (bucket, load_plan_ids, pad_rows, programs_for, save_plan_ids, slot_run,
+                                        uniform_copies)
 
 logger = logging.getLogger(__name__)
 
@@ -68,30 +69,30 @@ class SaveResult:
 READS_FIRST_COPIES = 8
 
 
-def _by_slot(key: list[int], *lists: list) -> tuple[np.ndarray, tuple[list, ...]]:
-    """The permutation that sorts ``key`` ascending (stable) and ``lists`` in that order."""
-    perm = np.argsort(np.asarray(key, np.int64), kind="stable")
-    idx = perm.tolist()
-    return perm, tuple([seq[i] for i in idx] for seq in lists)
+def _ints(seq) -> np.ndarray:
+    """A fresh int64 array of an int sequence (a range without a Python loop)."""
+    if isinstance(seq, range):
+        return np.arange(seq.start, seq.stop, seq.step, dtype=np.int64)
+    if isinstance(seq, np.ndarray):
+        return seq.astype(np.int64).ravel()
+    return np.fromiter(seq, np.int64, len(seq))
 
 
-def _plan_ids(order, copies, block_ids, slots, valid, pad_block: int | None = None) -> np.ndarray:
-    """``(3, rows)`` int32 ids of a program of structure ``copies``: row ``i`` moves plan row
-    ``order[i]`` (identity when None); rows past the plan repeat real rows (``copy_plan``): a
-    save's rewrite the same bytes, a load's (``pad_block`` given) target ``pad_block``, outside
-    every batch shard, and are not valid."""
-    n = len(slots)
-    rows = copy_rows(copies)
-    ids = np.empty((3, rows), np.int32)
+def _plan_ids(plan: CopyPlan, block_ids: np.ndarray, slots: np.ndarray, valid: np.ndarray | int,
+              pad_block: int | None = None) -> np.ndarray:
+    """``(3, rows)`` int32 ids of a program moving ``plan``: row ``i`` moves plan row
+    ``plan.order[i]`` (identity when None). Rows ``plan.repeats`` move a row another copy moves
+    too: a save's rewrite the same bytes into the same slot; a load's (``pad_block`` given)
+    target ``pad_block``, outside every batch shard, and are not valid (each block scattered once)."""
+    order = plan.order
+    ids = np.empty((3, copy_rows(plan.copies)), np.int32)
     if order is None:
-        ids[0, :n], ids[1, :n], ids[2, :n] = block_ids, slots, valid
-        if rows > n:  # (not produced by copy_plan: the identity has no padding)
-            ids[:, n:] = ids[:, n - 1:n]
+        ids[0], ids[1], ids[2] = block_ids, slots, valid
     else:
-        ids[0], ids[1], ids[2] = (np.asarray(block_ids, np.int32)[order], np.asarray(slots, np.int32)[order],
-                                  np.asarray(valid, np.int32)[order])
-    if pad_block is not None and rows > n:
-        ids[0, n:], ids[2, n:] = pad_block, 0
+        ids[0], ids[1] = block_ids[order], slots[order]
+        ids[2] = valid if isinstance(valid, int) else valid[order]
+    if pad_block is not None and plan.repeats is not None:
+        ids[0, plan.repeats], ids[2, plan.repeats] = pad_block, 0
     return ids
 
 
@@ -148,11 +149,21 @@ class TransferEngine:
         self._whole = [g.layers == tuple(range(self.layout.num_layers)) for g in self.layout.groups]
         self._run_caps_of: dict[tuple, dict] = {}  # (program, op, copies) -> ``_copies_fields``
 
+        # What a copy costs, in rows of this layout, for saves and loads: how covering copies
+        # trade rows moved twice for copies (programs.SAVE_COPY_BYTES, copy_plan). One program per
+        # layer group, each paying its own copies.
+        groups = len(self._programs)
+        self._copy_cost = {"save": groups * programs_module.SAVE_COPY_BYTES / row_bytes,
+                           "load": groups * programs_module.LOAD_COPY_BYTES / row_bytes}
+
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
-        self._last_write: dict[int, futures.Future] = {}  # slot -> newest write; main thread only
+        # Write-after-write and read-after-write: the completion call that last wrote each slot,
+        # and the future of every call not yet seen done; main thread only.
+        self._write_call = np.full(self.backend.num_slots, -1, np.int64)
+        self._writes: dict[int, futures.Future] = {}
         # (save ids, positions that failed) of each finished completion; SaveResults are built when
         # drained, on the caller's thread, not on the completion's path to wait_idle.
-        self._results: list[tuple[list[int], set[int]]] = []
+        self._results: list[tuple[np.ndarray, set[int]]] = []
         self._calls = 0  # completions submitted; main thread only
         # call number -> (t0, chunks, bytes, future); a completion removes its own entry once its
         # results are published, under the lock its submission holds while adding the entry.
@@ -167,20 +178,23 @@ class TransferEngine:
                 "TransferEngine dispatches JAX work only from the thread that created it; "
                 f"called from {threading.current_thread().name!r}")
 
-    def _check_plan(self, block_ids, slots, save_ids, *, unique: str) -> None:
-        """Validate a plan; ``unique`` names the argument that must not repeat ("slots" for a save:
-        two chunks in one slot; "block_ids" for a load: two chunks into one block). A load may
-        read one slot into several blocks."""
+    def _plan_arrays(self, block_ids, slots, save_ids, *, unique: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A plan as fresh int64 arrays, validated; ``unique`` names the argument that must not
+        repeat ("slots" for a save: two chunks in one slot; "block_ids" for a load: two chunks
+        into one block). A load may read one slot into several blocks."""
         if not (len(block_ids) == len(slots) == len(save_ids)):
             raise ValueError(
                 f"block_ids, slots and save_ids differ in length: {len(block_ids)}, {len(slots)}, {len(save_ids)}")
+        block_ids, slots, save_ids = _ints(block_ids), _ints(slots), _ints(save_ids)
         for name, seq, limit in (("block_ids", block_ids, self.num_blocks), ("slots", slots, self.backend.num_slots)):
-            if len(seq) and not (0 <= min(seq) and max(seq) < limit):  # one pass each on the hot path
-                bad = [int(x) for x in seq if not 0 <= int(x) < limit]
-                raise ValueError(f"{name} out of range 0..{limit - 1}: {bad[:8]}")
+            if len(seq) and (seq.min() < 0 or seq.max() >= limit):
+                raise ValueError(f"{name} out of range 0..{limit - 1}: {seq[(seq < 0) | (seq >= limit)][:8].tolist()}")
         seq = slots if unique == "slots" else block_ids
-        if len(set(seq)) != len(seq):
-            raise ValueError(f"{unique} repeat within one {'save' if unique == 'slots' else 'load'}")
+        if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():  # ascending: distinct, no sort
+            srt = np.sort(seq)
+            if (srt[1:] == srt[:-1]).any():
+                raise ValueError(f"{unique} repeat within one {'save' if unique == 'slots' else 'load'}")
+        return block_ids, slots, save_ids
 
     def _check_caches(self, kv_caches) -> None:
         """The layout check, skipped for the very arrays the last call checked or produced (the
@@ -205,34 +219,33 @@ class TransferEngine:
         program finished. Results come back via ``drain_results``."""
         self._check_owner()
         self._check_caches(kv_caches)
-        self._check_plan(block_ids, slots, save_ids, unique="slots")
+        block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, unique="slots")
         if not len(slots):
             return
-        block_ids, slots, save_ids = list(map(int, block_ids)), list(map(int, slots)), list(map(int, save_ids))
         pieces = self._pieces(len(slots))
-        if len(pieces) == 1:  # the usual plan: no slicing
-            tokens = self._dispatch_save(kv_caches, block_ids, slots)
-        else:  # pieces of a plan sorted by slot: runs stay whole across the pieces (rows' order is free)
-            block_ids, slots, save_ids = _by_slot(slots, block_ids, slots, save_ids)[1]
-            tokens = []
-            for piece in pieces:
-                tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
+        if len(pieces) > 1:  # pieces of a plan sorted by slot: runs stay whole across the pieces (rows' order is free)
+            perm = np.argsort(slots, kind="stable")
+            block_ids, slots, save_ids = block_ids[perm], slots[perm], save_ids[perm]
+        tokens = []
+        for piece in pieces:
+            tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
         self._complete_in_background(tokens, block_ids, slots, save_ids)
 
     def pieces(self, n: int) -> list[slice]:
         """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``:
         as many full buffers as fit, then the rest (one program each per layer group; the copy
-        structure moves any number of rows with little padding, programs.copy_plan)."""
+        structure moves any number of rows with little padding, worker/copy_plan.py)."""
         return self._pieces(n)
 
     def _pieces(self, n: int) -> list[slice]:
         cap = self.max_chunks_per_transfer
         return [slice(start, min(n, start + cap)) for start in range(0, n, cap)]
 
-    def _dispatch_save(self, kv_caches, block_ids: list[int], slots: list[int]) -> list[jax.Array]:
+    def _dispatch_save(self, kv_caches, block_ids: np.ndarray, slots: np.ndarray) -> list[jax.Array]:
         """One piece's save program per layer group; returns their tokens."""
-        order, copies = copy_plan(slots)
-        ids, entry = self._ids.put(_plan_ids(order, copies, block_ids, slots, [1] * len(slots)))
+        plan = copy_plan(slots, self._copy_cost["save"])
+        copies = plan.copies
+        ids, entry = self._ids.put(_plan_ids(plan, block_ids, slots, 1))
         tokens = []
         for i, prog in enumerate(self._programs):
             self._stores[i], token = prog.save(self._group_caches(kv_caches, i), self._stores[i], ids, copies=copies)
@@ -253,30 +266,42 @@ class TransferEngine:
                                             "structure": "+".join(f"{w}x{c}" for w, c in copies)}
         return out
 
-    def _complete_in_background(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                                save_ids: list[int], missing: frozenset[int] = frozenset()) -> None:
+    def _complete_in_background(self, tokens: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray,
+                                save_ids: np.ndarray, missing: frozenset[int] = frozenset()) -> None:
         """One background completion for every program of a call (``tokens``), chained after the
-        newest earlier write of each of its slots (write-after-write)."""
+        newest earlier write of each of its slots (write-after-write). Submitted last: the woken
+        completion thread finds this one's work done."""
         n = len(slots)
-        previous = set(map(self._last_write.get, slots))
-        previous.discard(None)
+        previous = set(self._earlier_writes(slots).values())
         call, self._calls = self._calls, self._calls + 1
+        self._write_call[slots] = call
         with self._lock:  # the completion removes its entry under this lock: never before it is in
             fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing, call)
             self._inflight[call] = (time.monotonic(), n, n * self.backend.slot_bytes, fut)
-        for s in slots:
-            self._last_write[s] = fut
+        self._writes[call] = fut
 
-    def _complete_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                       save_ids: list[int], previous: set[futures.Future], missing: frozenset[int], call: int) -> None:
+    def _earlier_writes(self, slots: np.ndarray) -> dict[int, futures.Future]:
+        """The calls not yet seen done that last wrote any of ``slots``, with their futures
+        (forgetting every call seen done)."""
+        writes = self._writes
+        for call in [c for c, fut in writes.items() if fut.done()]:
+            del writes[call]
+        if not writes or not len(slots):
+            return {}
+        calls = self._write_call[slots]
+        recent = calls[calls >= min(writes)]
+        return {c: writes[c] for c in np.unique(recent).tolist() if c in writes}
+
+    def _complete_save(self, tokens: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray,
+                       save_ids: np.ndarray, previous: set[futures.Future], missing: frozenset[int], call: int) -> None:
         try:
             self._record_save(tokens, block_ids, slots, save_ids, previous, missing)
         finally:  # after its results are published: wait_idle never returns before them
             with self._lock:
                 self._inflight.pop(call, None)
 
-    def _record_save(self, tokens: list[jax.Array], block_ids: list[int], slots: list[int],
-                     save_ids: list[int], previous: set[futures.Future], missing: frozenset[int]) -> None:
+    def _record_save(self, tokens: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray,
+                     save_ids: np.ndarray, previous: set[futures.Future], missing: frozenset[int]) -> None:
         """Once the programs finished (``tokens``), record the slots' chunks and publish the results."""
         futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
@@ -288,8 +313,9 @@ class TransferEngine:
             jax.block_until_ready(tokens)  # the program, hence its writes into the store, finished
             failed |= self._faults.hit(FaultPoint.SAVE_RECORD, n)
             if failed:
-                ok = [i for i in range(n) if i not in failed]
-                self.backend.commit([slots[i] for i in ok], [save_ids[i] for i in ok], [block_ids[i] for i in ok])
+                ok = np.ones(n, bool)
+                ok[list(failed)] = False
+                self.backend.commit(slots[ok], save_ids[ok], block_ids[ok])
             else:
                 self.backend.commit(slots, save_ids, block_ids)
         except Exception as exc:  # noqa: BLE001 - any failure makes the whole batch unloadable
@@ -315,7 +341,7 @@ class TransferEngine:
         """Save outcomes completed since the last call (thread-safe)."""
         with self._lock:
             done, self._results = self._results, []
-        return [SaveResult(s, i not in failed) for save_ids, failed in done for i, s in enumerate(save_ids)]
+        return [SaveResult(s, i not in failed) for save_ids, failed in done for i, s in enumerate(save_ids.tolist())]
 
     def inflight(self) -> tuple[int, int, float | None]:
         """(chunks in flight, staging bytes held by them, start time of the oldest or None)."""
@@ -340,26 +366,26 @@ class TransferEngine:
         returned ones. Returns ``(new_caches, failed_block_ids)``."""
         self._check_owner()
         self._check_caches(kv_caches)
-        self._check_plan(block_ids, slots, save_ids, unique="block_ids")
+        block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, unique="block_ids")
         n = len(block_ids)
         if not n:
             return list(kv_caches), []
         t0 = time.monotonic()
-        block_ids, slots = [int(b) for b in block_ids], [int(s) for s in slots]
         pieces = self._pieces(n)
         perm, listed = None, block_ids
         if len(pieces) > 1:  # pieces of a plan sorted by slot (runs stay whole); failures map back
-            save_ids = list(save_ids)
-            perm, (block_ids, slots, save_ids) = _by_slot(slots, block_ids, slots, save_ids)
-        plans = [copy_plan(slots[p]) for p in pieces]  # once per piece
+            perm = np.argsort(slots, kind="stable")
+            block_ids, slots, save_ids = block_ids[perm], slots[perm], save_ids[perm]
+        plans = [copy_plan(slots[p], self._copy_cost["load"]) for p in pieces]  # once per piece
         rows = self._maybe_read_first(slots[pieces[0]], plans[0])  # before the checks: the copies start now
         failed = self._load_failures(block_ids, slots, save_ids)
+        valid = np.ones(n, np.int32)
+        valid[list(failed)] = 0
         caches = list(kv_caches)
         for k, piece in enumerate(pieces):
             if k:  # later pieces read after the previous piece's scatter: one piece's rows at a time
                 rows = self._maybe_read_first(slots[piece], plans[k])
-            valid = [0 if i in failed else 1 for i in range(piece.start, piece.stop)]
-            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid, rows, plans[k])
+            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid[piece], rows, plans[k])
         self._known_caches = tuple(map(weakref.ref, caches))
         if perm is not None:
             failed = {int(perm[i]) for i in failed}
@@ -368,9 +394,9 @@ class TransferEngine:
             self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
             self.counters[C.LOAD_ERRORS] += len(failed)
             self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
-        return caches, [listed[i] for i in sorted(failed)]
+        return caches, [int(listed[i]) for i in sorted(failed)]
 
-    def _load_failures(self, block_ids: list[int], slots: list[int], save_ids: Sequence[int]) -> set[int]:
+    def _load_failures(self, block_ids: np.ndarray, slots: np.ndarray, save_ids: np.ndarray) -> set[int]:
         """Positions of a load that become placeholders: late writes, injected faults, slots that
         do not hold the expected chunk; every position if anything here raises. Checked once per
         load, whatever its pieces."""
@@ -385,17 +411,17 @@ class TransferEngine:
             failed = set(range(n))
         return failed
 
-    def _maybe_read_first(self, slots: list[int], plan) -> list[jax.Array] | None:
+    def _maybe_read_first(self, slots: np.ndarray, plan: CopyPlan) -> list[jax.Array] | None:
         """A piece's reads (``_read_first``) when it runs as reads then scatter, else None
         (``plan``: the piece's ``copy_plan``)."""
-        return self._read_first(slots, plan) if self._reads_first(plan[1]) else None
+        return self._read_first(slots, plan) if self._reads_first(plan.copies) else None
 
-    def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: list[int], slots: list[int], valid: list[int],
-                       rows: list[jax.Array] | None, plan) -> list[jax.Array]:
+    def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray, valid: np.ndarray,
+                       rows: list[jax.Array] | None, plan: CopyPlan) -> list[jax.Array]:
         """One piece's load program per layer group, or its scatter program of ``rows`` already
         read; returns the new caches (``plan``: the piece's ``copy_plan``)."""
-        order, copies = plan
-        ids, entry = self._ids.put(_plan_ids(order, copies, block_ids, slots, valid, self.num_blocks))
+        copies = plan.copies
+        ids, entry = self._ids.put(_plan_ids(plan, block_ids, slots, valid, self.num_blocks))
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
@@ -412,7 +438,7 @@ class TransferEngine:
         return new
 
     def _reads_first(self, copies) -> bool:
-        """Whether a load whose rows have copy structure ``copies`` (programs.copy_plan) runs as
+        """Whether a load whose rows have copy structure ``copies`` (worker/copy_plan.py) runs as
         two programs, reads then scatter, rather than as one load program: when that program
         would have one part, or at most READS_FIRST_COPIES copies in all (nothing much to overlap
         inside: the copies start before the checks and the scatter's dispatch). The earlier rule
@@ -430,15 +456,14 @@ class TransferEngine:
         return all(prog.op_parts("load", copy_rows(copies)) == 1 or prog.num_copies("load", copies) <= READS_FIRST_COPIES
                    for prog in self._programs)
 
-    def _read_first(self, slots: list[int], plan) -> list[jax.Array]:
+    def _read_first(self, slots: np.ndarray, plan: CopyPlan) -> list[jax.Array]:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
         version each takes orders it after every earlier save's writes; the checks only decide
         which rows count. The copies run while this thread checks and dispatches the scatter."""
-        order, copies = plan
-        ids = _plan_ids(order, copies, [self.num_blocks] * len(slots), slots, [1] * len(slots), self.num_blocks)
-        return self._read_programs("load.read", ids, copies, slots)
+        ids = _plan_ids(plan, np.full(len(slots), self.num_blocks, np.int64), slots, 1, self.num_blocks)
+        return self._read_programs("load.read", ids, plan.copies, slots)
 
-    def _read_programs(self, op: str, ids_np: np.ndarray, copies, slots: list[int]) -> list[jax.Array]:
+    def _read_programs(self, op: str, ids_np: np.ndarray, copies, slots: np.ndarray) -> list[jax.Array]:
         """One read program per layer group: the slots of ``ids_np`` copied into device rows by
         the copies of ``copies``; the stores are read, not donated."""
         ids, entry = self._ids.put(ids_np)
@@ -451,28 +476,24 @@ class TransferEngine:
         self._ids.read_by(entry, tokens)
         return rows
 
-    def _unusable(self, block_ids: list[int], slots: list[int], save_ids: Sequence[int]) -> set[int]:
+    def _unusable(self, block_ids: np.ndarray, slots: np.ndarray, save_ids: np.ndarray) -> set[int]:
         """Positions whose slot does not hold the expected chunk, or lacks bytes this host needs
         for the destination block (blocks split across hosts by data parallelism)."""
         ok, sources = self.backend.lookup(slots, save_ids)
-        bad = set(np.nonzero(~ok)[0].tolist())
         for g in self.layout.groups:
             if g.num_shards > 1:  # the store keeps a chunk in its source block's batch shard only
-                bad |= {i for i, (dst, src) in enumerate(zip(block_ids, sources))
-                        if g.shard_of(dst) != g.shard_of(int(src))}
-        return bad
+                ok &= g.shard_of(block_ids) == g.shard_of(sources)
+        return set(np.flatnonzero(~ok).tolist())
 
-    def _wait_for_writes(self, slots: Sequence[int]) -> set[int]:
+    def _wait_for_writes(self, slots: np.ndarray) -> set[int]:
         """Read-after-write: wait for in-flight writes to these slots. Returns the positions whose
         write did not finish within the timeout."""
-        writes = self._last_write
-        # One save writes many slots: check each distinct write once (done() takes a lock).
-        pending = {fut for fut in map(writes.get, slots) if fut is not None}
-        pending = [fut for fut in pending if not fut.done()]
+        pending = self._earlier_writes(slots)  # one save writes many slots: each call once
         if not pending:
             return set()
-        _, late_writes = futures.wait(pending, timeout=self._load_wait_timeout_s)
-        return {i for i, s in enumerate(slots) if writes.get(s) in late_writes}
+        _, late_writes = futures.wait(pending.values(), timeout=self._load_wait_timeout_s)
+        late = [c for c, fut in pending.items() if fut in late_writes]
+        return set(np.flatnonzero(np.isin(self._write_call[slots], late)).tolist()) if late else set()
 
     # ---------------- the disk tier (tpuoffload/worker/disk_stage.py) ----------------
     def _row_pieces(self, n: int) -> list[list[tuple[jax.Device, tuple[int, ...]]]]:
@@ -489,7 +510,7 @@ class TransferEngine:
     @property
     def disk_chunk_bytes(self) -> int:
         """Bytes of one chunk on this host as the disk tier keeps it: every local piece of its rows."""
-        return sum(int(np.prod(shape)) // shape[1] * prog.group.wire_dtype.itemsize
+        return sum(int(np.prod(shape)) // shape[1] * prog.wire.dtype.itemsize
                    for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
 
     def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[list[jax.Array], list[bool]]:
@@ -497,7 +518,7 @@ class TransferEngine:
         thread; the stores are read, not donated). ``ok[i]``: the slot held chunk ``save_ids[i]``
         (otherwise its row is zeros). Turn the rows into bytes with ``rows_to_payloads``."""
         self._check_owner()
-        slots = [int(s) for s in slots]
+        slots = _ints(slots)
         late = self._wait_for_writes(slots)
         ok, _ = self.backend.lookup(slots, save_ids)
         valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
@@ -523,9 +544,8 @@ class TransferEngine:
         the background completion records the slots. A None payload (a failed read on this host)
         writes zeros and is reported failed. Main thread; the same dispatch on every host."""
         self._check_owner()
-        slots, save_ids = [int(s) for s in slots], [int(s) for s in save_ids]
         n = len(slots)
-        self._check_plan([0] * n, slots, save_ids, unique="slots")
+        _, slots, save_ids = self._plan_arrays([0] * n, slots, save_ids, unique="slots")
         cap = _pow2_ceil(n)
         width = self.disk_chunk_bytes
         host = np.zeros((cap, width), np.uint8)
@@ -540,8 +560,8 @@ class TransferEngine:
         for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
             arrays = []
             for device, shape in pieces:
-                size = int(np.prod(shape)) // cap * prog.group.wire_dtype.itemsize
-                chunk = host[:, offset:offset + size].copy().view(prog.group.wire_dtype)
+                size = int(np.prod(shape)) // cap * prog.wire.dtype.itemsize
+                chunk = host[:, offset:offset + size].copy().view(prog.wire.dtype)
                 chunk = np.moveaxis(chunk.reshape(cap, shape[0], *shape[2:]), 0, 1)
                 arrays.append(jax.device_put(np.ascontiguousarray(chunk), device))
                 offset += size
@@ -551,7 +571,7 @@ class TransferEngine:
             self.log.record("install", shape=ids.shape, group=i, run=run, slots=slots)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
-        self._complete_in_background(tokens, [0] * n, slots, save_ids, missing)
+        self._complete_in_background(tokens, np.zeros(n, np.int64), slots, save_ids, missing)
 
     # ---------------- warm restart (tpuoffload/worker/persistence.py) ----------------
     def stores(self) -> dict[str, jax.Array]:
@@ -562,7 +582,7 @@ class TransferEngine:
 
     def store_targets(self) -> dict[str, jax.ShapeDtypeStruct]:
         """What ``stores()`` looks like (shape, dtype, sharding): the restore targets."""
-        return {f"group{i}": jax.ShapeDtypeStruct(p.store_shape, p.group.wire_dtype, sharding=p.store_sharding)
+        return {f"group{i}": jax.ShapeDtypeStruct(p.store_shape, p.wire.dtype, sharding=p.store_sharding)
                 for i, p in enumerate(self._programs)}
 
     def replace_stores(self, stores: dict[str, jax.Array]) -> None:
