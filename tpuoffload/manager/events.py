@@ -79,7 +79,7 @@ class GroupedOrigins:
                 group[real])
 
 
-Origins = "Sequence[Origin] | GroupedOrigins"
+Origins = Sequence[Origin] | GroupedOrigins
 
 
 def candidate_layout(origins) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
