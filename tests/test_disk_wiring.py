@@ -132,7 +132,7 @@ def test_disk_tier_and_warm_restart_together(tmp_path):
     totals = second.stats.totals()
     assert totals[C.RESTORED_READY] > 0 and totals[C.DISK_RESTORED_READY] == on_disk > 0, totals
     assert totals[C.FETCHES_ISSUED] > 0 and totals[C.FETCHES_FAILED] == 0, totals
-    assert totals[C.HIT_TOKENS] > 0 and totals[C.LOAD_ERRORS] == 0 and totals[C.SPILLS_CONFIRMED] > 0
+    assert totals[C.HIT_TOKENS] > 0 and totals[C.LOAD_ERRORS] == 0 and totals[C.SPILLS_CONFIRMED] > 0, totals
     _assert_clean(second)
     second.close()
     assert sum(_files(tmp_path).values()) > 0
