@@ -28,6 +28,7 @@ from tpuoffload.messages import OffloadMetadata, StepPlan
 from tpuoffload.sim.engine import SIM_LAYOUT, EngineSpec, InProcessEngine
 from tpuoffload.sim.tpu_layouts import create_caches
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty, make_request
+from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 BS = SIM_LAYOUT.block_size
 
@@ -203,3 +204,21 @@ class Harness:
 
     def close(self):
         self.eng.close()
+
+
+class LoseSlots(FaultInjector):
+    """A host loses some of the slots a load reads: the second of each load (or all of them),
+    ``times`` times; ``lost`` counts them."""
+
+    def __init__(self, times: int, every: bool = False):
+        self.times = times
+        self.every = every
+        self.lost = 0
+
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        if point is not FaultPoint.LOAD_SLOT_CHECK or self.times <= 0 or not n:
+            return set()
+        self.times -= 1
+        victims = set(range(n)) if self.every else {min(1, n - 1)}
+        self.lost += len(victims)
+        return victims

@@ -20,7 +20,7 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from offload_harness import BS, Harness, chunk_bytes, rand_tokens
+from offload_harness import BS, Harness, LoseSlots, chunk_bytes, rand_tokens
 from tpuoffload import counters as C
 from tpuoffload.connector import TPUOffloadConnector
 from tpuoffload.messages import OffloadWorkerReport
@@ -28,7 +28,6 @@ from tpuoffload.manager.index import READY, SAVING
 from tpuoffload.sim.engine import InProcessEngine
 from tpuoffload.sim.vllm_setup import make_request
 from tpuoffload.stats import OffloadStats
-from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 # hosts x scheduler kind: the four combinations the connector must survive.
 VARIANTS = [
@@ -405,23 +404,6 @@ def test_staging_budget_is_not_spent_on_sibling_duplicates():
 
 
 # ============================================================================ 7. failed loads
-class LoseSlots(FaultInjector):
-    """Local loss on one host: reading some of a load's slots fails (the second one, or all)."""
-
-    def __init__(self, times: int, every: bool = False):
-        self.times = times
-        self.every = every
-        self.lost = 0
-
-    def hit(self, point: FaultPoint, n: int) -> set[int]:
-        if point is not FaultPoint.LOAD_SLOT_CHECK or self.times <= 0 or not n:
-            return set()
-        self.times -= 1
-        victims = set(range(n)) if self.every else {min(1, n - 1)}
-        self.lost += len(victims)
-        return victims
-
-
 @pytest.mark.parametrize("hosts,async_sched", VARIANTS)
 def test_failed_load_on_one_host_recomputes(hosts, async_sched):
     fault = LoseSlots(times=1)

@@ -19,32 +19,14 @@ import random
 from collections import Counter
 
 import pytest
-from offload_harness import Harness, rand_tokens
+from offload_harness import Harness, LoseSlots, rand_tokens
 
 from tpuoffload.sim.hybrid_layouts import GPT_OSS_LIKE
-from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 BS = GPT_OSS_LIKE.block_size
 SPEC = dataclasses.replace(GPT_OSS_LIKE, max_model_len=1024)
 BUDGET = 8 << 20
 VARIANTS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
-
-
-class LoseSlots(FaultInjector):
-    """One host loses some of the slots a load reads: the second of a load (or all of them)."""
-
-    def __init__(self, times: int, every: bool = False):
-        self.times = times
-        self.every = every
-        self.lost = 0
-
-    def hit(self, point: FaultPoint, n: int) -> set[int]:
-        if point is not FaultPoint.LOAD_SLOT_CHECK or self.times <= 0 or not n:
-            return set()
-        self.times -= 1
-        victims = set(range(n)) if self.every else {min(1, n - 1)}
-        self.lost += len(victims)
-        return victims
 
 
 def _harness(async_scheduling, fault):
