@@ -228,6 +228,18 @@ class SnapshotWriter:
                 self._write_locked(payload)
 
 
+def read_rank_snapshots(stats_dir: str) -> dict[str, dict[str, Any]]:
+    """The snapshots DP ranks' scheduler halves wrote in ``stats_dir`` (``scheduler-dp<rank>.json``,
+    ``DPRank.snapshot_name``), by file name in rank order; none when the directory does not exist."""
+    if not os.path.isdir(stats_dir):
+        return {}
+    out = {}
+    for name in sorted(n for n in os.listdir(stats_dir) if n.startswith("scheduler-dp") and n.endswith(".json")):
+        with open(os.path.join(stats_dir, name)) as f:
+            out[name] = json.load(f)
+    return out
+
+
 def _heartbeat_loop(ref: "weakref.ref[SnapshotWriter]", stop: threading.Event, period: float) -> None:
     """Holds the writer only weakly between beats, so a dropped writer ends its thread."""
     tick = max(0.005, min(period, 1.0) / 2)

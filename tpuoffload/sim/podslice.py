@@ -22,7 +22,6 @@ No run can hang and no process outlives the slice:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pickle
 import random
@@ -39,6 +38,7 @@ from typing import Any
 
 from tpuoffload.manager.offload_scheduler import leaks_in
 from tpuoffload.sim.engine import absorb_outputs
+from tpuoffload.snapshot import read_rank_snapshots
 from tpuoffload.sim.hybrid_layouts import HYBRID_LAYOUTS, HybridLayoutSpec
 from tpuoffload.sim.hybrid_layouts import kv_cache_config as hybrid_kv_cache_config
 from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, scheduler_kv_shape, sharding_config,
@@ -246,14 +246,10 @@ class PodSlice:
         snapshot its rank process wrote at its last step."""
         if self.dp_ranks == 1:
             return [self.offload.leak_report()]
-        names = sorted(n for n in os.listdir(self.stats_dir) if n.startswith("scheduler-dp"))
-        if len(names) != self.dp_ranks:
-            raise SliceError(f"expected {self.dp_ranks} rank scheduler snapshots in {self.stats_dir}, found {names}")
-        out = []
-        for name in names:
-            with open(os.path.join(self.stats_dir, name)) as f:
-                out.append(leaks_in(json.load(f)) | {"source": name})
-        return out
+        snaps = read_rank_snapshots(self.stats_dir)
+        if len(snaps) != self.dp_ranks:
+            raise SliceError(f"expected {self.dp_ranks} rank scheduler snapshots in {self.stats_dir}, found {list(snaps)}")
+        return [leaks_in(snap) | {"source": name} for name, snap in snaps.items()]
 
     def _live_request_ids(self) -> list[str]:
         if self.dp_ranks > 1:  # DPScheduler forgets a finished request one step later
@@ -452,11 +448,8 @@ class PodSlice:
         kv = merged.kv_connector_output if merged is not None else None
         if kv is not None and kv.kv_connector_stats:
             self.stats = self.stats.aggregate(OffloadStats(dict(kv.kv_connector_stats.data)))
-        for name in os.listdir(self.stats_dir):
-            if name.startswith("scheduler-dp"):
-                with open(os.path.join(self.stats_dir, name)) as f:
-                    totals = json.load(f)["totals"]
-                self.stats = self.stats.aggregate(OffloadStats(make_report(name, 0, totals)))
+        for name, snap in read_rank_snapshots(self.stats_dir).items():
+            self.stats = self.stats.aggregate(OffloadStats(make_report(name, 0, snap["totals"])))
 
     def _mangle(self, output):
         kv = output.kv_connector_output

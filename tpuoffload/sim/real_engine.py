@@ -222,15 +222,13 @@ def _connector_halves(llm, dp: int, stats_dir: str | None) -> dict[str, Any]:
 
 def _rank_snapshots(halves, every_rank: bool = True) -> list[dict[str, Any]]:
     """Each DP rank's scheduler-half snapshot (written at its last step; none before its first)."""
-    stats_dir = halves["stats_dir"]
-    names = sorted(n for n in os.listdir(stats_dir) if n.startswith("scheduler-dp")) if os.path.isdir(stats_dir) else []
-    if every_rank and len(names) != halves["dp"]:
-        raise RuntimeError(f"expected {halves['dp']} rank scheduler snapshots in {stats_dir}, found {names}")
-    out = []
-    for name in names:
-        with open(os.path.join(stats_dir, name)) as f:
-            out.append(json.load(f))
-    return out
+    from tpuoffload.snapshot import read_rank_snapshots
+
+    snaps = read_rank_snapshots(halves["stats_dir"])
+    if every_rank and len(snaps) != halves["dp"]:
+        raise RuntimeError(f"expected {halves['dp']} rank scheduler snapshots in {halves['stats_dir']}, "
+                           f"found {list(snaps)}")
+    return list(snaps.values())
 
 
 def _check_real_path(llm, halves, dp: int):

@@ -74,7 +74,6 @@ class OffloadWorker:
                  kv_cache_config=None) -> None:
         self.config = config
         self.kv_cache_config = kv_cache_config  # vLLM's (its KV cache groups), when given
-        self.kv_group_map: KVGroupMap | None = None
         self.deployment = deployment
         self.host_id = jax.process_index() if host_id is None else host_id
         self._faults = faults
@@ -103,10 +102,12 @@ class OffloadWorker:
         layout = CacheLayout.from_caches(caches)  # UnsupportedCache names what cannot be offloaded
         groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or ()
         if len(groups) > 1:
-            self.kv_group_map = KVGroupMap.of(self.kv_cache_config, getattr(runner, "layer_name_to_kvcache_index", {}),
-                                              len(caches))
+            # Refuses arrays tpu-inference did not share between the groups; nothing else needs it:
+            # a chunk (one block of every array) serves every group alike.
+            group_map = KVGroupMap.of(self.kv_cache_config, getattr(runner, "layer_name_to_kvcache_index", {}),
+                                      len(caches))
             logger.info("tpuoffload worker %d: %d KV cache groups; %s", self.host_id, len(groups),
-                        self.kv_group_map.describe())
+                        group_map.describe())
         host_bytes = self.config.host_bytes(layout.device_bytes_per_chunk)
         check_fits_in_ram(host_bytes)
         self._runner = runner
