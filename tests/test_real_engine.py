@@ -108,6 +108,17 @@ def test_no_stale_load_after_reset_connector(report, dp, tp):
 
 
 @pytest.mark.parametrize("dp,tp", SHAPES)
+def test_every_loaded_block_holds_the_saved_bytes(report, dp, tp):
+    """The byte audit (tpuoffload/sim/byte_audit.py) compared every block each load wrote with the
+    block saved to its slot: the check that holds where greedy tokens cannot (DP 2, TP 2)."""
+    _, conn = runs(report, dp, tp)
+    audit = conn["passes"][-1]["byte_audit"]
+    assert audit["saves"] == 2 * saved_blocks(dp)  # passes 1 and 3
+    assert audit["loads_checked"] == 2 * LOADED_BLOCKS  # passes 2 and 4
+    assert audit["num_mismatches"] == 0, audit["mismatches"]
+
+
+@pytest.mark.parametrize("dp,tp", SHAPES)
 def test_connector_idle_at_the_end(report, dp, tp):
     _, conn = runs(report, dp, tp)
     assert all(v == 0 for v in conn["worker_idle"].values()), conn["worker_idle"]

@@ -43,6 +43,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from tpuoffload.sim.byte_audit import ByteAudit
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 160  # KV cache blocks (num_gpu_blocks_override): small, so the CPU attention stays cheap
 MAX_TOKENS = 6
@@ -150,6 +152,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
     init_s = time.monotonic() - t0
     try:
         halves = _connector_halves(llm, dp, stats_dir) if connector else None
+        audit = ByteAudit(halves["worker"]) if connector else None
         runner = _check_real_path(llm, halves, dp)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         prompts = make_prompts(seed)
@@ -169,6 +172,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
             if connector:
                 assert halves["worker"].wait_idle(30.0), "saves still in flight 30 s after the pass"
                 entry["counters"] = _delta(before, _totals(halves))
+                entry["byte_audit"] = audit.report()
             passes.append(entry)
         result = {"connector": connector, "tp": tp, "dp": dp, "dtype": DTYPE, "init_seconds": round(init_s, 2),
                   "devices": [str(d) for d in runner.devices], "mesh": dict(runner.mesh.shape),
@@ -178,6 +182,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
                   "platform": type(_current_platform()).__module__ + "." + type(_current_platform()).__name__}
         if connector:
             result["worker_idle"] = halves["worker"].idle_report()
+            result["moves"] = audit.steps
     finally:
         _shutdown(llm)
     if connector:  # after the shutdown: DP ranks' halves write their last snapshot as they close
