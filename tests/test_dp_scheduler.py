@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tpuoffload.config import check_dp_config, parse_config
-from tpuoffload.messages import LoadRequest, OffloadMetadata, SaveBatch, StepPlan
+from tpuoffload.messages import RANK_SAVE_ID_SHIFT, LoadRequest, OffloadMetadata, SaveBatch, StepPlan
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.sim.podslice import PodSlice, SliceSpec
 from tpuoffload.sim.chaos import Chaos
@@ -206,3 +206,91 @@ def test_every_rank_plan_survives_dpscheduler_merge_whole():
         assert got.local_block_ids == [rank * bpr]
         assert got.placement() == (rank * bpr, rank * 16, rank << 40)
         assert dataclasses.replace(got, local_block_ids=[0]) == sent  # nothing else changed
+
+
+def _dp_worker(seed: int = 0):
+    """One host holding both batch shards of tpu-inference's DP 2 x TP 4 cache, random contents."""
+    caches, mesh = create_caches(LAYOUTS["bf16-dp2-tp4"])
+    rng = np.random.default_rng(seed)
+    caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
+    original = [np.asarray(c) for c in caches]
+    runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
+    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 22}), host_id=0)
+    worker.register_runner(runner)
+    return worker, runner, original, worker.engine.backend.num_slots // 2, caches[0].shape[0] // 2
+
+
+def _step(worker: OffloadWorker, plans: list[StepPlan]) -> set[int]:
+    """One step of the worker; returns its load errors."""
+    worker.bind(OffloadMetadata(plans))
+    worker.wait_for_save()
+    worker.get_finished()
+    errors = worker.take_load_errors()
+    worker.clear()
+    assert worker.engine.wait_idle(30)
+    return errors
+
+
+def _cross(slot: int, save_id: int, owner: int, planner: int, per_rank_slots: int) -> tuple[int, int]:
+    """Rank ``owner``'s slot and save id as rank ``planner`` names them in a load (LoadRequest)."""
+    return slot + (owner - planner) * per_rank_slots, save_id + ((owner - planner) << RANK_SAVE_ID_SHIFT)
+
+
+def test_a_rank_loads_a_chunk_another_rank_saved_byte_exact():
+    """Rank 1 loads rank 0's chunk (and rank 0 rank 1's) into its own blocks: the rows cross the
+    batch axis inside the one load program, byte for byte; the counters say so."""
+    worker, runner, original, per_rank, bpr = _dp_worker()
+    saves = [_rank_plan(r, bpr, 0, per_rank, save=SaveBatch((3 + r,), (0,), (0,))) for r in range(2)]
+    assert _step(worker, saves) == set()
+    worker.build_report()
+    s1, i1 = _cross(0, 0, owner=0, planner=1, per_rank_slots=per_rank)
+    s0, i0 = _cross(0, 0, owner=1, planner=0, per_rank_slots=per_rank)
+    loads = [_rank_plan(0, bpr, 1, per_rank, loads=(LoadRequest("a", (9, 10), (s0, 0), (i0, 0)),)),
+             _rank_plan(1, bpr, 1, per_rank, loads=(LoadRequest("b", (9,), (s1,), (i1,)),))]
+    assert _step(worker, loads) == set()
+    for layer, c in enumerate(runner.kv_caches):
+        got = np.asarray(c)
+        assert np.array_equal(got[9], original[layer][bpr + 4]), f"layer {layer}: rank 1's chunk in rank 0"
+        assert np.array_equal(got[10], original[layer][3]), f"layer {layer}: rank 0's own chunk"
+        assert np.array_equal(got[bpr + 9], original[layer][3]), f"layer {layer}: rank 0's chunk in rank 1"
+    counters = worker.engine.take_counters()
+    assert counters["cross_rank_chunks_loaded"] == 2 and counters["chunks_loaded"] == 3, counters
+    assert any("cross=True" in op for op in worker.digests[-1].ops)
+    worker.close()
+
+
+@pytest.mark.parametrize("when", ["flush", "save"])
+def test_a_slot_reused_by_its_rank_in_the_step_another_rank_loads_it_is_never_garbage(when, monkeypatch):
+    """The race the ranks' independent planning allows: rank 0 saves a new chunk into its slot 0 in
+    the very step rank 1 loads the old chunk from it (rank 1's view lags). A flush is dispatched
+    before the loads: the load waits for it, sees the slot's new save id and becomes a load error
+    (zeros, the block reported). An eager save is dispatched after the loads: the load reads the old
+    chunk, whole (the save's program takes the store after the load's reads). 0 wrong bytes either
+    way. Negative control (flush): without the slot check the load serves the new chunk's bytes as
+    if they were the old one's."""
+    for check in ((True, False) if when == "flush" else (True,)):
+        worker, runner, original, per_rank, bpr = _dp_worker(seed=1)
+        if not check:
+            monkeypatch.setattr(worker.engine, "_unusable", lambda *a: set())
+        assert _step(worker, [_rank_plan(0, bpr, 0, per_rank, save=SaveBatch((3,), (0,), (0,)))]) == set()
+        s, i = _cross(0, 0, owner=0, planner=1, per_rank_slots=per_rank)
+        reuse = SaveBatch((5,), (0,), (1,))  # rank 0's new chunk (block 5) in the same slot
+        rank0 = _rank_plan(0, bpr, 1, per_rank, **{when: reuse})
+        rank1 = _rank_plan(1, bpr, 1, per_rank, loads=(LoadRequest("b", (9,), (s,), (i,)),))
+        errors = _step(worker, [rank0, rank1])
+        got = [np.asarray(c)[bpr + 9] for c in runner.kv_caches]
+        if not check:  # the hazard: the new chunk's bytes served as the old chunk, silently
+            assert errors == set() and all(np.array_equal(g, o[5]) for g, o in zip(got, original))
+            worker.close()
+            continue
+        if when == "flush":
+            assert errors == {9}, errors  # rank 1's block: recomputed
+            assert all(not g.any() for g in got), "a stale load scatters zeros, never another chunk's bytes"
+            assert worker.engine.take_counters()["cross_rank_load_errors"] == 1
+        else:
+            assert errors == set()
+            assert all(np.array_equal(g, o[3]) for g, o in zip(got, original)), "the old chunk, whole"
+        # Rank 0's new chunk is in its slot, intact.
+        assert _step(worker, [_rank_plan(0, bpr, 2, per_rank, loads=(LoadRequest("c", (11,), (0,), (1,)),))]) == set()
+        assert all(np.array_equal(np.asarray(c)[11], o[5]) for c, o in zip(runner.kv_caches, original))
+        worker.close()

@@ -40,6 +40,8 @@ CHUNKS_LOADED = "chunks_loaded"
 BYTES_LOADED = "bytes_loaded"
 LOAD_ERRORS = "load_errors"
 LOAD_SECONDS = "load_seconds"
+CROSS_RANK_CHUNKS_LOADED = "cross_rank_chunks_loaded"
+CROSS_RANK_LOAD_ERRORS = "cross_rank_load_errors"
 
 # ---- worker half: warm restart (each host its own part of a checkpoint) ----
 PERSIST_SAVED_CHUNKS = "persist_saved_chunks"
@@ -66,6 +68,8 @@ HIT_TOKENS = "hit_tokens"
 LOADS_CANCELLED = "loads_cancelled"
 DISCARDED = "discarded"
 FAILED_REQUESTS = "failed_requests"
+CROSS_RANK_HIT_TOKENS = "cross_rank_hit_tokens"
+CROSS_RANK_DISCARDED = "cross_rank_discarded"
 
 # ---- scheduler half: save planning (every save candidate lands in exactly one of these) ----
 SAVES_ISSUED = "saves_issued"
@@ -118,6 +122,9 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(BYTES_LOADED, _W, "Bytes loaded from host RAM"),
     CounterInfo(LOAD_ERRORS, _W, "Blocks whose load failed on a host and were recomputed"),
     CounterInfo(LOAD_SECONDS, _W, "Seconds the main thread spent dispatching loads"),
+    CounterInfo(CROSS_RANK_CHUNKS_LOADED, _W, "DPScheduler: chunks one DP rank saved loaded into another rank's blocks"),
+    CounterInfo(CROSS_RANK_LOAD_ERRORS, _W, "DPScheduler: loads of another rank's chunk that failed on a host "
+                "(the slot was reused meanwhile: recomputed)"),
     CounterInfo(PERSIST_SAVED_CHUNKS, _W, "Chunks this host wrote into committed checkpoints"),
     CounterInfo(PERSIST_SAVED_BYTES, _W, "Bytes this host wrote into committed checkpoints"),
     CounterInfo(PERSIST_SAVE_FAILED, _W, "Checkpoints that failed on this host (never restored)"),
@@ -137,6 +144,9 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
     CounterInfo(DISCARDED, _S, "Chunks dropped from the index after a load of them failed on a host"),
+    CounterInfo(CROSS_RANK_HIT_TOKENS, _S, "DPScheduler: prompt tokens served from chunks another DP rank saved"),
+    CounterInfo(CROSS_RANK_DISCARDED, _S, "DPScheduler: other ranks' chunks dropped from this rank's view after a "
+                "failed load"),
     CounterInfo(FAILED_REQUESTS, _S, "Loads failed by request (several KV cache groups): vLLM recomputed the whole request"),
     CounterInfo(SAVES_ISSUED, _S, "Unique chunks the scheduler asked the hosts to save"),
     CounterInfo(DEDUP_BATCH, _S, "Chunk saves deduplicated within one step"),

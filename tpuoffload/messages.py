@@ -58,7 +58,12 @@ class DiskBatch:
 @dataclass(frozen=True)
 class LoadRequest:
     """One request's prefix hit: host slots to copy into its blocks. ``unavailable_block_ids`` are
-    blocks the scheduler promised but could not pin; workers report them as load errors."""
+    blocks the scheduler promised but could not pin; workers report them as load errors.
+
+    Slots and save ids are the planning scheduler's own (``StepPlan.placement`` moves them). Under
+    DPScheduler a hit may read another DP rank's chunk: it is named by its offset from the planning
+    rank's own range (rank q's slot s from rank r: ``s + (q - r) * num_slots``, save id
+    ``i + ((q - r) << RANK_SAVE_ID_SHIFT)``), so the placement lands it in rank q's range."""
 
     req_id: str
     block_ids: tuple[int, ...]
@@ -94,6 +99,27 @@ class PersistPlan:
     # A connector reset: every chunk saved under a save id below this is gone for good, also from the
     # checkpoints written after this step (and saves still in flight never become restorable).
     revoke_below: int | None = None
+
+
+#: One chunk in ``ChunkNews.ready``: the rank's own slot and save id, and the hash key words.
+NEWS_READY_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
+#: One chunk in ``ChunkNews.gone``: the rank's own slot and the save id it held.
+NEWS_GONE_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8")])
+
+
+@dataclass(frozen=True)
+class ChunkNews:
+    """Under DPScheduler: what changed in one rank's set of READY chunks since its last plan, for
+    the other ranks' read-only views (manager/rank_view.py). It travels in the rank's plan, and
+    every host echoes it in its report, which DPScheduler hands to every rank. ``epoch``: the
+    rank's connector resets so far (news from before a reset is stale)."""
+
+    epoch: int = 0
+    ready: bytes = b""  # NEWS_READY_ROW rows
+    gone: bytes = b""  # NEWS_GONE_ROW rows
+
+    def __bool__(self) -> bool:
+        return bool(self.ready or self.gone)
 
 
 @dataclass
@@ -132,6 +158,9 @@ class StepPlan:
     # ``local_block_ids``: this one entry, 0 when planned, tells the workers where the rank's
     # blocks start in the engine's cache. The DP scheduler's own translation, so it cannot drift.
     local_block_ids: list[int] = field(default_factory=lambda: [0])
+    # DPScheduler: this rank's READY chunks that came and went since its last plan (the workers
+    # echo it to every rank).
+    news: ChunkNews = field(default_factory=ChunkNews)
 
     def placement(self) -> tuple[int, int, int]:
         """(block offset, slot offset, save id offset) of this plan in the engine's numbering: a DP
@@ -227,6 +256,9 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # Under DPScheduler: the DP rank of each scheduler half (source -> rank), as the workers placed
     # its plans, so a half can name itself in its stats file and logs.
     ranks: dict[int, int] = field(default_factory=dict)
+    # Under DPScheduler: each rank's ``StepPlan.news``, echoed, by (rank, step); every host echoes
+    # the same, so the union is idempotent.
+    news: dict[tuple[int, int], ChunkNews] = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, host: int, saved_ids: Iterable[int] = (), failed_ids: Iterable[int] = (),
@@ -249,7 +281,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         """True if it carries anything. vLLM's KVOutputAggregator drops a falsy report (``elif
         meta := ...`` and ``... or None``), so a report of restored chunks or checkpoints only,
         whose ``len`` is 0, must still be true."""
-        return bool(self.hosts() or self.ranks)
+        return bool(self.hosts() or self.ranks or self.news)
 
     def hosts(self) -> set[int]:
         return ({host for _, host in self.saved} | {host for _, host in self.failed}
@@ -265,7 +297,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
             for host, part in parts.items():
                 mine[host] = mine[host].merge(part) if host in mine else part
         return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed),
-                                   tiers, {**self.ranks, **other.ranks})
+                                   tiers, {**self.ranks, **other.ranks}, {**self.news, **other.news})
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import jax
@@ -37,6 +37,7 @@ from tpuoffload.config import OffloadConfig, check_fits_in_ram
 from tpuoffload.layout import CacheLayout, KVGroupMap
 from tpuoffload.messages import (
     RANK_SAVE_ID_SHIFT,
+    ChunkNews,
     LoadRequest,
     OffloadMetadata,
     OffloadWorkerReport,
@@ -82,6 +83,7 @@ class OffloadWorker:
         self._meta: OffloadMetadata | None = None
         self._placed: list[_Placed] = []  # the step's plans in the engine's numbering
         self._sources: dict[int, int] = {}  # DP rank -> the source of its scheduler half
+        self._news: dict[tuple[int, int], ChunkNews] = {}  # (rank, step) -> the plan's news, to echo
         self._saved = False
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()  # several KV cache groups: failed loads, by request
@@ -179,6 +181,8 @@ class OffloadWorker:
         self._saved = False
         for p in placed:
             self._sources[p.rank] = p.plan.source
+            if p.plan.news:
+                self._news[p.rank, p.plan.step] = p.plan.news
         plan = plans[0]
         self.engine.log.record("step", n=plan.step)
         self._act_tiers(plans)
@@ -219,9 +223,9 @@ class OffloadWorker:
         """Every plan's loads in one engine call; load errors go back in each plan's own block ids."""
         if not any(p.loads for p in placed):
             return
-        blocks, slots, save_ids = _concat_loads(load for p in placed for load in p.loads)
+        blocks, slots, save_ids, sources = _concat_loads(placed)
         try:
-            caches, failed = self.engine.load(self._live_caches(), blocks, slots, save_ids)
+            caches, failed = self.engine.load(self._live_caches(), blocks, slots, save_ids, sources)
             self._runner.kv_caches = caches
         except Exception:
             logger.exception("tpuoffload: load dispatch failed on host %d", self.host_id)
@@ -290,6 +294,7 @@ class OffloadWorker:
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
         report = self._save_report(saved, failed)
+        report.news, self._news = self._news, {}  # every rank's news, to every rank (DPScheduler)
         for t in self.tiers:
             part = t.report()
             if part is not None:
@@ -393,7 +398,8 @@ class OffloadWorker:
 
 class _Placed:
     """One plan in the engine's numbering: a DP rank's blocks, slots and save ids moved to where
-    DPScheduler and the rank's share of the host store put them (``StepPlan.placement``)."""
+    DPScheduler and the rank's share of the host store put them (``StepPlan.placement``), and for
+    each load, a block of the batch shard whose store rows hold each slot's bytes (``sources``)."""
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
@@ -401,12 +407,22 @@ class _Placed:
         self.rank = id_offset >> RANK_SAVE_ID_SHIFT
         if not (self.block_offset or self.slot_offset or id_offset):  # one scheduler: nothing moves
             self.flush, self.save, self.loads = plan.flush, plan.save, plan.loads
-            return
-        b, s, i = self.block_offset, self.slot_offset, id_offset
-        self.flush, self.save = (SaveBatch(_shift(x.block_ids, b), _shift(x.slots, s), _shift(x.save_ids, i), x.keys)
-                                 for x in (plan.flush, plan.save))
-        self.loads = tuple(LoadRequest(ld.req_id, tuple(_shift(ld.block_ids, b)), _shift(ld.slots, s),
-                                       _shift(ld.save_ids, i), ld.unavailable_block_ids) for ld in plan.loads)
+        else:
+            b, s, i = self.block_offset, self.slot_offset, id_offset
+            self.flush, self.save = (SaveBatch(_shift(x.block_ids, b), _shift(x.slots, s), _shift(x.save_ids, i),
+                                               x.keys) for x in (plan.flush, plan.save))
+            self.loads = tuple(LoadRequest(ld.req_id, tuple(_shift(ld.block_ids, b)), _shift(ld.slots, s),
+                                           _shift(ld.save_ids, i), ld.unavailable_block_ids) for ld in plan.loads)
+        self.sources = tuple(self._sources(ld) for ld in self.loads)
+
+    def _sources(self, load: LoadRequest) -> Sequence[int]:
+        """One scheduler: a chunk was saved from the destination's own batch shard. A DP rank: each
+        rank saves from its own blocks into its own range of slots, so a slot's bytes sit in the
+        shard of the blocks of the rank whose range holds it (another rank's, for a cross-rank hit)."""
+        if not self.plan.num_blocks:
+            return load.block_ids
+        per_rank = self.plan.num_slots
+        return tuple(slot // per_rank * self.plan.num_blocks for slot in load.slots)
 
 
 def _shift(ids, offset: int):
@@ -423,10 +439,12 @@ def _concat_saves(batches: list[SaveBatch]) -> SaveBatch:
                      keys=b"".join(b.keys for b in batches))
 
 
-def _concat_loads(loads: Iterable[LoadRequest]) -> tuple[list[int], list[int], list[int]]:
-    blocks, slots, save_ids = [], [], []
-    for load in loads:
-        blocks.extend(load.block_ids)
-        slots.extend(load.slots)
-        save_ids.extend(load.save_ids)
-    return blocks, slots, save_ids
+def _concat_loads(placed: Iterable[_Placed]) -> tuple[list[int], list[int], list[int], list[int]]:
+    blocks, slots, save_ids, sources = [], [], [], []
+    for p in placed:
+        for load, load_sources in zip(p.loads, p.sources):
+            blocks.extend(load.block_ids)
+            slots.extend(load.slots)
+            save_ids.extend(load.save_ids)
+            sources.extend(load_sources)
+    return blocks, slots, save_ids, sources

@@ -12,13 +12,17 @@ that produced or read the store version it takes: write-after-write and read-aft
 data dependency.
 
 Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
-own shard and no collective is added: each device moves the requested blocks that fall in its
-batch shard's block range and ignores the others. Blocks travel as unsigned integers (a bitcast:
+own shard: each device moves the requested blocks that fall in its batch shard's block range and
+ignores the others. The one collective: a load whose rows come from another batch shard's store
+rows (under DPScheduler, a DP rank loading a chunk another rank saved) sums the source shards' rows
+over the batch axes before its scatter (``_from_sources``); the plan alone says whether a load
+needs it, so every host compiles and dispatches the same program. Blocks travel as unsigned integers (a bitcast:
 32-bit words packing the last axis where it allows, ``Wire``; else the cache dtype's width), so every
 bit pattern, NaN payloads included, arrives unchanged.
 
-The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) a valid flag;
-a row that is not valid scatters zeros (a placeholder for a block this host could not supply).
+The ids of one call are one int32 array ``(3, P)``: block ids, slots, and (loads) the row's
+source: ``1 +`` a block of the batch shard whose store row holds the slot's bytes, or 0 for a row
+that is not valid, which scatters zeros (a placeholder for a block this host could not supply).
 They arrive in host memory (worker/ids_ring.py) and each program first copies them to the device.
 
 Copies: a program moves its rows as a few slices of consecutive slots, one dynamic slice of the
@@ -271,12 +275,28 @@ def _gather_local(ids, caches, *, group: GroupLayout, wire: Wire):
     return rows[None]  # (1, P, layers, *tile in wire words)
 
 
-def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout, wire: Wire):
+def _from_sources(valid, rows, *, group: GroupLayout):
+    """Rows moved across the batch axes: each row as the batch shard named by its ``valid`` entry
+    (``1 + a block of the shard whose store row holds the slot's bytes``; 0: a placeholder) read
+    it, on every batch shard. Each shard contributes the rows it is the source of and zeros
+    elsewhere, and one sum over the batch axes adds them: exact, whatever the bits (integer words,
+    one non-zero term). A host whose own check failed a row contributes zeros there and reports
+    the block, so vLLM recomputes it on every host."""
+    shard = jax.lax.axis_index(group.batch_axes)
+    mine = (valid != 0) & ((valid - 1) // group.blocks_per_shard == shard)
+    rows = jnp.where(mine.reshape((1, -1) + (1,) * (rows.ndim - 2)), rows, 0)
+    return jax.lax.psum(rows, group.batch_axes)
+
+
+def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout, wire: Wire, cross: bool = False):
     """Scatter rows into their blocks of this device's batch shard. The blocks of a load are
     distinct (the engine checks), and a row that is not ours (padding, another batch shard) gets
     its own index past the shard's end, where it is dropped: every index is unique, which XLA is
     told. Measured on the H200 (32 layers, 8 MiB rows): the scatter of 512 MiB takes 1.5 ms
-    instead of 3.1, of 2 GiB 2.7 ms instead of 9.8."""
+    instead of 3.1, of 2 GiB 2.7 ms instead of 9.8. ``cross``: some rows come from another batch
+    shard's store row (``_from_sources``, a DP rank's chunk loaded by another rank)."""
+    if cross:
+        rows = _from_sources(valid, rows, group=group)
     local = _local_ids(ids, group)
     per_shard = group.blocks_per_shard
     spare = per_shard + jnp.arange(local.shape[0], dtype=local.dtype)
@@ -326,20 +346,24 @@ class GroupPrograms:
         self._gather = jax.shard_map(partial(_gather_local, group=group, wire=self.wire), mesh=mesh,
                                      in_specs=(PartitionSpec(), (cache_spec,) * n), out_specs=rows_spec,
                                      check_vma=False)
-        self._scatter = jax.shard_map(partial(_scatter_local, group=group, wire=self.wire), mesh=mesh,
-                                      in_specs=(PartitionSpec(), PartitionSpec(), rows_spec, (cache_spec,) * n),
-                                      out_specs=(cache_spec,) * n, check_vma=False)
+        self._scatters = {cross: jax.shard_map(partial(_scatter_local, group=group, wire=self.wire, cross=cross),
+                                               mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), rows_spec,
+                                                                    (cache_spec,) * n),
+                                               out_specs=(cache_spec,) * n, check_vma=False)
+                          for cross in (False, True)}
         token_sharding = NamedSharding(mesh, PartitionSpec())
         # ``copies`` (static, keyword): the copy structure of the program's rows (``copy_plan``).
         self.save = jax.jit(self._save, donate_argnums=1, static_argnames="copies",
                             out_shardings=(self.store_sharding, token_sharding))
-        self.load = jax.jit(self._load, donate_argnums=0, static_argnames="copies",
+        # ``cross`` (static, keyword): rows move across the batch axes (``_from_sources``).
+        self.load = jax.jit(self._load, donate_argnums=0, static_argnames=("copies", "cross"),
                             out_shardings=((group.sharding,) * n, token_sharding))
         # The disk tier's two programs: copy slots out (the store is read, not donated) and write
         # rows read back from disk into slots (as a save writes gathered rows).
         self.read = jax.jit(self._read, static_argnames="copies",
                             out_shardings=(self.device_sharding, token_sharding))
-        self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, out_shardings=((group.sharding,) * n, token_sharding))
+        self.scatter = jax.jit(self._scatter_rows, donate_argnums=0, static_argnames="cross",
+                               out_shardings=((group.sharding,) * n, token_sharding))
         self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *self.wire.shape(group.shape[1:]))
@@ -405,10 +429,10 @@ class GroupPrograms:
         (lo, hi, groups), = self.parts_of("read", copies)
         return self._read_rows(store, ids, lo, hi, groups, sum(c for _, _, c in groups)), _token(ids)
 
-    def _scatter_rows(self, caches, rows, ids):
+    def _scatter_rows(self, caches, rows, ids, cross=False):
         """Scatter rows read by ``read`` (``(shards, P, ...)`` on the devices) into blocks ``ids[0]``."""
         ids = jax.device_put(ids, DEVICE)
-        return self._scatter(ids[0], ids[2], rows, caches), _token(ids)
+        return self._scatters[cross](ids[0], ids[2], rows, caches), _token(ids)
 
     def _write_rows(self, store, rows, ids, lo: int, groups, total: int):
         """Write rows ``(shards, k, ...)`` into the store: each group ``(offset, width, count)``
@@ -431,13 +455,13 @@ class GroupPrograms:
             store = jax.lax.fori_loop(0, c, write, store, unroll=min(SAVE_UNROLL, c))
         return store
 
-    def _load(self, caches, store, ids, copies=()):
+    def _load(self, caches, store, ids, copies=(), cross=False):
         ids = jax.device_put(ids, DEVICE)
         parts = self.parts_of("load", copies)
         total = sum(c for _, _, groups in parts for _, _, c in groups)
         for lo, hi, groups in parts:  # part k's scatter overlaps part k+1's copies
             rows = self._read_rows(store, ids, lo, hi, groups, total)
-            caches = self._scatter(ids[0, lo:hi], ids[2, lo:hi], rows, caches)
+            caches = self._scatters[cross](ids[0, lo:hi], ids[2, lo:hi], rows, caches)
         return caches, _token(ids)
 
     def load_parts(self, n: int) -> int:

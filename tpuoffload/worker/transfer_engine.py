@@ -360,13 +360,21 @@ class TransferEngine:
 
     # ---------------- loads ----------------
     def load(self, kv_caches: Sequence[jax.Array], block_ids: Sequence[int], slots: Sequence[int],
-             save_ids: Sequence[int]) -> tuple[list[jax.Array], list[int]]:
+             save_ids: Sequence[int], sources: Sequence[int] | None = None) -> tuple[list[jax.Array], list[int]]:
         """Copy ``slots`` into ``block_ids`` of the cache with, per layer group and piece, one load
         program (read the slots, move to the device, scatter). The cache arrays are donated: use the
-        returned ones. Returns ``(new_caches, failed_block_ids)``."""
+        returned ones. Returns ``(new_caches, failed_block_ids)``.
+
+        ``sources``: per row, a block of the batch shard whose store row holds the slot's bytes
+        (default: the destination block itself). Under DPScheduler a rank's slots hold its own
+        batch shard's bytes, and a rank may load another rank's chunk: such rows move across the
+        batch axes inside the same program (``programs._from_sources``), whose variant depends on
+        the plan alone. A slot whose record names another shard than its row's source is a load
+        error."""
         self._check_owner()
         self._check_caches(kv_caches)
         block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, unique="block_ids")
+        sources = block_ids if sources is None else self._sources(sources, len(block_ids))
         n = len(block_ids)
         if not n:
             return list(kv_caches), []
@@ -375,28 +383,50 @@ class TransferEngine:
         perm, listed = None, block_ids
         if len(pieces) > 1:  # pieces of a plan sorted by slot (runs stay whole); failures map back
             perm = np.argsort(slots, kind="stable")
-            block_ids, slots, save_ids = block_ids[perm], slots[perm], save_ids[perm]
+            block_ids, slots, save_ids, sources = block_ids[perm], slots[perm], save_ids[perm], sources[perm]
+        moved = self._moved(block_ids, sources)
+        cross = bool(moved.any())  # from the plan alone: every host dispatches the same variant
         plans = [copy_plan(slots[p], self._copy_cost["load"]) for p in pieces]  # once per piece
         rows = self._maybe_read_first(slots[pieces[0]], plans[0])  # before the checks: the copies start now
-        failed = self._load_failures(block_ids, slots, save_ids)
-        valid = np.ones(n, np.int32)
+        failed = self._load_failures(block_ids, slots, save_ids, sources)
+        valid = (sources + 1).astype(np.int32)
         valid[list(failed)] = 0
         caches = list(kv_caches)
         for k, piece in enumerate(pieces):
             if k:  # later pieces read after the previous piece's scatter: one piece's rows at a time
                 rows = self._maybe_read_first(slots[piece], plans[k])
-            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid[piece], rows, plans[k])
+            caches = self._dispatch_load(caches, block_ids[piece], slots[piece], valid[piece], rows, plans[k], cross)
         self._known_caches = tuple(map(weakref.ref, caches))
+        moved_failed = int(moved[list(failed)].sum()) if failed else 0
         if perm is not None:
             failed = {int(perm[i]) for i in failed}
         with self._lock:
             self.counters[C.CHUNKS_LOADED] += n - len(failed)
             self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
             self.counters[C.LOAD_ERRORS] += len(failed)
+            self.counters[C.CROSS_RANK_CHUNKS_LOADED] += int(moved.sum()) - moved_failed
+            self.counters[C.CROSS_RANK_LOAD_ERRORS] += moved_failed
             self.counters[C.LOAD_SECONDS] += time.monotonic() - t0
         return caches, [int(listed[i]) for i in sorted(failed)]
 
-    def _load_failures(self, block_ids: np.ndarray, slots: np.ndarray, save_ids: np.ndarray) -> set[int]:
+    def _sources(self, sources: Sequence[int], n: int) -> np.ndarray:
+        sources = _ints(sources)
+        if len(sources) != n:
+            raise ValueError(f"{len(sources)} sources for a load of {n} blocks")
+        if n and (sources.min() < 0 or sources.max() >= self.num_blocks):
+            raise ValueError(f"source blocks out of range 0..{self.num_blocks - 1}")
+        return sources
+
+    def _moved(self, block_ids: np.ndarray, sources: np.ndarray) -> np.ndarray:
+        """Rows whose bytes sit in another batch shard than their destination's (any layer group)."""
+        moved = np.zeros(len(block_ids), bool)
+        for g in self.layout.groups:
+            if g.num_shards > 1:
+                moved |= g.shard_of(block_ids) != g.shard_of(sources)
+        return moved
+
+    def _load_failures(self, block_ids: np.ndarray, slots: np.ndarray, save_ids: np.ndarray,
+                       sources: np.ndarray) -> set[int]:
         """Positions of a load that become placeholders: late writes, injected faults, slots that
         do not hold the expected chunk; every position if anything here raises. Checked once per
         load, whatever its pieces."""
@@ -404,7 +434,7 @@ class TransferEngine:
         failed = self._wait_for_writes(slots)
         try:
             failed |= self._faults.hit(FaultPoint.LOAD_SLOT_CHECK, n)
-            failed |= self._unusable(block_ids, slots, save_ids)
+            failed |= self._unusable(sources, slots, save_ids)
             failed |= self._faults.hit(FaultPoint.LOAD_PREPARE, n)
         except Exception as exc:  # noqa: BLE001 - placeholders keep the dispatch identical
             logger.warning("tpuoffload: preparing a load of %d slots failed on this host: %s", n, exc)
@@ -417,20 +447,22 @@ class TransferEngine:
         return self._read_first(slots, plan) if self._reads_first(plan.copies) else None
 
     def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray, valid: np.ndarray,
-                       rows: list[jax.Array] | None, plan: CopyPlan) -> list[jax.Array]:
+                       rows: list[jax.Array] | None, plan: CopyPlan, cross: bool) -> list[jax.Array]:
         """One piece's load program per layer group, or its scatter program of ``rows`` already
-        read; returns the new caches (``plan``: the piece's ``copy_plan``)."""
+        read; returns the new caches (``plan``: the piece's ``copy_plan``; ``cross``: rows move
+        across the batch axes)."""
         copies = plan.copies
         ids, entry = self._ids.put(_plan_ids(plan, block_ids, slots, valid, self.num_blocks))
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
-                out, token = prog.load(self._group_caches(kv_caches, i), self._stores[i], ids, copies=copies)
+                out, token = prog.load(self._group_caches(kv_caches, i), self._stores[i], ids, copies=copies,
+                                       cross=cross)
                 self.log.record("load", shape=ids.shape, group=i, **self._copies_fields(prog, "load", copies),
-                                blocks=block_ids, slots=slots)
+                                cross=cross, blocks=block_ids, slots=slots)
             else:
-                out, token = prog.scatter(self._group_caches(kv_caches, i), rows[i], ids)
-                self.log.record("load", shape=ids.shape, group=i, blocks=block_ids, slots=slots)
+                out, token = prog.scatter(self._group_caches(kv_caches, i), rows[i], ids, cross=cross)
+                self.log.record("load", shape=ids.shape, group=i, cross=cross, blocks=block_ids, slots=slots)
             tokens.append(token)
             for layer, arr in zip(prog.group.layers, out):
                 new[layer] = arr
@@ -476,13 +508,15 @@ class TransferEngine:
         self._ids.read_by(entry, tokens)
         return rows
 
-    def _unusable(self, block_ids: np.ndarray, slots: np.ndarray, save_ids: np.ndarray) -> set[int]:
-        """Positions whose slot does not hold the expected chunk, or lacks bytes this host needs
-        for the destination block (blocks split across hosts by data parallelism)."""
-        ok, sources = self.backend.lookup(slots, save_ids)
+    def _unusable(self, sources: np.ndarray, slots: np.ndarray, save_ids: np.ndarray) -> set[int]:
+        """Positions whose slot does not hold the expected chunk (a stale plan: the slot was
+        reused, even by another DP rank's save), or whose chunk was saved from another batch
+        shard than the row's declared source (the store keeps a chunk in its source block's
+        batch shard only)."""
+        ok, recorded = self.backend.lookup(slots, save_ids)
         for g in self.layout.groups:
-            if g.num_shards > 1:  # the store keeps a chunk in its source block's batch shard only
-                ok &= g.shard_of(block_ids) == g.shard_of(sources)
+            if g.num_shards > 1:
+                ok &= g.shard_of(sources) == g.shard_of(recorded)
         return set(np.flatnonzero(~ok).tolist())
 
     def _wait_for_writes(self, slots: np.ndarray) -> set[int]:
