@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpuoffload.manager.hash_table import HashKeys
+from tpuoffload.messages import ChunkNews
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -218,6 +219,14 @@ class EventLog:
 class ChunkEvents:
     """An index's event sink. This class is the disabled one (``NO_EVENTS``): every method does
     nothing, so an index without events pays one call per batch. ``TierEvents`` is the real one."""
+
+    def bind(self, index: Any) -> None:
+        """The index this sink listens to (it may read the index's keys and save ids)."""
+
+    def take_news(self, epoch: int) -> ChunkNews:
+        """Under DPScheduler, the READY set's changes since the last call, for the other ranks
+        (manager/rank_view.py:RankNews); nothing here."""
+        return ChunkNews(epoch)
 
     def record(self, slots: np.ndarray, positions: np.ndarray, origins: Origins) -> None:
         """New chunks named in ``slots`` (SAVING): candidate ``positions[i]`` of a save batch went to

@@ -92,6 +92,7 @@ class ChunkIndex:
         # when kept (record_evictions): what the disk tier spills.
         self._evicted: list[tuple[np.ndarray, np.ndarray, HashKeys, object]] | None = None
         self._k = kernels()
+        events.bind(self)
 
     # ------------------------------------------------------------------ queries (no side effects)
     @property
@@ -172,6 +173,10 @@ class ChunkIndex:
 
     def save_ids(self, slots: np.ndarray) -> np.ndarray:
         return self._save_id[slots]
+
+    def keys_of(self, slots: np.ndarray) -> HashKeys:
+        """The hash keys of the chunks named in ``slots`` (SAVING or READY)."""
+        return HashKeys(self._table.k1_at(self._cell[slots]), self._key2[slots].copy())
 
     def lru_order(self) -> list[int]:
         """Slots of the eviction candidates, least recently used first. O(num_slots): for reports

@@ -27,6 +27,7 @@ from tpuoffload import counters as C
 from tpuoffload.messages import LoadRequest
 from tpuoffload.manager.index import ChunkIndex, SavedPrefix
 from tpuoffload.manager.kv_groups import NULL_BLOCK, GroupedHit, KVCacheGroups
+from tpuoffload.manager.rank_view import RankView
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -38,7 +39,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class _Lookup:
     local: int  # blocks vLLM's own prefix cache covers
     found: SavedPrefix | GroupedHit  # the READY blocks right after them: host slots and save ids
-    version: int  # index version when looked up: ``found`` is exact while it is unchanged
+    version: int  # ``LoadTracker._version()`` when looked up: ``found`` is exact while it is unchanged
 
 
 #: The memo of a lookup whose first block missed (version -1: never taken for exact; a plan
@@ -55,8 +56,11 @@ class _Planned:
 
 class LoadTracker:
     def __init__(self, index: ChunkIndex, block_size: int, counters: Counter[str],
-                 groups: KVCacheGroups = KVCacheGroups()) -> None:
+                 groups: KVCacheGroups = KVCacheGroups(), view: RankView = RankView(1, 0)) -> None:
         self.index = index
+        # Under DPScheduler: the other ranks' READY chunks (rank_view.py), used where the rank's
+        # own index has none; empty otherwise.
+        self.view = view
         self.groups = groups
         self.block_size = block_size
         self.counters = counters
@@ -84,20 +88,32 @@ class LoadTracker:
         memo = self._lookups.get(req_id)
         if self.groups.several:
             return self._lookup_groups(request, local, memo)
-        if memo is not None and memo.local == local and memo.version == self.index.version:
+        if memo is not None and memo.local == local and memo.version == self._version():
             return len(memo.found.slots)
         # Leave at least one token to compute: vLLM needs a token to sample from.
-        found = self.index.ready_prefix_saved(request.block_hashes, local, (request.num_tokens - 1) // bs)
+        found = self._find(request.block_hashes, local, (request.num_tokens - 1) // bs)
         # A miss (the usual answer: one probe of the first block) is not worth a memo of its own.
-        self._lookups[req_id] = _Lookup(local, found, self.index.version) if len(found.slots) else _MISS
+        self._lookups[req_id] = _Lookup(local, found, self._version()) if len(found.slots) else _MISS
         return len(found.slots)
+
+    def _find(self, hashes, start: int, stop: int) -> SavedPrefix:
+        """The READY chunks of ``hashes[start:stop]``, from the rank's own index and, where it has
+        none, from the other ranks' (DPScheduler)."""
+        found = self.index.ready_prefix_saved(hashes, start, stop)
+        if self.view and start + len(found.slots) < min(stop, len(hashes)):
+            found = self.view.extend(self.index, hashes, start, stop, found)
+        return found
+
+    def _version(self) -> int:
+        """Changes whenever a READY chunk, the rank's own or another rank's, may have left."""
+        return self.index.version + self.view.version
 
     def _lookup_groups(self, request: "Request", local: int, memo: _Lookup | None) -> int:
         """``lookup`` with several KV cache groups: a hit every group can serve (kv_groups.py)."""
-        if memo is not None and memo.local == local and memo.version == self.index.version:
+        if memo is not None and memo.local == local and memo.version == self._version():
             return memo.found.n
         found = self.groups.find_hit(self.index, request.block_hashes, local, (request.num_tokens - 1) // self.block_size)
-        self._lookups[request.request_id] = _Lookup(local, found, self.index.version) if found.n else _MISS
+        self._lookups[request.request_id] = _Lookup(local, found, self._version()) if found.n else _MISS
         return found.n
 
     def take_lookup(self, req_id: str) -> _Lookup | None:
@@ -122,14 +138,18 @@ class LoadTracker:
         report them as load errors and vLLM recomputes (invariant 11: a missing load is explicit)."""
         if self.groups.several:
             return self._plan_groups(request, lookup, num_blocks, block_ids)
-        if lookup is not None and lookup.version == self.index.version:
+        if lookup is not None and lookup.version == self._version():
             local, found = lookup.local, lookup.found
         else:  # no memo, or the index changed since: look again
             local = lookup.local if lookup is not None else 0
-            found = self.index.ready_prefix_saved(request.block_hashes, local, local + num_blocks)
+            found = self._find(request.block_hashes, local, local + num_blocks)
         slots = found.slots[:num_blocks]
         ready = len(slots)
         slot_seq, save_ids = found.listed(ready)
+        own = (slots >= 0) & (slots < self.index.num_slots)  # the rest are other ranks' (not pinned here)
+        if not own.all():
+            self.counters[C.CROSS_RANK_HIT_TOKENS] += int((~own).sum()) * self.block_size
+            slots = slots[own]
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
             block_ids=tuple(block_ids[local:local + ready]),
@@ -146,7 +166,7 @@ class LoadTracker:
         into its own block ids. A hit no longer servable whole fails the request (vLLM takes load
         failures of several groups only by request): nothing is copied and the workers report it."""
         local = lookup.local if lookup is not None else 0
-        hit = lookup.found if lookup is not None and lookup.version == self.index.version else None
+        hit = lookup.found if lookup is not None and lookup.version == self._version() else None
         if hit is None or hit.n != num_blocks:
             hit = self.groups.find_hit(self.index, request.block_hashes, local, local + num_blocks)
         targets = [ids[local + first:local + hit.n] for ids, first in zip(block_ids, hit.first)]

@@ -43,6 +43,7 @@ from tpuoffload.manager.kv_groups import KVCacheGroups
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.lifecycle import RequestLifecycle
 from tpuoffload.manager.load_tracker import LoadTracker
+from tpuoffload.manager.rank_view import RankNews, RankView
 from tpuoffload.manager.restart import WarmRestart
 from tpuoffload.manager.save_planner import NO_SAVES, SavePlanner
 from tpuoffload.manager.staging import StagingBudget
@@ -99,7 +100,12 @@ class OffloadScheduler:
         self._events_log = EventLog(events) if events is not None else None
         self._restored_meta = (load_meta(config.persist_path, self._events_log)
                                if events is not None and config.persist_path is not None else None)
-        self.index = ChunkIndex(num_slots, counters=self.counters, events=self._sink(num_slots, MEDIUM_CPU))
+        sink = self._sink(num_slots, MEDIUM_CPU)
+        # Under DPScheduler the other ranks hear of this rank's READY chunks (rank_view.py), and
+        # this rank's view of theirs serves hits its own index lacks; with one scheduler it is empty.
+        self.view = RankView(self.dp.ranks, num_slots)
+        self.index = ChunkIndex(num_slots, counters=self.counters,
+                                events=RankNews(sink) if self.dp.ranks > 1 else sink)
         # Warm restart with events: the records of every named chunk go beside the checkpoints.
         self._meta_writer = (MetaWriter(config.persist_path, self._events_log, self._event_records)
                              if events is not None and config.persist_path is not None else NO_META_WRITER)
@@ -108,7 +114,7 @@ class OffloadScheduler:
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
                                  counters=self.counters, with_keys=config.persist_path is not None)
-        self.loads = LoadTracker(self.index, block_size, self.counters, kv_groups)
+        self.loads = LoadTracker(self.index, block_size, self.counters, kv_groups, self.view)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
         self.tiers: list[Tier] = self._make_tiers(config, num_hosts)
@@ -264,7 +270,8 @@ class OffloadScheduler:
         self._apply_resolved()  # early reports replayed by the new batches
         plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
                         tiers=parts, source=self.dp.source, num_blocks=self.dp.num_blocks,
-                        sync_loads=self.dp.sync_loads, failures_by_request=self.kv_groups.several)
+                        sync_loads=self.dp.sync_loads, failures_by_request=self.kv_groups.several,
+                        news=self.index.events.take_news(self.view.epoch))
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()
@@ -306,9 +313,12 @@ class OffloadScheduler:
                 self.dp_rank = report.ranks[self.dp.source]
                 logger.info("tpuoffload scheduler (source %d) plans for DP rank %d", self.dp.source, self.dp_rank)
                 self._open_snapshot()
-            # Under DPScheduler the report holds every rank's saves: only this half's are read.
+                self.view.rank = self.dp_rank
+            # Under DPScheduler the report holds every rank's saves: only this half's are read;
+            # the other ranks' news goes into the view.
             for host, saved, failed in report.outcomes(self.dp.source):
                 self.ledger.report(host, ok=saved, failed=failed)
+            self.view.apply(report.news)
             for t in self.tiers:
                 t.on_report(report.tiers.get(t.name, {}))
             self._apply_resolved()
@@ -317,11 +327,9 @@ class OffloadScheduler:
         failed_recving = getattr(output, "failed_recving", None)
         if failed_recving:
             self.counters[C.FAILED_REQUESTS] += len(failed_recving)
-            for slot, save_id in self.loads.failed_requests(failed_recving):
-                self.index.discard(slot, save_id)
+            self._discard(self.loads.failed_requests(failed_recving))
         if output.invalid_block_ids:
-            for slot, save_id in self.loads.failed_blocks(output.invalid_block_ids):
-                self.index.discard(slot, save_id)
+            self._discard(self.loads.failed_blocks(output.invalid_block_ids))
         if self.dp.sync_loads:  # synchronous loads were done in the step whose output this is
             self.loads.finished_sync()
         unknown = 0
@@ -331,6 +339,13 @@ class OffloadScheduler:
             unknown += self.requests.released(output.finished_sending)
         if unknown:
             self.counters[C.UNKNOWN_REQUEST] += unknown
+
+    def _discard(self, chunks) -> None:
+        """Chunks whose load failed on some host, as the loads named them: the rank's own leave its
+        index, another rank's leave its view (under DPScheduler)."""
+        for slot, save_id in chunks:
+            if not self.index.discard(slot, save_id) and self.view.discard(slot, save_id):
+                self.counters[C.CROSS_RANK_DISCARDED] += 1
 
     def _apply_resolved(self) -> None:
         if not self.ledger.has_resolved():
@@ -351,6 +366,10 @@ class OffloadScheduler:
         saves blocks computed before it. vLLM calls it from
         ``reset_prefix_cache(reset_connector=True)``, between steps."""
         revoked = self.index.revoke_all()
+        # Under DPScheduler every rank resets at once: the news of chunks from before the reset is
+        # dropped, and news from before it is ignored when it arrives (the view's epoch).
+        self.index.events.take_news(self.view.epoch)
+        self.view.reset()
         for t in self.tiers:
             t.reset(self.ledger.next_save_id)
         self.loads.clear_lookups()
