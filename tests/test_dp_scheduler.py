@@ -58,10 +58,15 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
     """DP 2 x TP 4 and attention-DP 4 x TP 2 over 2 hosts x 4 devices, and the same slice without
     DP, on one repeated-prefix workload: through DPScheduler every request finishes with the right
     tokens, every context position read is exact, every host dispatched the same programs, every
-    rank loads from host RAM, nothing leaks, and the rank processes die with the slice."""
-    hit_rate, rank_pids = {}, {}
+    rank loads from host RAM, nothing leaks, and the rank processes die with the slice. A request
+    DPScheduler routes to another rank than the one that saved its prefix loads it from that rank's
+    slots (cross-rank hits), so the DP hit rates are those of the slice without DP, within a few
+    points."""
+    hit_rate, rank_pids, table = {}, {}, {}
     for name, layout, ranks in (("tp8", None, 1), ("dp2-tp4", "bf16-dp2-tp4", 2), ("attndp4-tp2", "bf16-attndp4-tp2", 4)):
-        pod = make_slice(_spec(layout))
+        # Saves are confirmed within a few steps; a generous timeout keeps a slow shared machine's
+        # steps from expiring them, so the hit rates compare the layouts, not the machine's load.
+        pod = make_slice(_spec(layout, save_timeout_s=30.0))
         assert pod.dp_ranks == ranks
         if ranks > 1:  # tpu-inference's own scheduler class, with one live process per rank
             assert type(pod.scheduler).__module__ == "tpu_inference.core.sched.dp_scheduler"
@@ -69,9 +74,16 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
         res = run_prefix_repetition(pod, WORKLOAD)
         assert res.finished == res.requests == 2 * WORKLOAD.num_requests and res.wrong_outputs == [], name
         totals = pod.stats.totals()
-        assert totals["load_errors"] == 0 and totals["save_failures"] == 0, (name, res.stats)
+        # The only load errors allowed: another rank's chunk evicted by its owner before the load
+        # (the view lags); each is recomputed, never read.
+        assert totals["load_errors"] == totals["cross_rank_load_errors"] and totals["save_failures"] == 0, \
+            (name, res.stats)
+        assert pod.mismatches == [0, 0], (name, pod.mismatches)
         assert res.per_wave_loaded[1] > 0, f"{name}: the wave after reset_prefix_cache() must load from host RAM"
+        if ranks > 1:
+            assert totals["cross_rank_chunks_loaded"] > 0 and totals["cross_rank_hit_tokens"] > 0, (name, res.stats)
         hit_rate[name] = totals["hit_tokens"] / totals["lookup_tokens"]
+        table[name] = (round(hit_rate[name], 4), totals["cross_rank_chunks_loaded"], totals["load_errors"])
         _assert_clean_end(pod)
         if ranks > 1:
             names = sorted(os.listdir(pod.stats_dir))  # each rank named itself once the workers placed it
@@ -82,11 +94,11 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-    # Every rank's half sees only its own chunks: a request DPScheduler routes to another rank than
-    # the one that saved its prefix misses cleanly (no load error above). With the router spreading
-    # the second wave over the ranks that costs hits (measured: tp8 16.6%, dp2 8.3%, attn-dp4 5.4%).
-    print("host-RAM hit rate per layout:", {k: round(v, 4) for k, v in hit_rate.items()})
-    assert hit_rate["tp8"] > 0.05 and all(hit_rate[n] > 0.02 for n in ("dp2-tp4", "attndp4-tp2")), hit_rate
+    # Without cross-rank hits (every rank seeing only its own chunks) this workload measured tp8
+    # 16.6%, dp2 8.3%, attn-dp4 5.4%: the router spreads the second wave over the ranks.
+    print("layout: (host-RAM hit rate, cross-rank chunks loaded, load errors):", table)
+    assert hit_rate["tp8"] > 0.05, hit_rate
+    assert all(hit_rate[n] >= hit_rate["tp8"] - 0.03 for n in ("dp2-tp4", "attndp4-tp2")), hit_rate
 
 
 @pytest.mark.slow

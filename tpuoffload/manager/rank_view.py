@@ -109,13 +109,15 @@ class RankView:
         self.epoch = 0  # connector resets so far
         self.version = 0  # changes whenever an entry may have left (lookups memoised before are stale)
         n = ranks * rank_slots if ranks > 1 else 0
-        self._slot_of: dict[tuple[int, int], int] = {}  # (k1, k2) -> engine slot
+        # (k1, k2) -> engine slots holding that content (usually one; a content may be in several
+        # ranks, or in two slots of one rank while the news of the older one's eviction is on its way)
+        self._slots_of: dict[tuple[int, int], list[int]] = {}
         self._key: list[tuple[int, int] | None] = [None] * n
         self._save_id = np.full(n, -1, np.int64)  # engine save id of each entry's chunk; -1: none
         self._dead = np.full(n, -1, np.int64)  # highest engine save id heard gone, per slot
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._slots_of)
 
     # ------------------------------------------------------------------ news
     def apply(self, news: dict[tuple[int, int], ChunkNews]) -> None:
@@ -144,23 +146,23 @@ class RankView:
             if self._save_id[slot] >= 0:
                 self._forget(slot)
             key = (k1, k2)
-            if key in self._slot_of:  # another rank's copy of the same content is known already
-                continue
-            self._slot_of[key] = slot
+            self._slots_of.setdefault(key, []).append(slot)
             self._key[slot] = key
             self._save_id[slot] = save_id
 
     def _forget(self, slot: int) -> None:
         key = self._key[slot]
-        if self._slot_of.get(key) == slot:
-            del self._slot_of[key]
+        slots = self._slots_of[key]
+        slots.remove(slot)
+        if not slots:
+            del self._slots_of[key]
         self._key[slot] = None
         self._save_id[slot] = -1
         self.version += 1
 
     def reset(self) -> None:
         """A connector reset (every rank gets one): forget everything; news from before is ignored."""
-        self._slot_of.clear()
+        self._slots_of.clear()
         self._key = [None] * len(self._key)
         self._save_id[:] = -1
         self._dead[:] = -1
@@ -178,7 +180,7 @@ class RankView:
         slots, ids = [own.slots], [own.save_ids]
         pos = start + len(own.slots)
         while pos < stop:
-            theirs = self._run(hashes, pos, stop)
+            theirs = self._run(index, hashes, pos, stop)
             if not len(theirs):
                 break
             slots.append(theirs - self.rank * self.rank_slots)
@@ -194,16 +196,17 @@ class RankView:
             return own
         return SavedPrefix(np.concatenate(slots), np.concatenate(ids))
 
-    def _run(self, hashes: Sequence[bytes], start: int, stop: int) -> np.ndarray:
-        """Engine slots of the view's chunks for ``hashes[start:]``, up to the first it lacks."""
+    def _run(self, index: "ChunkIndex", hashes: Sequence[bytes], start: int, stop: int) -> np.ndarray:
+        """Engine slots of the view's chunks for ``hashes[start:]``, up to the first it lacks or
+        the rank's own index holds (its own copy is preferred: no move across the batch axes)."""
         out = []
-        slot_of = self._slot_of
+        slots_of = self._slots_of
         for h in hashes[start:stop]:
             k1, k2 = _TWO_WORDS(bytes(h[:16]).ljust(16, b"\0") if len(h) < 16 else h)
-            slot = slot_of.get((k1 if k1 > 1 else 2, k2))
-            if slot is None:
+            slots = slots_of.get((k1 if k1 > 1 else 2, k2))
+            if slots is None or (out and index.ready_slot(h) >= 0):
                 break
-            out.append(slot)
+            out.append(slots[-1])  # the newest heard of
         return np.array(out, dtype=np.int64)
 
     def discard(self, slot: int, save_id: int) -> bool:
