@@ -12,7 +12,10 @@ tpuoffload survives:
 * it hands the whole worker output to every rank: each rank's half reads only its own save
   outcomes, and no ``finished_recving`` / ``finished_sending`` id reaches a rank that does not
   own it (vLLM's scheduler asserts on those);
-* every rank plans its own slots: no two ranks' chunks meet in one slot (bytes checked).
+* every rank plans its own slots: no two ranks' chunks meet in one slot (bytes checked);
+* a rank loads a chunk another rank saved (cross-rank hits: the ranks' news through the workers'
+  report, the rows moved across the batch axes), byte-exact, and a slot its owner reused meanwhile
+  is a load error, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from test_podslice import _assert_clean_end
 
 WORKLOAD = PrefixRepetition(num_prefixes=4, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
                             num_requests=16, waves=2, arrivals_per_step=4, seed=1)
+# One request per prefix per wave: each prefix is saved by the one rank its first request went to,
+# and DPScheduler routes the second wave by load (vLLM's prefix cache was reset): most requests land
+# on another rank than their prefix's.
+SPREAD = PrefixRepetition(num_prefixes=8, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
+                          num_requests=8, waves=2, arrivals_per_step=4, seed=1)
 
 
 def _spec(layout: str | None, num_blocks: int = 96, **extra) -> SliceSpec:
@@ -71,8 +79,8 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
         if ranks > 1:  # tpu-inference's own scheduler class, with one live process per rank
             assert type(pod.scheduler).__module__ == "tpu_inference.core.sched.dp_scheduler"
             assert type(pod.scheduler).__name__ == "DPScheduler" and len(_rank_pids(pod)) == ranks
-        res = run_prefix_repetition(pod, WORKLOAD)
-        assert res.finished == res.requests == 2 * WORKLOAD.num_requests and res.wrong_outputs == [], name
+        res = run_prefix_repetition(pod, SPREAD)
+        assert res.finished == res.requests == 2 * SPREAD.num_requests and res.wrong_outputs == [], name
         totals = pod.stats.totals()
         # The only load errors allowed: another rank's chunk evicted by its owner before the load
         # (the view lags); each is recomputed, never read.

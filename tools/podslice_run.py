@@ -113,6 +113,9 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     print(f"  chunks saved      {sum(saved)} on all hosts, per host {saved}; save failures {totals['save_failures']}")
     print(f"  chunks loaded     {sum(loaded)} on all hosts, per host {loaded}; per wave {res.per_wave_loaded}; "
           f"load errors {totals['load_errors']}")
+    if pod.dp_ranks > 1:
+        print(f"  cross-rank        {totals['cross_rank_chunks_loaded']} chunks loaded from another DP rank's slots "
+              f"({totals['cross_rank_hit_tokens']} tokens); {totals['cross_rank_load_errors']} load errors (slot reused)")
     print(f"  hit rate          {hit_rate:.1%} of prompt tokens from host RAM "
           f"({totals['hit_tokens']}/{totals['lookup_tokens']})")
     if args.restart:

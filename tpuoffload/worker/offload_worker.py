@@ -416,13 +416,13 @@ class _Placed:
         self.sources = tuple(self._sources(ld) for ld in self.loads)
 
     def _sources(self, load: LoadRequest) -> Sequence[int]:
-        """One scheduler: a chunk was saved from the destination's own batch shard. A DP rank: each
-        rank saves from its own blocks into its own range of slots, so a slot's bytes sit in the
-        shard of the blocks of the rank whose range holds it (another rank's, for a cross-rank hit)."""
-        if not self.plan.num_blocks:
-            return load.block_ids
-        per_rank = self.plan.num_slots
-        return tuple(slot // per_rank * self.plan.num_blocks for slot in load.slots)
+        """A chunk of the planning scheduler's own range was saved from the destination's batch
+        shard (the check is the one a single scheduler always had). Under DPScheduler each rank
+        saves from its own blocks into its own range of slots, so another rank's chunk (a
+        cross-rank hit) sits in the shard of that rank's blocks: its first block names it."""
+        per_rank, rank = self.plan.num_slots, self.rank
+        return tuple(block if slot // per_rank == rank else slot // per_rank * self.plan.num_blocks
+                     for block, slot in zip(load.block_ids, load.slots))
 
 
 def _shift(ids, offset: int):
