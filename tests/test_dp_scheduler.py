@@ -74,7 +74,9 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
     for name, layout, ranks in (("tp8", None, 1), ("dp2-tp4", "bf16-dp2-tp4", 2), ("attndp4-tp2", "bf16-attndp4-tp2", 4)):
         # Saves are confirmed within a few steps; a generous timeout keeps a slow shared machine's
         # steps from expiring them, so the hit rates compare the layouts, not the machine's load.
-        pod = make_slice(_spec(layout, save_timeout_s=30.0))
+        # 32 MiB per host: no rank's share of the slots evicts (a slot keeps a row per batch shard,
+        # so DP divides the chunks a host holds by the ranks, and each rank plans 1/ranks of them).
+        pod = make_slice(_spec(layout, save_timeout_s=30.0, cpu_bytes_to_use=1 << 25))
         assert pod.dp_ranks == ranks
         if ranks > 1:  # tpu-inference's own scheduler class, with one live process per rank
             assert type(pod.scheduler).__module__ == "tpu_inference.core.sched.dp_scheduler"
