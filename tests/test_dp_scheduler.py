@@ -39,8 +39,6 @@ from tpuoffload.worker.offload_worker import OffloadWorker
 
 from test_podslice import _assert_clean_end
 
-WORKLOAD = PrefixRepetition(num_prefixes=4, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
-                            num_requests=16, waves=2, arrivals_per_step=4, seed=1)
 # One request per prefix per wave: each prefix is saved by the one rank its first request went to,
 # and DPScheduler routes the second wave by load (vLLM's prefix cache was reset): most requests land
 # on another rank than their prefix's.
@@ -49,8 +47,8 @@ SPREAD = PrefixRepetition(num_prefixes=8, prefix_blocks=6, suffix_len=(8, 16), o
 
 
 def _spec(layout: str | None, num_blocks: int = 96, **extra) -> SliceSpec:
-    # 16 MiB per host: every rank's share of the slots holds the workload's prefixes, so the hit
-    # rates compare what DP changes, not host RAM size.
+    # 16 MiB per host unless ``extra`` says otherwise; short timeouts, so that chaos (dropped
+    # reports, lost slots) resolves within a few steps.
     config = {"cpu_bytes_to_use": 1 << 24, "save_timeout_s": 3.0, "load_wait_timeout_s": 2.0, **extra}
     return SliceSpec(num_hosts=2, devices_per_host=4, layout=layout, num_blocks=num_blocks, max_num_seqs=16,
                      max_num_batched_tokens=256, extra_config=config, step_timeout_s=60.0)
@@ -117,14 +115,18 @@ def test_dp_chaos_failures_stay_with_their_rank_and_recompute_everywhere(make_sl
     """DP 2 x TP 4 through DPScheduler under the chaos storm: failed device-to-host copies on host 0,
     slots lost on host 1 (load errors: vLLM recomputes on every host), dropped and doubled reports,
     aborts, a tiny block pool (preemptions). No rank crashes on another rank's completions, no wrong
-    token, no wrong KV position, identical digests, nothing leaked on any rank."""
+    token, no wrong KV position, identical digests, nothing leaked on any rank. Two requests per
+    prefix per wave: loads of another rank's chunks happen too, and a slot lost on host 1 fails
+    them there whichever host holds the source rows (its zeros are never taken for data: the
+    block is reported and recomputed on every host)."""
     # Host 1 loses a slot at most loads: the few load steps of this workload must see some.
     chaos = dataclasses.replace(Chaos.storm(2, seed=7), lose_slot_rate=0.8)
     pod = make_slice(_spec("bf16-dp2-tp4", num_blocks=56), chaos)
-    res = run_prefix_repetition(pod, WORKLOAD)
+    res = run_prefix_repetition(pod, dataclasses.replace(SPREAD, num_requests=16))
     assert res.finished + res.aborted == res.requests and res.wrong_outputs == [], res
     totals = pod.stats.totals()
     assert totals["chunks_loaded"] > 0 and totals["load_errors"] > 0 and totals["save_failures"] > 0, res.stats
+    assert totals["cross_rank_chunks_loaded"] > 0 and totals["cross_rank_load_errors"] > 0, res.stats
     _assert_clean_end(pod)
 
 
