@@ -89,6 +89,11 @@ class OffloadWorker:
         self._failed_recving: set[str] = set()  # several KV cache groups: failed loads, by request
         self._load_errors: set[int] = set()
         self._report_failures: list[int] = []
+        # Synchronous loads (DPScheduler): a plan whose load failed on this host, in this step
+        # (``_load``), and the save ids its eager saves of that step get, reported failed by this
+        # host whatever their program did (``build_report``): the forward read placeholders.
+        self._tainted: set[int] = set()  # ranks
+        self._poisoned: set[int] = set()  # engine save ids
         self._stats_seq = 0
         self.totals: Counter[str] = Counter()  # since start, for snapshots
         self._unreported: Counter[str] = Counter()  # since the last take_stats
@@ -234,6 +239,9 @@ class OffloadWorker:
         failed = set(failed)
         for p in placed:
             by_request = p.plan.failures_by_request
+            if p.plan.sync_loads and any(ld.unavailable_block_ids or not failed.isdisjoint(ld.block_ids)
+                                         for ld in p.loads):
+                self._tainted.add(p.rank)
             for load in p.loads:
                 if by_request:  # several KV cache groups: vLLM takes failures by request only
                     if load.unavailable_block_ids or (failed and not failed.isdisjoint(load.block_ids)):
@@ -256,6 +264,15 @@ class OffloadWorker:
             return
         self._saved = True
         self._save(_concat_saves([p.save for p in self._placed]))
+        if self._tainted:
+            # This step's forward read blocks whose synchronous load failed here (placeholders, or
+            # another rank's chunk whose slot was reused): vLLM recomputes those requests, and
+            # what the forward wrote beyond them may be wrong, so the plan's eager saves of this
+            # step must never become loadable. Every failed row is seen by some host, and a save
+            # is loadable only once every host confirmed it.
+            for p in self._placed:
+                if p.rank in self._tainted:
+                    self._poisoned.update(p.save.save_ids)
 
     def _save(self, batch: SaveBatch) -> None:
         if not batch:
@@ -291,6 +308,13 @@ class OffloadWorker:
         results = self.engine.drain_results() if self.engine is not None else []
         saved = [r.save_id for r in results if r.ok]
         failed = [r.save_id for r in results if not r.ok] + self._report_failures
+        if self._poisoned:
+            poisoned = self._poisoned.intersection(saved)
+            if poisoned:
+                saved = [i for i in saved if i not in poisoned]
+                failed += poisoned
+                self._count(C.SAVES_TAINTED, len(poisoned))
+            self._poisoned.difference_update(failed)
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
         report = self._save_report(saved, failed)
@@ -341,6 +365,7 @@ class OffloadWorker:
             return None
         self._meta = None
         self._placed = []
+        self._tainted.clear()
         digest = self.engine.finish_step()
         self.digests.append(digest)
         if self._snapshot is not None:
