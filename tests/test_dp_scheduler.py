@@ -39,8 +39,6 @@ from tpuoffload.worker.offload_worker import OffloadWorker
 
 from test_podslice import _assert_clean_end
 
-WORKLOAD = PrefixRepetition(num_prefixes=4, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
-                            num_requests=16, waves=2, arrivals_per_step=4, seed=1)
 # One request per prefix per wave: each prefix is saved by the one rank its first request went to,
 # and DPScheduler routes the second wave by load (vLLM's prefix cache was reset): most requests land
 # on another rank than their prefix's.
@@ -117,14 +115,18 @@ def test_dp_chaos_failures_stay_with_their_rank_and_recompute_everywhere(make_sl
     """DP 2 x TP 4 through DPScheduler under the chaos storm: failed device-to-host copies on host 0,
     slots lost on host 1 (load errors: vLLM recomputes on every host), dropped and doubled reports,
     aborts, a tiny block pool (preemptions). No rank crashes on another rank's completions, no wrong
-    token, no wrong KV position, identical digests, nothing leaked on any rank."""
+    token, no wrong KV position but reads of blocks whose load failed in that step (synchronous
+    loads: the forward reads them, vLLM drops that step's result and recomputes), identical
+    digests, nothing leaked on any rank. Two requests per prefix per wave: loads of another rank's
+    chunks run too, and a slot lost on host 1 fails them whichever host holds the source rows."""
     # Host 1 loses a slot at most loads: the few load steps of this workload must see some.
     chaos = dataclasses.replace(Chaos.storm(2, seed=7), lose_slot_rate=0.8)
     pod = make_slice(_spec("bf16-dp2-tp4", num_blocks=56), chaos)
-    res = run_prefix_repetition(pod, WORKLOAD)
+    res = run_prefix_repetition(pod, dataclasses.replace(SPREAD, num_requests=16))
     assert res.finished + res.aborted == res.requests and res.wrong_outputs == [], res
     totals = pod.stats.totals()
     assert totals["chunks_loaded"] > 0 and totals["load_errors"] > 0 and totals["save_failures"] > 0, res.stats
+    assert totals["cross_rank_chunks_loaded"] > 0, res.stats
     _assert_clean_end(pod)
 
 

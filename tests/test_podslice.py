@@ -45,8 +45,10 @@ def _assert_clean_end(pod: PodSlice) -> list[dict]:
         assert pod.scheduler.get_num_unfinished_requests() == 0 and not pod.scheduler.assigned_dp_rank
     states = pod.worker_state()
     assert len(states) == pod.spec.num_hosts
-    for state, start in zip(states, pod.start_state):
-        assert state["mismatches"] == 0, (state, pod.first_mismatch_step)
+    for host, (state, start) in enumerate(zip(states, pod.start_state)):
+        # Wrong reads, less those of blocks whose synchronous load failed in that step (vLLM
+        # recomputes: PodSlice.excused; with asynchronous loads there are none).
+        assert state["mismatches"] - pod.excused[host] == 0, (state, pod.excused, pod.first_mismatch_step)
         assert state["positions_verified"] > 0, state
         assert state["inflight_chunks"] == 0 and state["staging_bytes"] == 0, state
         assert state["backend_bytes"] == start["backend_bytes"], (state, start)

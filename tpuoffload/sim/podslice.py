@@ -166,7 +166,8 @@ class PodSlice:
     After every step: ``steps``, ``digests`` (per step, per host), ``outputs``/``finished`` (per
     request), ``aborted`` (requests aborted by chaos or ``abort``), ``stats`` (an OffloadStats: the
     union of every stats report that reached vLLM's stats path, scheduler and all hosts),
-    ``mismatches`` (per host: context positions whose KV was wrong, so far), ``preemptions``.
+    ``mismatches`` (per host: context positions whose KV was wrong, so far, less ``excused`` reads of
+    blocks whose synchronous load failed in that step), ``preemptions``.
     """
 
     def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None, *,
@@ -220,6 +221,7 @@ class PodSlice:
         self.aborted: set[str] = set()
         self.stats = OffloadStats()
         self.mismatches: list[int] = [0] * spec.num_hosts
+        self.excused: list[int] = [0] * spec.num_hosts  # wrong reads of blocks whose sync load failed
         self.first_mismatch_step: int | None = None
         self.preemptions = 0  # requests vLLM preempted (SchedulerOutput.preempted_req_ids), all steps
         self.final: list[dict] = []
@@ -426,7 +428,7 @@ class PodSlice:
         outputs = [r[0] for r in replies]
         self._check_digests([r[1] for r in replies])
         self._check_outputs(outputs)
-        self._note_mismatches([r[2] for r in replies])
+        self._note_mismatches(replies)
         outputs = [self._mangle(o) for o in outputs]
         if c.duplicate_report_rate and self._rng.random() < c.duplicate_report_rate:
             outputs.append(outputs[self._rng.randrange(len(outputs))])  # one host's output twice
@@ -488,10 +490,18 @@ class PodSlice:
                     f"  host 0: {dict(zip(first.req_ids, first.sampled_token_ids))}\n"
                     f"  host {rank}: {dict(zip(out.req_ids, out.sampled_token_ids))}")
 
-    def _note_mismatches(self, counts) -> None:
+    def _note_mismatches(self, replies) -> None:
+        """Wrong context reads so far, per host, less those vLLM discards: with synchronous loads
+        (DPScheduler) the forward of a step reads the blocks loaded in it, and a block whose load
+        failed on any host is reported by that host, so vLLM recomputes the request and drops the
+        step's result for it (``excused``: reads of blocks whose load failed somewhere that step)."""
+        failed = frozenset().union(*(r[4] for r in replies))
+        for host, r in enumerate(replies):
+            self.excused[host] += sum(n for block, n in r[3].items() if block in failed)
+        counts = [r[2] - e for r, e in zip(replies, self.excused)]
         if counts != self.mismatches and self.first_mismatch_step is None:
             self.first_mismatch_step = self.steps
-        self.mismatches = list(counts)
+        self.mismatches = counts
 
     def run(self, max_steps: int = 5000, on_step=None, timeout_s: float | None = None) -> int:
         """Step until the scheduler has no requests; returns the number of steps."""

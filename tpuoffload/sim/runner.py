@@ -103,6 +103,8 @@ class RunnerStats:
     positions_verified: int = 0
     mismatches: int = 0
     mismatched_requests: set[str] = field(default_factory=set)
+    # The last step's wrong reads: block id (the engine's numbering, group 0) -> positions.
+    step_mismatches: dict[int, int] = field(default_factory=dict)
 
 
 class SyntheticRunner:
@@ -243,11 +245,14 @@ class SyntheticRunner:
             np.array(r_off + [0] * pad_r, np.int32), np.array(r_hash + [0] * pad_r, np.uint32),
         )
         self.kv_caches = list(caches)
+        self.stats.step_mismatches = {}
         if n_r:
             bad = np.asarray(bad)[:n_r]
             if bad.any():
                 self.stats.mismatches += int(bad.sum())
                 self.stats.mismatched_requests.update(r_req[i] for i in np.nonzero(bad)[0])
+                blocks, counts = np.unique(np.array(r_blk[0])[np.nonzero(bad)[0]], return_counts=True)
+                self.stats.step_mismatches = dict(zip(blocks.tolist(), counts.tolist()))
         return sampled
 
     def expected_block(self, tokens: Sequence[int], block_index: int, array: int, kv_group: int = 0) -> np.ndarray:

@@ -100,7 +100,8 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
                 if chaos.step_delay_s:
                     time.sleep(rng.uniform(0, chaos.step_delay_s))
                 out = runner.execute(msg[1], connector)
-                send_frame(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches))
+                send_frame(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches,
+                                    runner.stats.step_mismatches, connector.worker.step_load_failures))
             elif msg[0] == "shutdown":  # vLLM's clean shutdown of a worker: the connector's last word
                 connector.shutdown()
                 send_frame(stdout, dict(connector.worker.totals))

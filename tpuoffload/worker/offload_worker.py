@@ -93,6 +93,8 @@ class OffloadWorker:
         # (``_load``), and the save ids its eager saves of that step get, reported failed by this
         # host whatever their program did (``build_report``): the forward read placeholders.
         self._tainted: set[int] = set()  # ranks
+        #: Blocks (the engine's numbering) whose load failed on this host in the current step.
+        self.step_load_failures: frozenset[int] = frozenset()
         self._poisoned: set[int] = set()  # engine save ids
         self._stats_seq = 0
         self.totals: Counter[str] = Counter()  # since start, for snapshots
@@ -184,6 +186,7 @@ class OffloadWorker:
         self._meta = meta
         self._placed = placed
         self._saved = False
+        self.step_load_failures = frozenset()
         for p in placed:
             self._sources[p.rank] = p.plan.source
             if p.plan.news:
@@ -237,6 +240,8 @@ class OffloadWorker:
             failed = blocks
             self._count(C.LOAD_ERRORS, len(blocks))
         failed = set(failed)
+        self.step_load_failures = frozenset(failed).union(
+            b + p.block_offset for p in placed for ld in p.loads for b in ld.unavailable_block_ids)
         for p in placed:
             by_request = p.plan.failures_by_request
             if p.plan.sync_loads and any(ld.unavailable_block_ids or not failed.isdisjoint(ld.block_ids)
