@@ -436,8 +436,8 @@ def demo(argv: list[str] | None = None) -> int:
         base, conn = report["runs"][config_name(tp, False, dp)], report["runs"][config_name(tp, True, dp)]
         s = summarize(base, conn)
         scheduler = "DPScheduler, one vLLM scheduler per rank" if dp > 1 else "vLLM's Scheduler"
-        print(f"\ndata parallel {dp} x tensor parallel {tp} ({scheduler}): mesh {conn['mesh']} on {conn['devices']}; KV cache per layer "
-              f"{conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
+        print(f"\ndata parallel {dp} x tensor parallel {tp} ({scheduler}): mesh {conn['mesh']} on {conn['devices']}; KV cache: "
+              f"{len(conn['kv_cache_shapes'])} arrays of {conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
         if len(conn["kv_cache_groups"]) > 1:
             print(f"  vLLM's KV cache groups (hybrid KV cache manager on): {conn['connector_groups']['describe']}; "
                   f"array of each layer {conn['layer_to_array']}; blocks moved per group, passes 1-4 together: "
