@@ -5,14 +5,17 @@ ALL of them live here, each with one line saying what it replaces and why. Only
 never imports this module. Nothing here touches the code paths around the connector: vLLM's
 ``LLM`` / ``EngineCore`` / ``UniProcExecutor`` / ``Scheduler``, tpu-inference's ``TpuPlatform``
 (its ``check_and_update_config`` runs as is), ``TPUWorker``, ``TPUModelRunner`` (its connector
-hooks, ``register_runner``, ``initialize_kv_cache``), its JAX Qwen3 model, its weight loader and its
-sampler are the installed ones. What is replaced is device detection, TPU-only compiler flags,
-two imports with no CPU build here, and the Pallas attention kernel (by tpu-inference's own
-pure-JAX reference of the same kernel).
+hooks, ``register_runner``, ``initialize_kv_cache``), its JAX Qwen3 model, its vLLM-model path
+(vLLM's PyTorch model through torchax, for the hybrid model), its weight loaders and its sampler
+are the installed ones. What is replaced is device detection, TPU-only compiler flags, imports with
+no CPU build here (torchvision-bound multimodal modules, a newer tokamax kernel), the Pallas
+attention kernel (by tpu-inference's own pure-JAX reference of the same kernel), and one
+float32-only weight-loading failure.
 
 ``install()`` must run before ``vllm.platforms.current_platform`` is first resolved and before
 tpu-inference's model and sampling modules are imported (the compiler-options shim is read at
-their import); it is idempotent.
+their import; importing the vLLM-model path's weight loading, shim 9, resolves the platform, so it
+comes after shim 7); it is idempotent.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ def install() -> list[str]:
     INSTALLED.append("tpu_inference attention_interface.ragged_paged_attention -> the kernel module's own "
                      "ref_ragged_paged_attention, run through jax.pure_callback (the Pallas kernel needs a "
                      "TPU; the reference loops over a concrete sequence count, so it cannot be traced)")
+
     # (9) float32 weights: tpu-inference's vLLM-model path hands a linear layer's float32 weight to numpy (torchax
     # t2j), which makes its torch storage non-resizable, then frees that storage with resize_(0) and fails (bf16
     # weights, the usual case, are widened into a new tensor first). A copy goes to numpy instead.
@@ -179,7 +183,6 @@ def install() -> list[str]:
     unquantized.t2j = lambda tensor, use_dlpack=True: torchax_t2j(tensor.clone(), use_dlpack=use_dlpack)
     INSTALLED.append("tpu_inference unquantized linear loading: t2j of a copy (a float32 weight's storage, viewed "
                      "by numpy, cannot be freed with resize_(0); bf16 weights are copied by t2j anyway)")
-
     return INSTALLED
 
 
