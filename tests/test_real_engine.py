@@ -121,6 +121,8 @@ def test_every_loaded_block_holds_the_saved_bytes(report, dp, tp):
     assert audit["saves"] == 2 * saved_blocks(dp)  # passes 1 and 3
     assert audit["loads_checked"] == 2 * LOADED_BLOCKS  # passes 2 and 4
     assert audit["num_mismatches"] == 0, audit["mismatches"]
+    if dp == 1:  # one KV cache group: every block the runner's requests hold is group 0's
+        assert audit["by_group"] == {"save": {"0": 2 * saved_blocks(dp)}, "load": {"0": 2 * LOADED_BLOCKS}}
 
 
 @pytest.mark.parametrize("dp,tp", SHAPES)

@@ -9,11 +9,18 @@ more JAX gather dispatched on the same thread: nothing waits for a result, so th
 engine's timing alone (a host read here would wait for the forward or the load). ``report()``
 reads the gathered blocks back and compares each load's with the save that last wrote its slot.
 Loads the worker reports failed are not compared (their blocks are recomputed).
+
+It also counts the blocks each save and load moved per KV cache group (vLLM's hybrid KV cache
+manager), from the runner's block tables (``runner.requests[...].block_ids``, one list per group;
+a block id belongs to one group at a time): a saved block's group is the one of the live request
+that holds it; a loaded block's, the one of its own request as soon as the runner holds that
+request (with several groups loads are asynchronous: vLLM schedules the request after its load).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +63,16 @@ class ByteAudit:
         self._written: dict[int, tuple[_Moved, int]] = {}
         # each load not reported failed: (load, position, req, position in the request's load, its slot's writer)
         self._loads: list[tuple[_Moved, int, str, int, tuple[_Moved, int] | None]] = []
+        # blocks saved / loaded (not failed) per KV cache group; group -1: in no live request's block table
+        self.by_group: dict[str, Counter] = {"save": Counter(), "load": Counter()}
+        self._ungrouped_loads: list[tuple[int, str]] = []  # (block, req) whose request the runner lacks yet
         self._step = -1
         self._checked = 0  # loads compared by report() so far
         self._mismatches: list[dict[str, Any]] = []
         save, load, bind = worker._save, worker._load, worker.bind
 
         def audited_bind(meta):
+            self._count_load_groups(final=False)
             self._step = meta.requests_meta[0].step
             return bind(meta)
 
@@ -87,6 +98,7 @@ class ByteAudit:
             return
         moved = _Moved(self._step, list(map(int, batch.block_ids)), slots, self._gather(list(map(int, batch.block_ids))))
         self._saves.append(moved)
+        self._count_save_groups(moved.blocks)
         for i, slot in enumerate(slots):
             self._written[slot] = (moved, i)
 
@@ -104,9 +116,29 @@ class ByteAudit:
         for i, (_, slot, req, k, failed) in enumerate(rows):
             if not failed:
                 self._loads.append((moved, i, req, k, self._written.get(slot)))
+                self._ungrouped_loads.append((moved.blocks[i], req))
+
+    def _count_save_groups(self, block_ids) -> None:
+        group_of = {b: g for req in self._worker._runner.requests.values()
+                    for g, ids in enumerate(req.block_ids) for b in ids}
+        self.by_group["save"].update(group_of.get(int(b), -1) for b in block_ids)
+
+    def _count_load_groups(self, final: bool) -> None:
+        """Counts the loaded blocks whose request the runner holds; ``final``: the others as -1."""
+        requests, waiting = self._worker._runner.requests, []
+        for block, req_id in self._ungrouped_loads:
+            req = requests.get(req_id)
+            if req is None:
+                waiting.append((block, req_id))
+            else:
+                self.by_group["load"][next((g for g, ids in enumerate(req.block_ids) if block in ids), -1)] += 1
+        if final and waiting:
+            self.by_group["load"][-1] += len(waiting)
+        self._ungrouped_loads = [] if final else waiting
 
     def report(self) -> dict[str, Any]:
         """Compares every load recorded since the last report; totals since the start."""
+        self._count_load_groups(final=True)
         for load, i, req, k, writer in self._loads[self._checked:]:
             got = load.layers(i)
             ok = writer is not None and all(np.array_equal(g, w) for g, w in zip(got, writer[0].layers(writer[1])))
@@ -115,7 +147,8 @@ class ByteAudit:
                                    "never_saved": writer is None})
         self._checked = len(self._loads)
         return {"saves": sum(len(s.slots) for s in self._saves), "loads_checked": self._checked,
-                "num_mismatches": len(self._mismatches), "mismatches": self._mismatches[:20]}
+                "num_mismatches": len(self._mismatches), "mismatches": self._mismatches[:20],
+                "by_group": {kind: dict(sorted(c.items())) for kind, c in self.by_group.items()}}
 
     def digests(self) -> dict[str, list]:
         """Content digests, to tell a wrong chunk from a wrong byte: each save's [step, slot,
