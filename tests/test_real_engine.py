@@ -75,7 +75,9 @@ def test_tokens_identical_with_and_without_connector(report, dp, tp):
         assert s["tokens_equal"][n], (
             f"pass {n}: with connector {conn['passes'][n - 1]['tokens']} != without {base['passes'][n - 1]['tokens']}"
             f"; every pass with the connector (HBM-cached tokens, counters): "
-            f"{[(e['num_cached_tokens'], e.get('counters')) for e in conn['passes']]}")
+            f"{[(e['num_cached_tokens'], e.get('counters')) for e in conn['passes']]}; byte audit "
+            f"{conn['passes'][-1]['byte_audit']}; pass {n}'s steps {conn['passes'][n - 1]['steps']}; "
+            f"blocks and slots moved {conn['moves']}")
     for e in conn["passes"] + base["passes"]:
         assert [len(t) for t in e["tokens"]] == [6] * NUM_PROMPTS
 
