@@ -14,6 +14,8 @@ from concurrent import futures
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tpuoffload.layout import CacheLayout
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
@@ -59,6 +61,31 @@ def test_round_trip_byte_exact(name, engines):
     assert (counters["chunks_saved"], counters["bytes_saved"], counters["chunks_loaded"],
             counters["bytes_loaded"]) == (5, 5 * slot_bytes, 5, 5 * slot_bytes)
     assert counters["load_errors"] == counters["save_failures"] == 0
+
+
+def test_caches_of_an_equivalent_sharding_round_trip(engines):
+    """A step may hand back caches whose sharding is equivalent, not equal, to the one they were
+    allocated with (tpu-inference's vLLM-model path returns what XLA propagated: on one device P()
+    for P('data', None, 'model')). Every shard sits where it did, so saves and loads take them, byte
+    for byte; caches placed otherwise are refused."""
+    caches = random_caches(BF16, 0)
+    eng = engines(caches)
+    mesh = caches[0].sharding.mesh
+    assert mesh.shape["data"] == 1  # so P(None, None, 'model') places every shard as P('data', None, 'model')
+
+    def placed(cs, spec):
+        return [jax.device_put(c, NamedSharding(mesh, spec)) for c in cs]
+
+    src_caches = placed(caches, P(None, None, "model"))
+    assert src_caches[0].sharding != caches[0].sharding
+    src = host(src_caches)
+    save_ok(eng, src_caches, [3, 17], [0, 1], [1, 2])
+    loaded, failed = eng.load(placed(random_caches(BF16, 1), P(None, None, "model")), [10, 11], [0, 1], [1, 2])
+    assert failed == []
+    after = host(loaded)
+    assert np.array_equal(chunk(after, 10), chunk(src, 3)) and np.array_equal(chunk(after, 11), chunk(src, 17))
+    with pytest.raises(ValueError, match="same sharding"):  # replicated over the 4 devices: not the layout's
+        eng.save(placed(random_caches(BF16, 2), P()), [3], [2], [3])
 
 
 def test_round_trip_more_blocks_than_bucket_permuted_subset(engines):

@@ -129,13 +129,17 @@ class CacheLayout:
 
     def check_same(self, kv_caches: Sequence) -> None:
         """The arrays handed to a save or load must be laid out as the ones this layout describes
-        (otherwise the jitted programs retrace, a load silently casts, a save fails later)."""
+        (otherwise a load silently casts, a save fails later): same shape and dtype, and a sharding
+        that places every shard where this layout's does. Equivalent, not equal: tpu-inference's
+        vLLM-model path returns its step's caches with the sharding XLA propagated (on one device
+        ``P()`` for ``P('data', None, 'model')``); the programs then compile once more for it."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers; the engine was built for {self.num_layers}")
         for g in self.groups:
             for i in g.layers:
                 c = kv_caches[i]
-                if not isinstance(c, jax.Array) or c.shape != g.shape or c.dtype != g.dtype or c.sharding != g.sharding:
+                if not isinstance(c, jax.Array) or c.shape != g.shape or c.dtype != g.dtype \
+                        or not c.sharding.is_equivalent_to(g.sharding, c.ndim):
                     raise ValueError(
                         f"kv_caches[{i}] is {getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}; "
                         f"the engine was built for {g.shape} {g.dtype} with the same sharding")

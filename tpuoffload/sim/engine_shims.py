@@ -5,14 +5,17 @@ ALL of them live here, each with one line saying what it replaces and why. Only
 never imports this module. Nothing here touches the code paths around the connector: vLLM's
 ``LLM`` / ``EngineCore`` / ``UniProcExecutor`` / ``Scheduler``, tpu-inference's ``TpuPlatform``
 (its ``check_and_update_config`` runs as is), ``TPUWorker``, ``TPUModelRunner`` (its connector
-hooks, ``register_runner``, ``initialize_kv_cache``), its JAX Qwen3 model, its weight loader and its
-sampler are the installed ones. What is replaced is device detection, TPU-only compiler flags,
-two imports with no CPU build here, and the Pallas attention kernel (by tpu-inference's own
-pure-JAX reference of the same kernel).
+hooks, ``register_runner``, ``initialize_kv_cache``), its JAX Qwen3 model, its vLLM-model path
+(vLLM's PyTorch model through torchax, for the hybrid model), its weight loaders and its sampler
+are the installed ones. What is replaced is device detection, TPU-only compiler flags, imports with
+no CPU build here (torchvision-bound multimodal modules, a newer tokamax kernel), the Pallas
+attention kernel (by tpu-inference's own pure-JAX reference of the same kernel), and one
+float32-only weight-loading failure.
 
 ``install()`` must run before ``vllm.platforms.current_platform`` is first resolved and before
 tpu-inference's model and sampling modules are imported (the compiler-options shim is read at
-their import); it is idempotent.
+their import; importing the vLLM-model path's weight loading, shim 9, resolves the platform, so it
+comes after shim 7); it is idempotent.
 """
 
 from __future__ import annotations
@@ -74,6 +77,15 @@ def _not_on_cpu(what: str):
     return fail
 
 
+def _text_only(vllm_model) -> None:
+    """What tpu-inference's multimodal model patchers do for a text-only model: nothing."""
+    from vllm.model_executor.models import supports_multimodal
+
+    if supports_multimodal(vllm_model):
+        raise NotImplementedError(f"{type(vllm_model).__name__} is multimodal: its tpu-inference patches need "
+                                  "torchvision, which has no build for this CPU torch")
+
+
 def install() -> list[str]:
     if INSTALLED:
         return INSTALLED
@@ -118,6 +130,21 @@ def install() -> list[str]:
     INSTALLED.append("tpu_inference.models.jax.gemma4_mm: stub (imported by the model registry; its image "
                      "processor needs torchvision, which has no build for the CPU torch 2.13)")
 
+    # (4b) the multimodal helpers of its vLLM-model path: stubs that do what the originals do for a text-only
+    # model; the originals import vLLM's Gemma 4 / Qwen3-VL / Qwen3-Omni models, whose processors need torchvision.
+    experimental = "tpu_inference.models.vllm.experimental."
+    _stub_module(experimental + "gemma4_mm_patcher", maybe_apply_gemma4_mm_patches=_text_only)
+    _stub_module(experimental + "qwen3_omni_patcher", maybe_apply_qwen3_omni_patches=_text_only)
+    _stub_module(experimental + "qwen3_vl_patcher", maybe_apply_qwen3_vl_patches=_text_only,
+                 is_qwen3_vl=lambda model: _text_only(model) or False)
+    _stub_module(experimental + "vision_tower_jit",
+                 maybe_jit_embed_multimodal_func=lambda fn, model: _text_only(model) or fn,
+                 maybe_precompile_vision_encoder_fn=lambda params, fn, model, config: _text_only(model),
+                 maybe_prepare_for_jit=lambda kwargs, model: _text_only(model) or kwargs)
+    INSTALLED.append("tpu_inference.models.vllm.experimental.{gemma4_mm,qwen3_omni,qwen3_vl}_patcher, "
+                     "vision_tower_jit: text-only stubs (vLLM-model path; they import vLLM's multimodal models, "
+                     "whose processors need torchvision; for a text-only model the originals do nothing)")
+
     # (5) compiler options: none instead of xla_tpu_* flags, which the CPU XLA compiler rejects.
     compiler_options = importlib.import_module("tpu_inference.models.common.compiler_options")
     for name in ("model_loader", "sampling", "decode_loop"):
@@ -147,6 +174,15 @@ def install() -> list[str]:
     INSTALLED.append("tpu_inference attention_interface.ragged_paged_attention -> the kernel module's own "
                      "ref_ragged_paged_attention, run through jax.pure_callback (the Pallas kernel needs a "
                      "TPU; the reference loops over a concrete sequence count, so it cannot be traced)")
+
+    # (9) float32 weights: tpu-inference's vLLM-model path hands a linear layer's float32 weight to numpy (torchax
+    # t2j), which makes its torch storage non-resizable, then frees that storage with resize_(0) and fails (bf16
+    # weights, the usual case, are widened into a new tensor first). A copy goes to numpy instead.
+    unquantized = importlib.import_module("tpu_inference.layers.vllm.quantization.unquantized")
+    torchax_t2j = unquantized.t2j
+    unquantized.t2j = lambda tensor, use_dlpack=True: torchax_t2j(tensor.clone(), use_dlpack=use_dlpack)
+    INSTALLED.append("tpu_inference unquantized linear loading: t2j of a copy (a float32 weight's storage, viewed "
+                     "by numpy, cannot be freed with resize_(0); bf16 weights are copied by t2j anyway)")
     return INSTALLED
 
 

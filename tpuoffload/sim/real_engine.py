@@ -1,5 +1,8 @@
 """tpuoffload inside the real engine: vLLM's ``LLM`` on tpu-inference's platform, worker and model
-runner, on CPU JAX, with a tiny Qwen3 whose random weights are written here (nothing downloaded).
+runner, on CPU JAX, with a tiny model whose random weights are written here (nothing downloaded):
+``QWEN3`` (tpu-inference's JAX Qwen3, one KV cache group) or ``HYBRID`` (``--model hybrid``:
+sliding-window and full-attention layers on tpu-inference's vLLM-model path, two KV cache groups
+with vLLM's hybrid KV cache manager on, which tpu-inference's platform enables).
 
 One engine per process (the platform and vLLM's parallel state are process-wide), so
 ``compare()`` starts one child process per configuration (``python -m tpuoffload.sim.real_engine``)
@@ -28,7 +31,7 @@ both ranks' KV caches (sharded over the mesh's ``data`` axis). The scheduler hal
 rank processes, so their counters are read from the snapshots they write (``stats_dir``, every
 step: ``scheduler-dp<rank>.json``).
 
-    python -m tpuoffload.sim.real_engine [--only connector] [--tp 1 2] [--dp 2] [--json OUT]
+    python -m tpuoffload.sim.real_engine [--model hybrid] [--only connector] [--tp 1 2] [--dp 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from tpuoffload.sim.byte_audit import ByteAudit
@@ -50,27 +54,57 @@ NUM_BLOCKS = 160  # KV cache blocks (num_gpu_blocks_override): small, so the CPU
 MAX_TOKENS = 6
 PROMPT_BLOCKS = 4
 VOCAB = 512
-# Tiny Qwen3 (an architecture tpu-inference runs as a JAX model): 2 layers, 4 query and 2 KV heads of 128.
-MODEL_CONFIG = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=VOCAB, hidden_size=256,
-    intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-    max_position_embeddings=1024, max_window_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-    tie_word_embeddings=False, torch_dtype="float32", hidden_act="silu", attention_bias=False,
-    attention_dropout=0.0, use_sliding_window=False, bos_token_id=0, eos_token_id=1,
-)
-CPU_BYTES = 8 << 20
+CPU_BYTES = 8 << 20  # host RAM for offloaded KV (cpu_bytes_to_use)
 # float32: bit-for-bit equal KV still leaves the batch shapes different with and without hits, and
 # bf16 rounding of those differences can flip a near-tie argmax; in float32 it does not.
-DTYPE = "float32"  # host RAM for offloaded KV (cpu_bytes_to_use)
+DTYPE = "float32"
+_COMMON_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=128, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+    torch_dtype="float32", hidden_act="silu", attention_bias=False, bos_token_id=0, eos_token_id=1)
 
 
-def write_tiny_qwen3(path: str, seed: int = 0) -> str:
-    """config.json + model.safetensors with random float32 weights, HF Qwen3 names."""
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny model tpu-inference runs, as the HF config and random weights written at run time.
+    ``impl``: tpu-inference's ``MODEL_IMPL_TYPE`` (``flax_nnx``: its own JAX model; ``vllm``: vLLM's
+    PyTorch model through torchax)."""
+
+    name: str
+    config: dict[str, Any]
+    impl: str
+    qk_norm: bool  # Qwen3's per-head q/k RMSNorm weights
+    about: str
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+
+#: Qwen3, 2 layers, tpu-inference's JAX model: one KV cache group.
+QWEN3 = TinyModel("qwen3", dict(
+    _COMMON_CONFIG, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=2,
+    max_window_layers=2, attention_dropout=0.0, use_sliding_window=False), impl="flax_nnx", qk_norm=True,
+    about="tiny Qwen3 (2 layers, 4 query / 2 KV heads of 128), tpu-inference's JAX model")
+#: Hybrid: Llama with vLLM's per-layer ``layer_types``, sliding window 32 tokens (2 blocks, half the
+#: prompt) and full attention alternating over 4 layers, on tpu-inference's vLLM-model path (its JAX
+#: path declares every layer full attention to vLLM, kv_cache_manager.get_kv_cache_spec). vLLM's
+#: hybrid KV cache manager makes two groups of 2 layers; tpu-inference shares 2 arrays between them.
+HYBRID = TinyModel("hybrid", dict(
+    _COMMON_CONFIG, architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=4, mlp_bias=False,
+    layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=2 * BLOCK_SIZE), impl="vllm",
+    qk_norm=False, about="tiny hybrid Llama (4 layers alternating sliding window 32 and full attention, 4 query / "
+    "2 KV heads of 128), vLLM's PyTorch model on tpu-inference's vLLM-model path")
+MODELS = {m.name: m for m in (QWEN3, HYBRID)}
+
+
+def write_tiny_model(path: str, model: TinyModel = QWEN3, seed: int = 0) -> str:
+    """config.json + model.safetensors with random float32 weights, HF names."""
     import torch
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    cfg = MODEL_CONFIG
+    cfg = model.config
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     gen = torch.Generator().manual_seed(seed)
@@ -85,16 +119,17 @@ def write_tiny_qwen3(path: str, seed: int = 0) -> str:
 
     weights = {"model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0), "model.norm.weight": ones(hidden),
                "lm_head.weight": rand(VOCAB, hidden, scale=0.2)}
-    for layer in range(cfg["num_hidden_layers"]):
+    for layer in range(model.num_layers):
         p = f"model.layers.{layer}."
         weights.update({
             p + "self_attn.q_proj.weight": rand(nq * hd, hidden), p + "self_attn.k_proj.weight": rand(nkv * hd, hidden),
             p + "self_attn.v_proj.weight": rand(nkv * hd, hidden), p + "self_attn.o_proj.weight": rand(hidden, nq * hd),
-            p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
             p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
             p + "mlp.down_proj.weight": rand(hidden, inter),
             p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
         })
+        if model.qk_norm:
+            weights.update({p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)})
     save_file(weights, os.path.join(path, "model.safetensors"))
     return path
 
@@ -154,6 +189,8 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
         halves = _connector_halves(llm, dp, stats_dir) if connector else None
         audit = ByteAudit(halves["worker"]) if connector else None
         runner = _check_real_path(llm, halves, dp)
+        trace = _trace_steps(llm) if dp == 1 else []
+        allocated = _kv_cache_report(runner, halves)  # before the first step replaces the arrays
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         prompts = make_prompts(seed)
         passes = []
@@ -173,21 +210,59 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
                 assert halves["worker"].wait_idle(30.0), "saves still in flight 30 s after the pass"
                 entry["counters"] = _delta(before, _totals(halves))
                 entry["byte_audit"] = audit.report()
+            entry["steps"], trace[:] = list(trace), []
             passes.append(entry)
         result = {"connector": connector, "tp": tp, "dp": dp, "dtype": DTYPE, "init_seconds": round(init_s, 2),
-                  "devices": [str(d) for d in runner.devices], "mesh": dict(runner.mesh.shape),
-                  "kv_cache_shapes": [list(c.shape) for c in runner.kv_caches],
-                  "kv_cache_sharding": str(runner.kv_caches[0].sharding.spec),
+                  "devices": [str(d) for d in runner.devices], "mesh": dict(runner.mesh.shape), **allocated,
                   "prompts": prompts, "passes": passes, "shims": shims,
                   "platform": type(_current_platform()).__module__ + "." + type(_current_platform()).__name__}
         if connector:
             result["worker_idle"] = halves["worker"].idle_report()
             result["moves"] = audit.steps
+            result["digests"] = audit.digests()
     finally:
         _shutdown(llm)
     if connector:  # after the shutdown: DP ranks' halves write their last snapshot as they close
         result["scheduler_leaks"] = _scheduler_leaks(halves)
     return result
+
+
+def _trace_steps(llm) -> list:
+    """Per step of vLLM's scheduler: the tokens scheduled per request, the loads reported done
+    and the sampled tokens (what tells a wrong batch from a wrong KV)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    trace: list = []
+    update = sched.update_from_output
+
+    def traced(scheduler_output, model_runner_output):
+        kvo = model_runner_output.kv_connector_output
+        trace.append({"scheduled": dict(scheduler_output.num_scheduled_tokens),
+                      "new": [r.req_id for r in scheduler_output.scheduled_new_reqs],
+                      "recved": sorted(kvo.finished_recving or ()) if kvo else [],
+                      "sampled": {r: list(t) for r, t in zip(model_runner_output.req_ids,
+                                                             model_runner_output.sampled_token_ids or [])}})
+        return update(scheduler_output, model_runner_output)
+
+    sched.update_from_output = traced
+    return trace
+
+
+def _kv_cache_report(runner, halves) -> dict[str, Any]:
+    """What the runner allocated (its arrays, vLLM's KV cache groups in its ``kv_cache_config``,
+    which array each layer uses) and, with one scheduler, the groups the connector's scheduler
+    half plans with (built from the scheduler's own ``kv_cache_config``)."""
+    report = {
+        "kv_cache_shapes": [list(c.shape) for c in runner.kv_caches],
+        "kv_cache_sharding": str(runner.kv_caches[0].sharding.spec),
+        "kv_cache_groups": [{"spec": type(g.kv_cache_spec).__name__, "layers": list(g.layer_names),
+                             "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None)}
+                            for g in runner.kv_cache_config.kv_cache_groups],
+        "layer_to_array": dict(runner.layer_name_to_kvcache_index),
+    }
+    if halves is not None and halves["dp"] == 1:
+        groups = halves["scheduler"].kv_groups
+        report["connector_groups"] = {"windows": list(groups.windows), "describe": groups.describe()}
+    return report
 
 
 def _current_platform():
@@ -299,12 +374,12 @@ def engine_shapes(tps: tuple[int, ...], dps: tuple[int, ...]) -> list[tuple[int,
 
 
 def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.0,
-              dps: tuple[int, ...] = ()) -> dict[str, Any]:
+              dps: tuple[int, ...] = (), model: TinyModel = QWEN3) -> dict[str, Any]:
     """One child process (``python -m tpuoffload.sim.real_engine``) under an outside timeout (its
     process group is killed when it runs past it) runs, one after another, the engine without and
-    with the connector for each tensor-parallel size, then each data-parallel size; returns its
-    report."""
-    model_dir = write_tiny_qwen3(os.path.join(workdir, "model"))
+    with the connector for each tensor-parallel size, then each data-parallel size, all on one tiny
+    model (tpu-inference reads its model implementation once per process); returns its report."""
+    model_dir = write_tiny_model(os.path.join(workdir, "model"), model)
     out_json, log_path = os.path.join(workdir, "report.json"), os.path.join(workdir, "engine.log")
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -312,10 +387,11 @@ def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.
                # run, and a random model's near-tie argmax then flips a greedy token (seen at TP 1 and 2).
                XLA_FLAGS=f"--xla_force_host_platform_device_count={max(d * t for d, t in engine_shapes(tps, dps)) + 1} "
                          "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-               VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"))  # tpu-inference's compile cache: not ~/.cache
+               VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"),  # tpu-inference's compile cache: not ~/.cache
+               MODEL_IMPL_TYPE=model.impl)
     env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
-    cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model-dir", model_dir, "--json", out_json,
-           "--tp", *map(str, tps), "--dp", *map(str, dps)]
+    cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model", model.name, "--model-dir", model_dir,
+           "--json", out_json, "--tp", *map(str, tps), "--dp", *map(str, dps)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -332,14 +408,13 @@ def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.
         return json.load(f)
 
 
-def summarize(base: dict[str, Any], conn: dict[str, Any]) -> dict[str, Any]:
-    """What the test asserts and the demo prints, from a baseline and a connector report."""
+def summarize(conn: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the test asserts and the demo prints, from a connector report and, for engines on one
+    device, the baseline's (``tokens_equal``: pass -> tokens equal, absent without a baseline)."""
     p = {e["pass"]: e for e in conn["passes"]}
-    b = {e["pass"]: e for e in base["passes"]}
     c = {n: Counter(p[n].get("counters", {})) for n in p}
-    return {
-        "tokens_equal": {n: p[n]["tokens"] == b[n]["tokens"] for n in p},
-        "baseline_passes_agree": all(b[n]["tokens"] == b[1]["tokens"] for n in b),
+    audit = conn["passes"][-1]["byte_audit"]
+    out = {
         "chunks_loaded": {n: c[n]["chunks_loaded"] for n in p},
         "hit_tokens": {n: c[n]["hit_tokens"] for n in p},
         "chunks_saved": {n: c[n]["chunks_saved"] for n in p},
@@ -349,7 +424,21 @@ def summarize(base: dict[str, Any], conn: dict[str, Any]) -> dict[str, Any]:
         "save_failures": sum(c[n]["save_failures"] for n in p),
         "revoked_at_reset": c[3]["revoked"],
         "resets": c[3]["resets"],
+        "blocks_checked": audit["loads_checked"],
+        "blocks_differing": audit["num_mismatches"],
     }
+    if base is not None:
+        b = {e["pass"]: e for e in base["passes"]}
+        out["tokens_equal"] = {n: p[n]["tokens"] == b[n]["tokens"] for n in p}
+        out["baseline_passes_agree"] = all(b[n]["tokens"] == b[1]["tokens"] for n in b)
+    return out
+
+
+def has_baseline(dp: int, tp: int) -> bool:
+    """Engines on one device run without the connector too, for token equality. On several CPU
+    devices greedy tokens vary from run to run without the connector as well (seen at TP 2 and
+    DP 2), so those engines are checked by the byte audit instead, and their baseline is not run."""
+    return dp * tp == 1
 
 
 def demo(argv: list[str] | None = None) -> int:
@@ -360,17 +449,19 @@ def demo(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, nargs="*", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
     ap.add_argument("--dp", type=int, nargs="*", default=[2], help="data-parallel sizes at TP 1, through "
                     "tpu-inference's DPScheduler (default: 2)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=QWEN3.name, help="the tiny model (default: qwen3; "
+                    "hybrid: sliding-window and full-attention layers, two KV cache groups)")
     ap.add_argument("--workdir", default=None, help="model, report and engine log (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=900.0, help="outside timeout for the child, seconds")
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-engine-")
+    model = MODELS[args.model]
     print(f"tpuoffload inside the real engine: vLLM {_version('vllm')} LLM on tpu-inference {_version('tpu-inference')}"
-          f" (TpuPlatform, TPUWorker, TPUModelRunner, uni executor) on CPU JAX {_version('jax')}; tiny Qwen3 "
-          f"(2 layers, 4 query / 2 KV heads of 128, {DTYPE}) written to {workdir}/model; tensor parallel {args.tp}, "
-          f"data parallel {args.dp}")
+          f" (TpuPlatform, TPUWorker, TPUModelRunner, uni executor) on CPU JAX {_version('jax')}; {model.about}, "
+          f"{DTYPE}, written to {workdir}/model; tensor parallel {args.tp}, data parallel {args.dp}")
     print(f"log: {workdir}/engine.log", flush=True)
     t0 = time.monotonic()
-    report = run_child(workdir, tuple(args.tp), args.timeout, tuple(args.dp))
+    report = run_child(workdir, tuple(args.tp), args.timeout, tuple(args.dp), model)
     wall = time.monotonic() - t0
     first = next(iter(report["runs"].values()))
     print("\nshims (tpuoffload/sim/engine_shims.py, the only ones):")
@@ -378,21 +469,28 @@ def demo(argv: list[str] | None = None) -> int:
         print(f"  - {line}")
     ok = True
     for dp, tp in engine_shapes(tuple(args.tp), tuple(args.dp)):
-        base, conn = report["runs"][config_name(tp, False, dp)], report["runs"][config_name(tp, True, dp)]
-        s = summarize(base, conn)
+        conn = report["runs"][config_name(tp, True, dp)]
+        s = summarize(conn, report["runs"].get(config_name(tp, False, dp)))
+        tokens = s.get("tokens_equal", {})
         scheduler = "DPScheduler, one vLLM scheduler per rank" if dp > 1 else "vLLM's Scheduler"
-        print(f"\ndata parallel {dp} x tensor parallel {tp} ({scheduler}): mesh {conn['mesh']} on {conn['devices']}; KV cache per layer "
-              f"{conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
+        print(f"\ndata parallel {dp} x tensor parallel {tp} ({scheduler}): mesh {conn['mesh']} on {conn['devices']}; KV cache: "
+              f"{len(conn['kv_cache_shapes'])} arrays of {conn['kv_cache_shapes'][0]} sharded {conn['kv_cache_sharding']}")
+        if len(conn["kv_cache_groups"]) > 1:
+            print(f"  vLLM's KV cache groups (hybrid KV cache manager on): {conn['connector_groups']['describe']}; "
+                  f"array of each layer {conn['layer_to_array']}; blocks moved per group, passes 1-4 together: "
+                  f"{conn['passes'][-1]['byte_audit']['by_group']}")
         print(f"  {'pass':<46} {'tokens = baseline':>17} {'HBM-cached':>10} {'hit tokens':>10} {'loaded':>7} "
               f"{'saved':>6}")
         for e in conn["passes"]:
             n = e["pass"]
             label = f"{n} (after {e['after']})" if n > 1 else "1 (cold)"
-            print(f"  {label:<46} {str(s['tokens_equal'][n]):>17} {sum(e['num_cached_tokens']):>10} "
+            print(f"  {label:<46} {str(tokens.get(n, 'not run')):>17} {sum(e['num_cached_tokens']):>10} "
                   f"{s['hit_tokens'][n]:>10} {s['chunks_loaded'][n]:>7} {s['chunks_saved'][n]:>6}")
         print(f"  reset_connector revoked {s['revoked_at_reset']} chunks; load errors {s['load_errors']}, save "
-              f"failures {s['save_failures']}; worker idle {conn['worker_idle']}")
-        ok &= all(s["tokens_equal"].values()) and s["chunks_loaded"][2] > 0 and s["chunks_loaded"][3] == 0
+              f"failures {s['save_failures']}; loaded blocks differing from the saved bytes: "
+              f"{s['blocks_differing']} of {s['blocks_checked']}; worker idle {conn['worker_idle']}")
+        ok &= (all(tokens.values()) and s["blocks_differing"] == 0 and s["chunks_loaded"][2] > 0
+               and s["chunks_loaded"][3] == 0)
     print(f"\n{'OK' if ok else 'MISMATCH'}: {wall:.0f} s in all (report: {workdir}/report.json)")
     return 0 if ok else 1
 
@@ -411,16 +509,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, nargs="*", default=[], help="data-parallel sizes, each at TP 1, through "
                     "tpu-inference's DPScheduler (devices as for --tp)")
     ap.add_argument("--only", choices=("baseline", "connector"), default=None, help="run just one of the two")
+    ap.add_argument("--model", choices=sorted(MODELS), default=QWEN3.name, help="the tiny model")
     ap.add_argument("--model-dir", default=None, help="where the tiny model is (written there if absent)")
     ap.add_argument("--json", default=None, help="write the report here (default: stdout)")
     args = ap.parse_args(argv)
     model_dir = args.model_dir or os.path.join(tempfile.mkdtemp(prefix="tpuoffload-engine-"), "model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        write_tiny_qwen3(model_dir)
+        write_tiny_model(model_dir, MODELS[args.model])
     t0 = time.monotonic()
-    report: dict[str, Any] = {"runs": {}}
+    report: dict[str, Any] = {"model": args.model, "runs": {}}
     for dp, tp in engine_shapes(tuple(args.tp), tuple(args.dp)):
-        for connector in (False, True):
+        for connector in (False, True) if has_baseline(dp, tp) else (True,):
             if args.only and args.only != ("connector" if connector else "baseline"):
                 continue
             report["runs"][config_name(tp, connector, dp)] = run_engine(model_dir, connector, tp, dp)
