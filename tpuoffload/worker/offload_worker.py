@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import jax
+import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
@@ -241,10 +242,10 @@ class OffloadWorker:
             self._count(C.LOAD_ERRORS, len(blocks))
         failed = set(failed)
         self.step_load_failures = frozenset(failed).union(
-            b + p.block_offset for p in placed for ld in p.loads for b in ld.unavailable_block_ids)
+            *((b + p.block_offset for b in ld.unavailable_block_ids) for p in placed for ld in p.loads))
         for p in placed:
             by_request = p.plan.failures_by_request
-            if p.plan.sync_loads and any(ld.unavailable_block_ids or not failed.isdisjoint(ld.block_ids)
+            if p.plan.sync_loads and any(ld.unavailable_block_ids or (failed and not failed.isdisjoint(ld.block_ids))
                                          for ld in p.loads):
                 self._tainted.add(p.rank)
             for load in p.loads:
@@ -450,9 +451,10 @@ class _Placed:
         shard (the check is the one a single scheduler always had). Under DPScheduler each rank
         saves from its own blocks into its own range of slots, so another rank's chunk (a
         cross-rank hit) sits in the shard of that rank's blocks: its first block names it."""
-        per_rank, rank = self.plan.num_slots, self.rank
-        return tuple(block if slot // per_rank == rank else slot // per_rank * self.plan.num_blocks
-                     for block, slot in zip(load.block_ids, load.slots))
+        if not self.plan.num_blocks:  # one scheduler for the engine: no other rank's chunks
+            return load.block_ids
+        owner = np.asarray(load.slots, np.int64) // self.plan.num_slots
+        return np.where(owner == self.rank, np.asarray(load.block_ids, np.int64), owner * self.plan.num_blocks).tolist()
 
 
 def _shift(ids, offset: int):
