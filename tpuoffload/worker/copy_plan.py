@@ -37,7 +37,7 @@ Copies = tuple[tuple[int, int], ...]
 
 # Counts are rounded up to k * 2**j with COUNT_STEPS <= k < 2 * COUNT_STEPS (every count up to
 # 2 * COUNT_STEPS kept): at most 1 / COUNT_STEPS of a width's copies are padding.
-COUNT_STEPS = 2
+COUNT_STEPS = 4
 
 
 class CopyPlan(NamedTuple):
