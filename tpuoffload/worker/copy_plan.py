@@ -12,9 +12,9 @@ history. It is bounded here by construction:
 * a count is rounded up to the count ladder ``k * 2**j``, ``COUNT_STEPS <= k < 2 * COUNT_STEPS``
   (``count_bucket``), the extra copies repeating the last real one.
 
-So for a cap of ``C`` rows a load has at most ``len(widths(C)) * len(counts)`` structures and a
-save at most that times the counts again (``structure_bound``), whatever the slots; a churned
-store's steady state meets a few dozen (tests/test_copy_plan.py, tools/bench_transfer.py).
+So the structures of a cap of ``C`` rows are a fixed set whatever the slots (``structure_bound``:
+for 1024 rows, 183 for loads and a few thousand for saves), and a churned store's steady state
+meets a few dozen of them (tests/test_copy_plan.py, tools/bench_transfer.py --structure-steps).
 
 Each run of consecutive slots (rows sorted by slot; a slot listed twice, as a load may read one
 slot into two blocks, starts a run of its own) is cut into copies of the width ``W``: ``ceil(L /
@@ -72,11 +72,14 @@ def widths(cap: int) -> list[int]:
 
 
 def structure_bound(cap: int) -> tuple[int, int]:
-    """How many structures load and save programs of at most ``cap`` rows per copy width can
-    have: ``(loads, saves)``, an upper bound whatever the slots."""
-    counts = len({count_bucket(c) for c in range(1, cap + 1)})
-    w = len(widths(cap))
-    return w * counts, w * (counts + 1) * (counts + 1)
+    """``(loads, saves)``: how many structures load and save programs of at most ``cap`` rows can
+    take, whatever the slots: every ``((W, E),)`` and every ``((W, E), (1, S))`` (a part may be
+    absent) with widths and counts on their ladders and ``W * E + S <= cap``."""
+    counts = sorted({count_bucket(c) for c in range(1, cap + 1)})
+    loads = {(w, e) for w in widths(cap) for e in counts if w * e <= cap}
+    saves = {tuple((v, c) for v, c in ((w, e), (1, f)) if c) for w in widths(cap)
+             for e in [0, *counts] for f in [0, *counts] if 0 < w * e + f <= cap and (w > 1 or not f)}
+    return len(loads), len(saves)
 
 
 def _runs(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
