@@ -308,8 +308,6 @@ def replay_structures(args, engine, caches, src, dst, churn: dict, jax, np) -> d
     the engine's own costs and cap) and times the calls that met a structure not seen before (a
     compile) against those that did not. Bytes are not checked here (the loads name save ids the
     slots need not hold: placeholders, the same programs)."""
-    from tpuoffload.worker.copy_plan import load_plan, save_plan
-
     steps = churn.get("steps", [])[:args.structure_steps]
     if len(steps) < args.structure_steps:
         print(f"churn record has {len(steps)} steps, fewer than --structure-steps {args.structure_steps}: "
@@ -324,11 +322,7 @@ def replay_structures(args, engine, caches, src, dst, churn: dict, jax, np) -> d
         for op, slots in (("save", save_slots), ("load", load_slots)):
             if not len(slots):
                 continue
-            if op == "save":
-                copies = save_plan(slots, engine._copy_cost["save"], engine.max_chunks_per_transfer).copies
-            else:
-                copies = load_plan(slots, engine._copy_cost["load"], engine.max_chunks_per_transfer,
-                                   engine.backend.num_slots).copies
+            copies = engine.copy_plan(op, slots).copies
             new = copies not in seen[op]
             seen[op].add(copies)
             t0 = time.perf_counter()

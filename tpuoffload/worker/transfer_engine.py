@@ -242,7 +242,7 @@ class TransferEngine:
 
     def _dispatch_save(self, kv_caches, block_ids: np.ndarray, slots: np.ndarray) -> list[jax.Array]:
         """One piece's save program per layer group; returns their tokens."""
-        plan = save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
+        plan = self.copy_plan("save", slots)
         copies = plan.copies
         ids, entry = self._ids.put(_plan_ids(plan, block_ids, 1))
         tokens = []
@@ -254,6 +254,14 @@ class TransferEngine:
             self.log.record("save", shape=ids.shape, group=i, **self._copies_fields(prog, "save", copies),
                             blocks=block_ids, slots=slots)
         return tokens
+
+    def copy_plan(self, op: str, slots) -> CopyPlan:
+        """The copies one piece's save or load (``op``) of ``slots`` moves in: worker/copy_plan.py
+        with this layout's copy costs, the transfer buffer's rows as the cap and, for a load, the
+        store's size (a load may read slots outside the plan, never past the store)."""
+        if op == "save":
+            return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
+        return load_plan(slots, self._copy_cost["load"], self.max_chunks_per_transfer, self.backend.num_slots)
 
     def _copies_fields(self, prog, op: str, copies) -> dict:
         """What the log says of a program's copies: the widest, how many, the structure."""
@@ -375,8 +383,7 @@ class TransferEngine:
         if len(pieces) > 1:  # pieces of a plan sorted by slot (runs stay whole); failures map back
             perm = np.argsort(slots, kind="stable")
             block_ids, slots, save_ids = block_ids[perm], slots[perm], save_ids[perm]
-        plans = [load_plan(slots[p], self._copy_cost["load"], self.max_chunks_per_transfer, self.backend.num_slots)
-                 for p in pieces]  # once per piece
+        plans = [self.copy_plan("load", slots[p]) for p in pieces]  # once per piece
         rows = self._maybe_read_first(slots[pieces[0]], plans[0])  # before the checks: the copies start now
         failed = self._load_failures(block_ids, slots, save_ids)
         valid = np.ones(n, np.int32)
