@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
 
 from engine_helpers import (
-    logged_copies, BF16, NUM_SLOTS, random_caches, host, chunk, save_ok, op_names, small_load_ops, op_shape)
+    logged_copies, BF16, FP8, MIXED, NUM_SLOTS, random_caches, host, chunk, save_ok, op_names, small_load_ops, op_shape)
 
 
 # ---------------------------------------------------------------- slot runs
@@ -318,3 +320,92 @@ def test_covering_copies_negative_control_dropped_rows_misplaced(engines, monkey
 
     bad, _, _ = covering_round_trip(engines, monkeypatch, late)
     assert bad and not any(b.startswith("sentinel") for b in bad)
+
+
+# ---------------------------------------------------------------- churned steady state (issue 24)
+# Steady-state steps of a churned store, recorded by tools/churn_slots.py from the manager's real
+# ChunkIndex (408 slots, 51 chunks a step): each step's saved slots and loaded slots.
+CHURN_FILE = Path(__file__).resolve().parents[1] / "tools" / "churn_h200.json"
+CHURN_KEY, CHURN_STEPS = "408/51/0", 8
+
+
+def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], int]:
+    """Replay the recorded steps (``test_churned_steps_round_trip_byte_exact``); returns the rows
+    loaded wrong, the copy structures met and the rows the loads read but scattered nowhere."""
+    steps = json.loads(CHURN_FILE.read_text())[CHURN_KEY]["steps"][:CHURN_STEPS]
+    num_slots = int(CHURN_KEY.split("/")[0])
+    eng = engines(random_caches(name, 0), slots=num_slots)
+    assert eng.backend.num_slots == num_slots
+    group = eng.layout.groups[0]
+    per = group.blocks_per_shard if group.batch_axes else eng.num_blocks
+    ids = iter(range(1, 1 << 40))
+    saved: dict[int, tuple[np.ndarray, int, int]] = {}  # slot -> (bytes saved there, save id, source block)
+    seen: dict[str, set] = {"save": set(), "load": set()}  # copy structures met
+    dropped = 0  # rows loads read but scattered nowhere
+
+    def save(seed: int, slots: list[int]) -> None:
+        caches = random_caches(name, seed)
+        src = host(caches)
+        blocks = [i % eng.num_blocks for i in range(len(slots))]
+        step_ids = [next(ids) for _ in slots]
+        save_ok(eng, caches, blocks, slots, step_ids)
+        saved.update((s, (chunk(src, b), i, b)) for s, b, i in zip(slots, blocks, step_ids))
+        seen["save"].add(eng.copy_plan("save", np.array(slots)).copies)
+
+    def load(seed: int, slots: list[int], label: str) -> list[str]:
+        """Load ``slots`` into distinct blocks of each source block's batch shard (rows past a
+        full shard in a further load); the rows whose bytes are not what their slot last saved."""
+        nonlocal dropped
+        bad = []
+        while slots:
+            used: dict[int, int] = {}
+            now, later, targets = [], [], []
+            for s in slots:
+                shard = saved[s][2] // per
+                if used.get(shard, 0) == per:
+                    later.append(s)
+                    continue
+                targets.append(shard * per + used.get(shard, 0))
+                used[shard] = used.get(shard, 0) + 1
+                now.append(s)
+            plan = eng.copy_plan("load", np.array(now))
+            seen["load"].add(plan.copies)
+            dropped += int((plan.rows < 0).sum())
+            out, failed = eng.load(random_caches(name, seed), targets, now, [saved[s][1] for s in now])
+            after = host(out)
+            bad += [f"{label}: slot {s} into block {t}" for s, t in zip(now, targets)
+                    if t in failed or not np.array_equal(chunk(after, t), saved[s][0])]
+            slots = later
+        return bad
+
+    save(1, list(range(num_slots)))  # every slot holds a chunk
+    bad = []
+    for k, st in enumerate(steps):
+        save(100 + k, st["save"])
+        bad += load(200 + k, st["load"], f"step {k}")
+    for a in range(0, num_slots, eng.num_blocks):
+        bad += load(300 + a, list(range(a, min(num_slots, a + eng.num_blocks))), "audit")
+    return bad, seen, dropped
+
+
+@pytest.mark.parametrize("name", [BF16, FP8, MIXED, "bf16-dp2-tp4"])
+def test_churned_steps_round_trip_byte_exact(engines, name):
+    """The recorded churned steps through the engine, every copy structure their plans take
+    (copies reaching back over a run, reading past short runs into slots outside the plan,
+    padding to the count ladder): the store is first filled, then each step saves its slots from
+    fresh caches and loads its load slots into distinct blocks of the source's batch shard. Every
+    loaded block equals what was last saved to its slot, and at the end every slot of the store
+    does (a save that wrote outside its slots, or a load that scattered a row read past a run,
+    breaks one of them)."""
+    bad, seen, dropped = churned_round_trip(engines, name)
+    assert bad == []
+    assert len(seen["save"]) > 2 and len(seen["load"]) > 2 and dropped > 0  # the plans were churned ones
+
+
+def test_churned_steps_negative_control_save_past_runs(engines, monkeypatch):
+    """With saves planned as loads (copies reaching past short runs, the rows beyond them written
+    with another plan row's bytes), the replay above finds slots outside a save overwritten."""
+    real = te.TransferEngine.copy_plan
+    monkeypatch.setattr(te.TransferEngine, "copy_plan", lambda self, op, slots: real(self, "load", slots))
+    bad, _, _ = churned_round_trip(engines, BF16)
+    assert bad
