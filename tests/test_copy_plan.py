@@ -169,3 +169,25 @@ def test_structure_bound_counts_the_plans_family():
         assert load_plan(slots, cost, cap, max(slots) + 1).copies in loads
         assert save_plan(slots, cost, cap).copies in saves
     assert structure_bound(1024)[0] == 183
+
+
+def test_one_run_plans_equal_the_general_plans():
+    """A fresh store's plan (one ascending run listed in order: cached, then shifted to its first
+    slot) equals the plan of the same slots listed in another order (the general path): the same
+    copies, the same slot on every program row, the same plan slot on every row that moves one.
+    Runs of every length up to 300, at the store's start, inside it and against its end (where a
+    load's copies would reach past the end and move back)."""
+    rng = np.random.default_rng(3)
+    num_slots = 1000
+    for n in range(1, 301):
+        for start in (0, 37, num_slots - n):
+            run = np.arange(start, start + n)
+            listed = rng.permutation(run) if n > 1 else run
+            if n > 1 and (np.diff(listed) == 1).all():
+                listed = listed[::-1]
+            for plan_of in (lambda s: save_plan(s, 0.5, 512), lambda s: load_plan(s, 1.5, 512, num_slots)):
+                fast, general = plan_of(run), plan_of(listed)
+                assert fast.copies == general.copies and (fast.slots == general.slots).all(), (n, start)
+                moved = fast.rows >= 0
+                assert (moved == (general.rows >= 0)).all()
+                assert (run[fast.rows[moved]] == listed[general.rows[moved]]).all(), (n, start)

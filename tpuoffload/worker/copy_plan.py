@@ -29,6 +29,7 @@ the cap and the store's size: every host dispatches the same programs (invariant
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -58,12 +59,12 @@ def copy_rows(copies) -> int:
     return sum(w * c for w, c in copies)
 
 
-def count_bucket(count: int) -> int:
-    """``count`` rounded up to the count ladder (0 stays 0)."""
-    if count <= 2 * COUNT_STEPS:
-        return count
-    shift = count.bit_length() - COUNT_STEPS.bit_length()
-    return -(-count >> shift) << shift
+def count_bucket(count):
+    """``count`` (an int, or an array of them) rounded up to the count ladder (0 stays 0)."""
+    c = np.asarray(count, np.int64)
+    shift = np.where(c <= 2 * COUNT_STEPS, 0, np.frexp(c)[1] - COUNT_STEPS.bit_length())  # frexp: bit_length
+    out = -(-c >> shift) << shift
+    return int(out) if out.ndim == 0 else out
 
 
 def widths(cap: int) -> list[int]:
@@ -92,43 +93,79 @@ def _runs(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return order, starts, lens, ss[starts]
 
 
+def _one_run(s: np.ndarray) -> bool:
+    """Whether ``s`` is one ascending run listed in order (a fresh store's plan)."""
+    return bool(s[-1] - s[0] == len(s) - 1 and (len(s) == 1 or (np.diff(s) == 1).all()))
+
+
+def _shifted(plan: CopyPlan, first: int) -> CopyPlan:
+    """A plan of slots ``0..n-1`` moved to start at slot ``first`` (rows are plan rows: alike)."""
+    return plan._replace(slots=plan.slots + first)
+
+
 def load_plan(slots, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
     """A load's copies: one width ``W`` for every run (``ceil(L / W)`` copies each, reading past a
     run shorter than ``W``, kept within the store's ``num_slots``), ``W`` the cheapest of
-    ``widths(min(cap, num_slots))`` with counts rounded up to the ladder."""
+    ``widths(min(cap, num_slots))`` with counts rounded up to the ladder. One ascending run whose
+    copies cannot reach the store's end (a fresh store) takes its cached plan, shifted."""
     s = np.asarray(slots, np.int64).ravel()
     if not len(s):
         return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
+    if _one_run(s) and s[0] + max(len(s), min(cap, num_slots)) <= num_slots:
+        return _shifted(_load_run(len(s), copy_cost, cap, num_slots), int(s[0]))
+    return _load_plan(s, copy_cost, cap, num_slots)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_run(n: int, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
+    return _frozen(_load_plan(np.arange(n, dtype=np.int64), copy_cost, cap, num_slots))
+
+
+def _load_plan(s: np.ndarray, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
     order, starts, lens, first = _runs(s)
     ladder = np.array(widths(min(cap, num_slots)), np.int64)
-    need = -(-lens[None, :] // ladder[:, None]).sum(axis=1)  # copies per width
+    need = count_bucket((-(-lens[None, :] // ladder[:, None])).sum(axis=1))  # copies per width, on the ladder
     # Width 1 always fits the cap (a plan has at most ``cap`` rows, a power of two on the ladder).
-    cost = [count_bucket(int(e)) * (copy_cost + int(w)) if count_bucket(int(e)) * w <= cap else np.inf
-            for w, e in zip(ladder, need)]
-    k = int(np.argmin(cost))
+    k = int(np.argmin(np.where(need * ladder <= cap, need * (copy_cost + ladder), np.inf)))
     w = int(ladder[k])
-    per_run = -(-lens // w)
-    return _plan(s, order, starts, lens, first, per_run, w, count_bucket(int(need[k])), num_slots)
+    return _plan(s, order, starts, lens, first, -(-lens // w), w, int(need[k]), num_slots)
 
 
 def save_plan(slots, copy_cost: float, cap: int) -> CopyPlan:
     """A save's copies: copies of one width ``W`` within the runs (``ceil(L / W)`` per run, the
     last reaching back, or ``L // W`` and the rest as single rows, whichever costs less), single
     rows for runs shorter than ``W``; ``W`` the cheapest of ``widths(cap)``, counts rounded up to
-    the ladder. The slots must be distinct (the engine checks)."""
+    the ladder. The slots must be distinct (the engine checks). One ascending run (a fresh
+    store) takes its cached plan, shifted."""
     s = np.asarray(slots, np.int64).ravel()
     if not len(s):
         return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
+    if _one_run(s):
+        return _shifted(_save_run(len(s), copy_cost, cap), int(s[0]))
+    return _save_plan(s, copy_cost, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _save_run(n: int, copy_cost: float, cap: int) -> CopyPlan:
+    return _frozen(_save_plan(np.arange(n, dtype=np.int64), copy_cost, cap))
+
+
+def _frozen(plan: CopyPlan) -> CopyPlan:
+    """A plan whose arrays are read-only (a cached plan, shared by every caller)."""
+    plan.rows.flags.writeable = plan.slots.flags.writeable = False
+    return plan
+
+
+def _save_plan(s: np.ndarray, copy_cost: float, cap: int) -> CopyPlan:
     order, starts, lens, first = _runs(s)
-    best = None
-    for w in widths(cap):
-        wide, single = _save_split(lens, w, copy_cost)
-        nw, ns = count_bucket(int(wide.sum())), count_bucket(int(single.sum()))
-        cost = nw * (copy_cost + w) + ns * (copy_cost + 1)
-        if nw * w + ns <= cap and (best is None or cost < best[0]):  # width 1 always fits
-            best = (cost, w, wide, single, nw, ns)
-    _, w, wide, single, nw, ns = best
-    plan = _plan(s, order, starts, lens, first, wide, w, nw, None)
+    ladder = np.array(widths(cap), np.int64)[:, None]
+    wide, single = _save_split(lens[None, :], ladder, copy_cost)  # (widths, runs)
+    nw, ns = count_bucket(wide.sum(axis=1)), count_bucket(single.sum(axis=1))
+    w_ = ladder[:, 0]
+    # Width 1 always fits the cap (no single rows then).
+    k = int(np.argmin(np.where(nw * w_ + ns <= cap, nw * (copy_cost + w_) + ns * (copy_cost + 1), np.inf)))
+    w, wide, single, ns = int(w_[k]), wide[k], single[k], int(ns[k])
+    plan = _plan(s, order, starts, lens, first, wide, w, int(nw[k]), None)
     if not ns:
         return plan
     # Single rows: the rows of each run that its wide copies leave (the run's last ``single``).
@@ -140,7 +177,7 @@ def save_plan(slots, copy_cost: float, cap: int) -> CopyPlan:
                     plan.copies + ((1, ns),))
 
 
-def _save_split(lens: np.ndarray, w: int, copy_cost: float) -> tuple[np.ndarray, np.ndarray]:
+def _save_split(lens: np.ndarray, w, copy_cost: float) -> tuple[np.ndarray, np.ndarray]:
     """Per run: copies of width ``w`` and single rows. A run of ``q * w + r`` slots (``q >= 1``)
     takes ``q + 1`` copies (the last reaching back) where one copy costs less than ``r`` single
     ones, else ``q`` copies and ``r`` single rows; a shorter run takes single rows only."""
