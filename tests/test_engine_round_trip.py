@@ -65,12 +65,13 @@ def test_round_trip_more_blocks_than_bucket_permuted_subset(engines):
     caches = random_caches(BF16, 2)
     eng = engines(caches)
     src = host(caches)
-    blocks = list(range(5, 25))  # 20 blocks in one descending run: copies of 16 + 4, no padding
+    blocks = list(range(5, 25))  # 20 blocks in one descending run: five copies of 4, no padding
     slots = list(range(31, 11, -1))
     ids = list(range(1000, 1020))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 20 and logged_copies(ops[0]) == 2
+    assert eng.copy_plan("save", np.array(slots)).copies == ((4, 5),)
+    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 20 and logged_copies(ops[0]) == 5
     caches = random_caches(BF16, 3)
     pick = [7, 0, 19, 3]
     caches, failed = eng.load(caches, [40, 41, 42, 43], [slots[p] for p in pick], [ids[p] for p in pick])
