@@ -1,10 +1,12 @@
 """How the engine moves slots: maximal runs of consecutive slots, the copy structures
-(``programs.copy_plan``: power-of-two copies and counts) and their byte-exact round trips.
+(``TransferEngine.copy_plan``, worker/copy_plan.py) and their byte-exact round trips.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from tpuoffload.worker import programs as pm
 from tpuoffload.worker import transfer_engine as te
 
 from engine_helpers import (
-    logged_copies, BF16, NUM_SLOTS, random_caches, host, chunk, save_ok, op_names, small_load_ops, op_shape)
+    logged_copies, BF16, FP8, MIXED, NUM_SLOTS, random_caches, host, chunk, save_ok, op_names, small_load_ops, op_shape)
 
 
 # ---------------------------------------------------------------- slot runs
@@ -84,15 +86,15 @@ def test_slot_run_is_the_widest_width_whose_padded_plan_is_runs():
         assert (load[0, n:] == 99).all() and (load[2, n:] == 0).all() and (load[2, :n] == 1).all()
 
 
-# slots of one save, the width its programs use, and four sentinel slots saved just before it
-# (neighbours a wrong width would overwrite).
+# slots of one save, and four sentinel slots saved just before it (neighbours a wrong copy would
+# overwrite, or a load reading past a run would read: it must drop them).
 SLOT_PATTERNS = {
-    "run to the last slot": (list(range(NUM_SLOTS - 8, NUM_SLOTS)), 8, [20, 21, 22, 23]),
-    "wraps": ([30, 31, 0, 1, 2, 3, 4, 5], 2, [6, 7, 28, 29]),
-    "12 ascending": (list(range(3, 15)), 4, [15, 16, 17, 18]),
-    "descending": (list(range(NUM_SLOTS - 1, NUM_SLOTS - 9, -1)), 1, [20, 21, 22, 23]),
-    "two runs": ([1, 2, 3, 4, 9, 10, 11, 12], 4, [5, 6, 7, 8]),
-    "scattered": ([7, 3, 11, 0, 30, 12, 5, 9], 1, [1, 2, 4, 6]),
+    "run to the last slot": (list(range(NUM_SLOTS - 8, NUM_SLOTS)), [20, 21, 22, 23]),
+    "wraps": ([30, 31, 0, 1, 2, 3, 4, 5], [6, 7, 28, 29]),
+    "12 ascending": (list(range(3, 15)), [15, 16, 17, 18]),
+    "descending": (list(range(NUM_SLOTS - 1, NUM_SLOTS - 9, -1)), [20, 21, 22, 23]),
+    "two runs": ([1, 2, 3, 4, 9, 10, 11, 12], [5, 6, 7, 8]),
+    "scattered": ([7, 3, 11, 0, 30, 12, 5, 9], [1, 2, 4, 6]),
 }
 
 
@@ -100,15 +102,20 @@ def logged_run(op: str) -> int:
     return int(re.search(r"\brun=(\d+)", op).group(1))
 
 
-def widest(slots) -> int:
-    return cp.copy_plan(list(slots)).copies[0][0]
+def logged_structure(op: str) -> str:
+    return re.search(r"\bstructure=(\S*)", op).group(1)
 
 
-def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]]:
+def structure(copies) -> str:
+    return "+".join(f"{w}x{c}" for w, c in copies)
+
+
+def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[str], list[str]]:
     """Save sentinels, then the pattern's chunks (from both batch shards); load them back in the
-    saved order, then in ascending slot order (another width), then the sentinels. Returns the
-    mismatches and the widths logged by the save, the first load's read, the second's."""
-    slots, _, sentinels = SLOT_PATTERNS[pattern]
+    saved order, then in ascending slot order, then the sentinels. Returns the mismatches, the
+    structures logged by the save, the first load's read and the second's, and the structures
+    the engine's plans give the save and the two loads."""
+    slots, sentinels = SLOT_PATTERNS[pattern]
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 30)
     eng = engines(caches)
@@ -119,16 +126,19 @@ def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]
     ids = list(range(900, 900 + n))
     save_ok(eng, caches, [12, 13, per + 12, per + 13], sentinels, [800, 801, 802, 803])
     save_ok(eng, caches, blocks, slots, ids)
-    runs = [logged_run(eng.finish_step().ops[-1])]
+    logged = [logged_structure(eng.finish_step().ops[-1])]
+    planned = [structure(eng.copy_plan("save", np.array(slots)).copies)]
     bad = []
     order = sorted(range(n), key=lambda i: slots[i])
     for k, (pos, first) in enumerate(((list(range(n)), 16), (order, 20))):
         caches = random_caches(name, 31 + k)
         targets = [(i % 2) * per + first + j for j, i in enumerate(pos)]
-        caches, failed = eng.load(caches, targets, [slots[i] for i in pos], [ids[i] for i in pos])
+        load_slots = [slots[i] for i in pos]
+        caches, failed = eng.load(caches, targets, load_slots, [ids[i] for i in pos])
         ops = eng.finish_step().ops
         assert failed == [] and op_names(ops) == small_load_ops(1)
-        runs.append(logged_run(ops[0]))
+        logged.append(logged_structure(ops[0]))
+        planned.append(structure(eng.copy_plan("load", np.array(load_slots)).copies))
         after = host(caches)
         bad += [f"load {k} slot {slots[i]}" for i, t in zip(pos, targets)
                 if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
@@ -136,19 +146,31 @@ def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[int]
     after = host(caches)
     bad += [f"sentinel slot {s}" for s, b, t in zip(sentinels, [12, 13, per + 12, per + 13], [14, 15, per + 14, per + 15])
             if not np.array_equal(chunk(after, t), chunk(src, b))]
-    return bad, runs
+    return bad, logged, planned
 
 
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
 def test_slot_runs_round_trip_byte_exact(engines, pattern):
     """Whatever the slots (one run, a run that ends at the store's last slot or wraps past it, a
-    run that is padded, descending slots, scattered ones), each chunk comes back byte-exact, loaded
-    in the saved order or in another, and no neighbouring slot is touched; the save moves its slots
-    in the copies ``copy_plan`` gives (rows sorted by slot: a descending run is one copy)."""
-    slots, _, _ = SLOT_PATTERNS[pattern]
-    bad, runs = slot_pattern_round_trip(engines, pattern)
+    run whose load reads past it, descending slots, scattered ones), each chunk comes back
+    byte-exact, loaded in the saved order or in another, and no neighbouring slot is touched; the
+    programs run the structures of the engine's plans, and a load in another order has the
+    same (rows sorted by slot: a descending run is one copy)."""
+    bad, logged, planned = slot_pattern_round_trip(engines, pattern)
     assert bad == []
-    assert runs == [widest(slots)] * 3  # rows sorted by slot: the load in another order copies alike
+    assert logged == planned and planned[1] == planned[2]
+
+
+@pytest.mark.parametrize("pattern", ["wraps", "two runs", "descending"])
+def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
+    """The round trip above catches a wrong copy plan: an engine that takes every plan for one
+    ascending run in the listed order overwrites neighbouring slots (a run that wraps, two runs)
+    or stores a descending run reversed (seen by the load in another order)."""
+    n_bits = lambda n: tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)  # noqa: E731
+    monkeypatch.setattr(te.TransferEngine, "copy_plan",
+                        lambda self, op, slots: cp.CopyPlan(np.arange(len(slots)), np.asarray(slots), n_bits(len(slots))))
+    bad, _, _ = slot_pattern_round_trip(engines, pattern)
+    assert bad
 
 
 @pytest.mark.parametrize("src_slots,dst_slots", [
@@ -184,27 +206,17 @@ def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots
         assert np.array_equal(chunk(after, 60 + k), chunk(src, b)), keep[k]
 
 
-@pytest.mark.parametrize("pattern", ["wraps", "two runs", "descending"])
-def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
-    """The round trip above catches a wrong copy plan: an engine that takes every plan for one
-    ascending run in the listed order overwrites neighbouring slots (a run that wraps, two runs)
-    or stores a descending run reversed (seen by the load in another order)."""
-    n_bits = lambda n: tuple((1 << b, 1) for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1)  # noqa: E731
-    monkeypatch.setattr(te, "copy_plan", lambda slots, cost: cp.CopyPlan(None, n_bits(len(slots)), None))
-    bad, _ = slot_pattern_round_trip(engines, pattern)
-    assert bad
-
-
 # ---------------------------------------------------------------- copy structures (issue 24)
 @pytest.mark.parametrize("slots,save_copies", [
-    (list(range(NUM_SLOTS - 1, NUM_SLOTS - 27, -1)), 3),  # 26 descending, to the store's last slot: 16 + 8 + 2
-    (list(range(3, 29)), 3),  # 26 ascending: no power of two
-    (list(range(20, 32))[::-1] + list(range(0, 12)), 4),  # two descending/ascending runs of 12: 8 + 4 each
+    (list(range(NUM_SLOTS - 1, NUM_SLOTS - 27, -1)), 5),  # 26 descending, to the store's last slot: 3 x 8 + 2 x 1
+    (list(range(3, 29)), 5),  # 26 ascending: no power of two
+    (list(range(20, 32))[::-1] + list(range(0, 12)), 6),  # two descending/ascending runs of 12: 3 x 4 each
 ])
 def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, save_copies):
     """Issue 24: a descending run, or a run of no power-of-two length, moves in a few wide copies
-    (the count the engine logs), not one per slot; the chunks come back byte-exact, loaded in
-    another order (reversed), and the slots around them keep their chunks."""
+    (the count the engine logs), not one per slot, and a save writes no slot twice here; the
+    chunks come back byte-exact, loaded in another order (reversed), and the slots around them
+    keep their chunks."""
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 60)
     eng = engines(caches)
@@ -218,7 +230,7 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
     ids = list(range(900, 900 + n))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    assert logged_copies(ops[-1]) == save_copies and op_shape(ops[-1])[1] == n  # no padding
+    assert logged_copies(ops[-1]) == save_copies and op_shape(ops[-1])[1] == n  # no row twice
     pos = list(range(n))[::-1]
     targets = [(i % 2) * per + i // 2 for i in pos]  # the source's batch shard, other blocks
     out, failed = eng.load(random_caches(name, 61), targets + [20, 21, per + 20, per + 21],
@@ -233,16 +245,19 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
         assert np.array_equal(chunk(after, t), chunk(src, b))
 
 
-# Covering copies (copy_plan): in this layout a save's copy costs 6 rows and a load's 12, so a run
-# of 23 moves as 16 + 8 (one slot twice), a run of 11 loads as 8 + 4 (one slot twice) and seven
-# runs of 2 save as eight copies of 2, the last repeated.
+# Copies that move a row twice or read a slot outside the plan. In this layout a save's copy costs
+# 2 rows and a load's 7: the save moves the runs in copies of 8 (the run of 23 in three, the last
+# reaching back over one slot) and single rows (the rest of the run of 11, the runs of 2, padded
+# to the count ladder by repeating the last one), the load in copies of 4 that read past each run
+# of 2 into its sentinels and reach back in the runs of 23 and 11: those rows scatter nowhere.
 COVERED_RUNS = [list(range(25, 2, -1)), list(range(40, 51))] + [[60 + 4 * k, 61 + 4 * k] for k in range(7)]
 
 
-def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[str], int]:
+def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[str], int, int]:
     """Save the covered runs (listed shuffled, one descending) from both batch shards around
     sentinel slots, load them back in another order into other blocks of their shards, then the
-    sentinels. Returns the mismatches and the rows the load moved twice."""
+    sentinels. Returns the mismatches, the rows the save wrote twice and the rows the load read
+    but scattered nowhere (``mutate``: a function of the engine's load plan, for that load only)."""
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 70)
     eng = engines(caches, slots=128)
@@ -251,7 +266,7 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     rng = np.random.default_rng(7)
     slots = [s for k in rng.permutation(len(COVERED_RUNS)) for s in COVERED_RUNS[k]]
     n = len(slots)
-    assert cp.copy_plan(slots, eng._copy_cost["save"]).repeats is not None
+    save_plan = eng.copy_plan("save", np.array(slots))
     blocks = [(i % 2) * per + i // 2 for i in range(n)]  # both batch shards
     used = set(slots)
     sentinels = sorted({s + d for run in COVERED_RUNS for s in (min(run), max(run)) for d in (-1, 1)} - used)
@@ -260,16 +275,16 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     ids = list(range(900, 900 + n))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    save_copies = cp.copy_plan(slots, eng._copy_cost["save"]).copies
-    assert logged_copies(ops[-1]) == eng._programs[0].num_copies("save", save_copies)
+    assert logged_copies(ops[-1]) == eng._programs[0].num_copies("save", save_plan.copies)
     if pm.SAVE_SINGLE_ROW_BYTES <= eng._programs[0].row_bytes:  # rows this large: one per copy
-        assert logged_copies(ops[-1]) == cp.copy_rows(save_copies)
-    if mutate is not None:
-        monkeypatch.setattr(te, "copy_plan", mutate)
+        assert logged_copies(ops[-1]) == cp.copy_rows(save_plan.copies)
     pos = rng.permutation(n).tolist()
     within = rng.permutation(n // 2)  # another block of the source's own batch shard
     targets = [(i % 2) * per + int(within[i // 2]) for i in pos]
-    load_plan = cp.copy_plan([slots[i] for i in pos], eng._copy_cost["load"])
+    load_plan = eng.copy_plan("load", np.array([slots[i] for i in pos]))
+    if mutate is not None:
+        real = te.TransferEngine.copy_plan
+        monkeypatch.setattr(te.TransferEngine, "copy_plan", lambda self, op, s: mutate(real(self, op, s)))
     out, failed = eng.load(random_caches(name, 71), targets, [slots[i] for i in pos], [ids[i] for i in pos])
     assert failed == []
     after = host(out)
@@ -281,29 +296,116 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     after = host(out)
     bad += [f"sentinel {s}" for s, b in zip(sentinels, sentinel_blocks)
             if not np.array_equal(chunk(after, b), chunk(src, b))]
-    return bad, int(load_plan.repeats.sum()) if load_plan.repeats is not None else 0
+    return bad, len(save_plan.rows) - n, int((load_plan.rows < 0).sum())
 
 
 @pytest.mark.parametrize("single_row_bytes", [pm.SAVE_SINGLE_ROW_BYTES, 1], ids=["wide", "one row per copy"])
 def test_covering_copies_round_trip_byte_exact(engines, load_program_shape, single_row_bytes):
-    """A save writes the slots a covering copy reaches back over twice, with the same bytes, and
-    no slot outside its runs (the sentinels around every run keep their chunks); a load reads
-    them twice but scatters each block once (the repeated rows target no block): every chunk
-    comes back byte-exact in its own batch shard. Alike when the save writes one row per copy
-    (rows of at least SAVE_SINGLE_ROW_BYTES)."""
+    """A save writes the slots a covering copy reaches back over (and its padding) twice, with the
+    same bytes, and no slot outside its runs (the sentinels around every run keep their chunks); a
+    load reads them twice, and the sentinels its copies read past short runs, but scatters each
+    block once (those rows target no block): every chunk comes back byte-exact in its own batch
+    shard. Alike when the save writes one row per copy (rows of at least SAVE_SINGLE_ROW_BYTES)."""
     load_program_shape(SAVE_SINGLE_ROW_BYTES=single_row_bytes)
-    bad, twice = covering_round_trip(engines)
-    assert bad == [] and twice > 0
+    bad, twice, dropped = covering_round_trip(engines)
+    assert bad == [] and twice > 0 and dropped > 0
 
 
-def test_covering_copies_negative_control_repeats_misplaced(engines, monkeypatch):
-    """With the load's repeated rows marked one row late, one row a covering copy alone moves is
-    dropped: the round trip above is sensitive to which rows a load drops."""
-    real = te.copy_plan
+def test_covering_copies_negative_control_dropped_rows_misplaced(engines, monkeypatch):
+    """With each run of the load's dropped rows ending one row late, a row only that copy moves
+    is dropped: the round trip above is sensitive to which rows a load drops."""
+    def late(plan):
+        none = plan.rows < 0
+        return plan._replace(rows=np.where(none | np.roll(none, 1), -1, plan.rows))
 
-    def late(slots, cost):
-        plan = real(slots, cost)
-        return plan if plan.repeats is None else plan._replace(repeats=np.roll(plan.repeats, 1))
-
-    bad, _ = covering_round_trip(engines, monkeypatch, late)
+    bad, _, _ = covering_round_trip(engines, monkeypatch, late)
     assert bad and not any(b.startswith("sentinel") for b in bad)
+
+
+# ---------------------------------------------------------------- churned steady state (issue 24)
+# Steady-state steps of a churned store, recorded by tools/churn_slots.py from the manager's real
+# ChunkIndex (408 slots, 51 chunks a step): each step's saved slots and loaded slots.
+CHURN_FILE = Path(__file__).resolve().parents[1] / "tools" / "churn_h200.json"
+CHURN_KEY, CHURN_STEPS = "408/51/0", 8
+
+
+def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], int]:
+    """Replay the recorded steps (``test_churned_steps_round_trip_byte_exact``); returns the rows
+    loaded wrong, the copy structures met and the rows the loads read but scattered nowhere."""
+    steps = json.loads(CHURN_FILE.read_text())[CHURN_KEY]["steps"][:CHURN_STEPS]
+    num_slots = int(CHURN_KEY.split("/")[0])
+    eng = engines(random_caches(name, 0), slots=num_slots)
+    assert eng.backend.num_slots == num_slots
+    group = eng.layout.groups[0]
+    per = group.blocks_per_shard if group.batch_axes else eng.num_blocks
+    ids = iter(range(1, 1 << 40))
+    saved: dict[int, tuple[np.ndarray, int, int]] = {}  # slot -> (bytes saved there, save id, source block)
+    seen: dict[str, set] = {"save": set(), "load": set()}  # copy structures met
+    dropped = 0  # rows loads read but scattered nowhere
+
+    def save(seed: int, slots: list[int]) -> None:
+        caches = random_caches(name, seed)
+        src = host(caches)
+        blocks = [i % eng.num_blocks for i in range(len(slots))]
+        step_ids = [next(ids) for _ in slots]
+        save_ok(eng, caches, blocks, slots, step_ids)
+        saved.update((s, (chunk(src, b), i, b)) for s, b, i in zip(slots, blocks, step_ids))
+        seen["save"].add(eng.copy_plan("save", np.array(slots)).copies)
+
+    def load(seed: int, slots: list[int], label: str) -> list[str]:
+        """Load ``slots`` into distinct blocks of each source block's batch shard (rows past a
+        full shard in a further load); the rows whose bytes are not what their slot last saved."""
+        nonlocal dropped
+        bad = []
+        while slots:
+            used: dict[int, int] = {}
+            now, later, targets = [], [], []
+            for s in slots:
+                shard = saved[s][2] // per
+                if used.get(shard, 0) == per:
+                    later.append(s)
+                    continue
+                targets.append(shard * per + used.get(shard, 0))
+                used[shard] = used.get(shard, 0) + 1
+                now.append(s)
+            plan = eng.copy_plan("load", np.array(now))
+            seen["load"].add(plan.copies)
+            dropped += int((plan.rows < 0).sum())
+            out, failed = eng.load(random_caches(name, seed), targets, now, [saved[s][1] for s in now])
+            after = host(out)
+            bad += [f"{label}: slot {s} into block {t}" for s, t in zip(now, targets)
+                    if t in failed or not np.array_equal(chunk(after, t), saved[s][0])]
+            slots = later
+        return bad
+
+    save(1, list(range(num_slots)))  # every slot holds a chunk
+    bad = []
+    for k, st in enumerate(steps):
+        save(100 + k, st["save"])
+        bad += load(200 + k, st["load"], f"step {k}")
+    for a in range(0, num_slots, eng.num_blocks):
+        bad += load(300 + a, list(range(a, min(num_slots, a + eng.num_blocks))), "audit")
+    return bad, seen, dropped
+
+
+@pytest.mark.parametrize("name", [BF16, FP8, MIXED, "bf16-dp2-tp4"])
+def test_churned_steps_round_trip_byte_exact(engines, name):
+    """The recorded churned steps through the engine, every copy structure their plans take
+    (copies reaching back over a run, reading past short runs into slots outside the plan,
+    padding to the count ladder): the store is first filled, then each step saves its slots from
+    fresh caches and loads its load slots into distinct blocks of the source's batch shard. Every
+    loaded block equals what was last saved to its slot, and at the end every slot of the store
+    does (a save that wrote outside its slots, or a load that scattered a row read past a run,
+    breaks one of them)."""
+    bad, seen, dropped = churned_round_trip(engines, name)
+    assert bad == []
+    assert len(seen["save"]) > 2 and len(seen["load"]) > 2 and dropped > 0  # the plans were churned ones
+
+
+def test_churned_steps_negative_control_save_past_runs(engines, monkeypatch):
+    """With saves planned as loads (copies reaching past short runs, the rows beyond them written
+    with another plan row's bytes), the replay above finds slots outside a save overwritten."""
+    real = te.TransferEngine.copy_plan
+    monkeypatch.setattr(te.TransferEngine, "copy_plan", lambda self, op, slots: real(self, "load", slots))
+    bad, _, _ = churned_round_trip(engines, BF16)
+    assert bad

@@ -92,12 +92,13 @@ def test_round_trip_more_blocks_than_bucket_permuted_subset(engines):
     caches = random_caches(BF16, 2)
     eng = engines(caches)
     src = host(caches)
-    blocks = list(range(5, 25))  # 20 blocks in one descending run: copies of 16 + 4, no padding
+    blocks = list(range(5, 25))  # 20 blocks in one descending run: five copies of 4, no padding
     slots = list(range(31, 11, -1))
     ids = list(range(1000, 1020))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
-    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 20 and logged_copies(ops[0]) == 2
+    assert eng.copy_plan("save", np.array(slots)).copies == ((4, 5),)
+    assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == 20 and logged_copies(ops[0]) == 5
     caches = random_caches(BF16, 3)
     pick = [7, 0, 19, 3]
     caches, failed = eng.load(caches, [40, 41, 42, 43], [slots[p] for p in pick], [ids[p] for p in pick])
@@ -181,7 +182,7 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     assert failed == [per + 6, 9]
     # One part, or one copy per part: reads, then the scatter (two programs); otherwise one load
     # program overlapping them.
-    copies = cp.copy_plan(slots, eng._copy_cost["load"]).copies
+    copies = eng.copy_plan("load", slots).copies
     reads_first = eng._reads_first(copies)
     assert reads_first == (parts == 1 or eng._programs[0].num_copies("load", copies) <= te.READS_FIRST_COPIES)
     assert op_names(eng.finish_step().ops) == ["save"] + (small_load_ops(1) if reads_first else ["load"])
@@ -296,7 +297,7 @@ PIECE_SLOTS = {  # slots of a plan of n chunks in a store of 256 slots
 def test_pieces_round_trip_byte_exact(engines, n, pattern):
     """A plan larger than the transfer buffer (32 chunks here) moves in pieces of the buffer and a
     rest, each save and load program one piece, the plan first sorted by slot (runs stay whole);
-    each piece's slots give its own copy structure (programs.copy_plan), whether a run of slots
+    each piece's slots give its own copy structure (TransferEngine.copy_plan), whether a run of slots
     continues across a piece boundary or a new run starts at one. The chunks come back byte-exact; blocks and slots outside
     the plan keep theirs; a save that overwrites the same slots right away (write-after-write across
     pieces) wins, and the older save's ids no longer load."""
@@ -312,7 +313,7 @@ def test_pieces_round_trip_byte_exact(engines, n, pattern):
     assert [p.stop - p.start for p in eng.pieces(n)] == sizes
     listed = sorted(slots) if len(sizes) > 1 else slots
     starts = np.cumsum([0] + sizes[:-1])
-    plans = {op: [cp.copy_plan(listed[a:a + p], eng._copy_cost[op]).copies for a, p in zip(starts, sizes)]
+    plans = {op: [eng.copy_plan(op, np.array(listed[a:a + p])).copies for a, p in zip(starts, sizes)]
              for op in ("save", "load")}
     sentinel = [s for s in range(256) if s not in slots][:2]
     save_ok(eng, caches, [250, 251], sentinel, [1, 2])

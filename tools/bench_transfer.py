@@ -166,6 +166,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="churned slot patterns written by tools/churn_slots.py (else simulated here, which "
                         "needs the scheduler's dependencies: numba, vLLM)")
     p.add_argument("--churn-seed", type=int, default=0)
+    p.add_argument("--structure-steps", type=int, default=0, metavar="K",
+                   help="also replay K steady-state churned steps (saves and loads, from --churn-file or "
+                        "--write-churn-file): the distinct copy structures they meet and what a first call of "
+                        "a new one costs")
     p.add_argument("--write-churn-file", metavar="PATH", default=None,
                    help="only simulate the churned patterns of these configs and steps (with the scheduler, "
                         "on the machine that has it) and write them for --churn-file; measures nothing")
@@ -297,6 +301,54 @@ def main(argv=None) -> int:
     return 0
 
 
+def replay_structures(args, engine, caches, src, dst, churn: dict, jax, np) -> dict:
+    """Replay the churn simulation's steady-state steps (``steps``, tools/churn_slots.py) through
+    the engine: each step's save of its slots, then its load (at most a step's blocks), timed to
+    completion. Counts the distinct copy structures the programs take (worker/copy_plan.py, with
+    the engine's own costs and cap) and times the calls that met a structure not seen before (a
+    compile) against those that did not. Bytes are not checked here (the loads name save ids the
+    slots need not hold: placeholders, the same programs)."""
+    steps = churn.get("steps", [])[:args.structure_steps]
+    if len(steps) < args.structure_steps:
+        print(f"churn record has {len(steps)} steps, fewer than --structure-steps {args.structure_steps}: "
+              f"rewrite the churn file with --write-churn-file ... --structure-steps", file=sys.stderr)
+    n = len(src)
+    seen = {"save": set(), "load": set()}
+    times = {"save_new": [], "save_seen": [], "load_new": [], "load_seen": []}
+    ids = iter(range(1 << 40, 1 << 62))
+    for st in steps:
+        save_slots = np.asarray(st["save"][:n], np.int64)
+        load_slots = np.asarray(st["load"][:n], np.int64)
+        for op, slots in (("save", save_slots), ("load", load_slots)):
+            if not len(slots):
+                continue
+            copies = engine.copy_plan(op, slots).copies
+            new = copies not in seen[op]
+            seen[op].add(copies)
+            t0 = time.perf_counter()
+            if op == "save":
+                engine.save(caches, src[:len(slots)].tolist(), slots.tolist(), [next(ids) for _ in slots])
+                engine.wait_idle(300)
+            else:
+                caches, _ = engine.load(caches, dst[:len(slots)].tolist(), slots.tolist(), [next(ids) for _ in slots])
+                jax.block_until_ready(caches)
+            times[f"{op}_{'new' if new else 'seen'}"].append(time.perf_counter() - t0)
+        engine.finish_step()
+        engine.drain_results()
+    out = {"steps": len(steps), "caches": caches}
+    for op in ("save", "load"):
+        new, old = times[f"{op}_new"], times[f"{op}_seen"]
+        out[op] = {"structures": len(seen[op]), "calls": len(new) + len(old),
+                   "new_call_ms": [round(x * 1e3, 2) for x in new],
+                   "seen_call_median_ms": round(statistics.median(old) * 1e3, 3) if old else None,
+                   "structure_list": sorted("+".join(f"{w}x{c}" for w, c in s) for s in seen[op])}
+        print(f"    structures over {len(steps)} churned steps: {op} {len(seen[op])} distinct in {out[op]['calls']} "
+              f"calls; first call of a new one median {statistics.median(new) * 1e3 if new else 0:.1f} ms, max "
+              f"{max(new, default=0) * 1e3:.1f}; a call of a structure seen before median "
+              f"{out[op]['seen_call_median_ms']} ms", flush=True)
+    return out
+
+
 def config_chunks(args) -> list[tuple[str, int, int]]:
     """(config, chunk bytes, chunks per step) of every config and step the run would measure."""
     import numpy as np
@@ -327,8 +379,8 @@ def write_churn_file(args) -> int:
             data = json.load(f)
     for name, chunk, n in config_chunks(args):
         key = churn_slots.key(args.pool_steps * n, n, args.churn_seed)
-        if key not in data:
-            data[key] = churn_slots.simulate(args.pool_steps * n, n, args.churn_seed)
+        if key not in data or len(data[key].get("steps", ())) < args.structure_steps:
+            data[key] = churn_slots.simulate(args.pool_steps * n, n, args.churn_seed, record_steps=args.structure_steps)
         r = data[key]
         print(f"{name}: {n} chunks of {chunk / 1024:g} KiB per step, {args.pool_steps * n} slots: steady after "
               f"{r['warmup_steps']} steps ({r['evicted_per_slot']:.1f} evictions per slot), mean run save "
@@ -503,6 +555,7 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
             times[f"{pat}_load_main"].append(t_load_main)
         return True
 
+    structures = None
     try:
         for it in range(args.iters + 1):
             record = it > 0  # iteration 0 is the warm-up (compiles)
@@ -546,6 +599,10 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
             # engine save / load through the public API, each slot pattern
             if not all(engine_round(pat, record) for pat in patterns):
                 break
+        if args.structure_steps and "churned" in patterns:
+            structures = replay_structures(args, engine, caches, src, dst, churn_pattern(args, num_slots, n, churn_data,
+                                                                                      label), jax, np)
+            caches = structures.pop("caches")
     finally:
         engine.close()
 
@@ -597,6 +654,7 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
         row[f"engine_{pat}_runs"] = runs.get(pat, {})
         row[f"engine_{pat}_rows_moved"] = moved.get(pat)
         row[f"engine_{pat}_copies"] = copies.get(pat)
+    row["structures"] = structures
     row["settle_after_check_ms"] = med["settle"]
     row["ids_ring_fallbacks"] = engine._ids.fallbacks
     row["samples_ms"] = {k: [round(x * 1e3, 4) for x in v] for k, v in times.items()}

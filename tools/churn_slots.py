@@ -70,9 +70,13 @@ class ChurnParams:
     min_steps: int = 40
 
 
-def simulate(num_slots: int, step_chunks: int, seed: int = 0, params: ChurnParams | None = None) -> dict:
+def simulate(num_slots: int, step_chunks: int, seed: int = 0, params: ChurnParams | None = None,
+             record_steps: int = 0) -> dict:
     """Drive a real ``ChunkIndex`` of ``num_slots`` slots to steady state; returns the measured
-    step's ``save_slots`` and ``load_slots`` (``step_chunks`` each) and the statistics."""
+    step's ``save_slots`` and ``load_slots`` (``step_chunks`` each) and the statistics; with
+    ``record_steps``, also ``steps``: the save and load slots of that many steady-state steps
+    that follow (as listed, each step's loads as it made them: not topped up), for counting the
+    copy structures a serving engine meets."""
     from tpuoffload import counters as C
     from tpuoffload.manager.hash_table import HashKeys, PackedHashes
     from tpuoffload.manager.index import ChunkIndex
@@ -183,6 +187,10 @@ def simulate(num_slots: int, step_chunks: int, seed: int = 0, params: ChurnParam
     load = load[:step_chunks]
     if len(load) < step_chunks:
         raise RuntimeError(f"only {len(load)} loadable slots found for a step of {step_chunks}")
+    recorded = []
+    for _ in range(record_steps):
+        step_save, step_load = one_step(False)
+        recorded.append({"save": step_save.tolist(), "load": step_load.tolist()})
 
     def mean_run(runs_per_step):
         flat = [r for runs in runs_per_step for r in runs]
@@ -200,6 +208,7 @@ def simulate(num_slots: int, step_chunks: int, seed: int = 0, params: ChurnParam
                    "save_mean_run_second_half": mean_run(h_save[last // 2:]),
                    "load_mean_run_first_half": mean_run(h_load[:last // 2]),
                    "load_mean_run_second_half": mean_run(h_load[last // 2:])},
+        **({"steps": recorded} if record_steps else {}),
     }
 
 

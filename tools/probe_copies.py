@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from tpuoffload.worker.copy_plan import CopyPlan, copy_plan
+    from tpuoffload.worker.copy_plan import CopyPlan
     from tpuoffload.worker.transfer_engine import TransferEngine, _plan_ids
 
     d = dict(bt.DEPLOYMENTS[a.deployment])
@@ -104,8 +104,8 @@ def main(argv=None) -> int:
         if w > rows:
             continue
         copies = ((w, rows // w),)
-        plan = copy_plan(np.arange(rows))._replace(copies=copies)
-        ids_np = _plan_ids(plan, blocks, np.arange(rows, dtype=np.int64), 1, eng.num_blocks)
+        plan = CopyPlan(np.arange(rows), np.arange(rows), copies)
+        ids_np = _plan_ids(plan, blocks, 1, eng.num_blocks)
         ids = jax.device_put(ids_np, NamedSharding(mesh, P(), memory_kind="pinned_host"))
 
         def save():
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
             jax.device_put(gather(tuple(caches), src), host).block_until_ready()
 
         slots = np.arange(n, dtype=np.int64)
-        plan = copy_plan(slots, eng._copy_cost["save"])
-        ids_np = _plan_ids(plan, src.astype(np.int64), slots, 1)
+        plan = eng.copy_plan("save", slots)
+        ids_np = _plan_ids(plan, src.astype(np.int64), 1)
         ids = jax.device_put(ids_np, host)
 
         def program():
@@ -162,10 +162,10 @@ def main(argv=None) -> int:
 
         whole = ((n, 1),)
         pad = 1 << (n - 1).bit_length()
-        ids_pad = jax.device_put(_plan_ids(copy_plan(np.arange(pad))._replace(copies=((pad, 1),)),
-                                           np.minimum(np.arange(pad), n - 1), np.arange(pad, dtype=np.int64), 1), host)
+        ids_pad = jax.device_put(_plan_ids(CopyPlan(np.arange(pad), np.arange(pad), ((pad, 1),)),
+                                           np.minimum(np.arange(pad), n - 1), 1), host)
 
-        ids_one = jax.device_put(_plan_ids(CopyPlan(None, whole, None), src.astype(np.int64), slots, 1), host)
+        ids_one = jax.device_put(_plan_ids(CopyPlan(np.arange(n), slots, whole), src.astype(np.int64), 1), host)
 
         def program_one_copy():  # one copy of the whole step (not a power of two: a probe only)
             eng._stores[0], tok = prog.save(tuple(caches), eng._stores[0], ids_one, copies=whole)
@@ -184,7 +184,6 @@ def main(argv=None) -> int:
         res["structure"] = "+".join(f"{w}x{c}" for w, c in plan.copies)
         out["save_path"] = res
     if a.load_phases:
-        from tpuoffload.worker import transfer_engine as te
 
         with open(a.load_phases) as f:
             churn = json.load(f)[f"{8 * n}/{n}/0"]
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
                     spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
             return wrapped
 
-        te.copy_plan = timing("copy_plan", te.copy_plan)
+        eng.copy_plan = timing("copy_plan", eng.copy_plan)
         for name in ("_maybe_read_first", "_load_failures", "_dispatch_load", "_plan_arrays"):
             setattr(eng, name, timing(name, getattr(eng, name)))
         phases = []
@@ -219,7 +218,7 @@ def main(argv=None) -> int:
             if it:
                 phases.append({**{k: v * 1e3 for k, v in spent.items()}, "main": t_main * 1e3, "total": t_all * 1e3})
         med = {k: statistics.median(p_[k] for p_ in phases) for k in phases[0]}
-        structure = copy_plan(slots, eng._copy_cost["load"]).copies
+        structure = eng.copy_plan("load", slots).copies
         out["load_phases"] = {"median_ms": med, "samples": phases,
                               "structure": "+".join(f"{w}x{c}" for w, c in structure)}
         print("  load phases (ms, median): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)

@@ -1,12 +1,30 @@
-"""How a program moves a plan's rows: copies of consecutive slots (``copy_plan``).
+"""How a program moves a plan's rows: copies of consecutive slots (``save_plan``, ``load_plan``).
 
 A save or load program moves its rows as slices of consecutive slots of the store, one dynamic
 slice, one transfer and one update per copy (worker/programs.py). Each copy costs a fixed time on
-top of its bytes, so a plan wants few copies; the copy structure ``((width, count), ...)`` is a
-static argument of the program, so it also wants few distinct structures. ``copy_plan`` trades
-the two against each other with one number, what a copy costs in rows (``copy_cost``, from the
-layout: programs.SAVE_COPY_BYTES / LOAD_COPY_BYTES over the bytes of one row), and is a pure
-function of the slots and that number: every host dispatches the same programs (invariant 1).
+top of its bytes, so a plan wants few copies. The copy structure ``((width, count), ...)`` is a
+static argument of the program: every structure not seen before compiles a program (0.3-3 s on
+the H200 for a load of 64-256 copies), so the set of structures must not grow with the store's
+history. It is bounded here by construction:
+
+* a width is a power of two up to the plan's cap (``widths``), and a program has at most one width
+  besides single-row copies: a load is ``((W, E),)``, a save ``((W, E), (1, S))``;
+* a count is rounded up to the count ladder ``k * 2**j``, ``COUNT_STEPS <= k < 2 * COUNT_STEPS``
+  (``count_bucket``), the extra copies repeating the last real one.
+
+So the structures of a cap of ``C`` rows are a fixed set whatever the slots (``structure_bound``:
+for 1024 rows, 183 for loads and a few thousand for saves), and a churned store's steady state
+meets a few dozen of them (tests/test_copy_plan.py, tools/bench_transfer.py --structure-steps).
+
+Each run of consecutive slots (rows sorted by slot; a slot listed twice, as a load may read one
+slot into two blocks, starts a run of its own) is cut into copies of the width ``W``: ``ceil(L /
+W)`` of them, the last one ending at the run's end and reaching back over rows already moved, or,
+for a run shorter than ``W``, reaching past the run. A load may read slots outside the plan (their
+rows are dropped: they scatter nowhere); a save never writes a slot outside the plan, so a save's
+run shorter than ``W``, or a remainder where that is cheaper, moves as single-row copies. ``W`` is
+the one of ``widths`` that costs least over the model ``copy_cost`` (what a copy costs, in rows of
+the layout) per copy plus one per row moved. Everything is a pure function of the slots, the cost,
+the cap and the store's size: every host dispatches the same programs (invariant 1).
 """
 
 from __future__ import annotations
@@ -18,17 +36,22 @@ import numpy as np
 
 Copies = tuple[tuple[int, int], ...]
 
+# Counts are rounded up to k * 2**j with COUNT_STEPS <= k < 2 * COUNT_STEPS (every count up to
+# 2 * COUNT_STEPS kept): at most 1 / COUNT_STEPS of a width's copies are padding.
+COUNT_STEPS = 4
+
 
 class CopyPlan(NamedTuple):
-    """``order[i]``: the plan row that program row ``i`` moves (None: the identity, no row
-    repeated). ``copies``: the program's static structure. ``repeats``: program rows whose plan
-    row an earlier-covered row of the same slot already moves (None: none): a save writes the
-    same bytes into the same slot again; a load must drop them (the engine points them at no
-    block), so each block is scattered once."""
+    """``rows[i]``: the plan row that program row ``i`` moves, -1 for none (a load's row read
+    only because its copy covers it: a slot outside the plan, a row another copy moves, or a
+    repeated copy; the engine points it at no block, so each block is scattered once). A save's
+    rows are never -1: a repeated row rewrites its slot with the same bytes. ``slots[i]``: the slot
+    program row ``i`` reads or writes (each copy's first row gives the copy's start).
+    ``copies``: the program's static structure, widths descending."""
 
-    order: np.ndarray | None
+    rows: np.ndarray
+    slots: np.ndarray
     copies: Copies
-    repeats: np.ndarray | None
 
 
 def copy_rows(copies) -> int:
@@ -36,146 +59,159 @@ def copy_rows(copies) -> int:
     return sum(w * c for w, c in copies)
 
 
-@functools.lru_cache(maxsize=4096)
-def _run_copies(length: int, copy_cost: float) -> tuple[tuple[int, int, int], ...]:
-    """The copies of one run of ``length`` consecutive slots: ``(offset, width, skip)`` each,
-    widest first, ``skip`` leading rows that an earlier copy of the run moves already.
-
-    The set bits of ``length``, widest first (26 -> 16 + 8 + 2); or the bits below some set bit,
-    ``rest``, in one copy of the next power of two placed at the run's end, reaching back over
-    slots already moved (23 -> 16 + 8, moving one slot twice): chosen where it saves the most,
-    ``copy_cost`` per copy saved against one per row moved twice. Never past the run, so a save
-    writes only its own slots."""
-    top = length.bit_length() - 1
-    best_gain, cut = 0.0, 0
-    for b in range(top):
-        rest = length & ((2 << b) - 1)
-        if length >> b & 1 and rest & (rest - 1):
-            gain = copy_cost * (bin(rest).count("1") - 1) - ((2 << b) - rest)
-            if gain > best_gain:
-                best_gain, cut = gain, rest
-    kept = length - cut
-    out, at = [], 0
-    for b in range(top, -1, -1):
-        if kept >> b & 1:
-            out.append((at, 1 << b, 0))
-            at += 1 << b
-    if cut:
-        width = 1 << cut.bit_length()
-        out.append((length - width, width, width - cut))
-    return tuple(out)
+def count_bucket(count):
+    """``count`` (an int, or an array of them) rounded up to the count ladder (0 stays 0)."""
+    c = np.asarray(count, np.int64)
+    shift = np.where(c <= 2 * COUNT_STEPS, 0, np.frexp(c)[1] - COUNT_STEPS.bit_length())  # frexp: bit_length
+    out = -(-c >> shift) << shift
+    return int(out) if out.ndim == 0 else out
 
 
-def _sorted_runs(s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-    """``(order, starts, lens)``: rows in ascending slot order (``order`` into ``s``, None when
-    that is the listed order; listed runs of consecutive slots stay whole, sorted by their first
-    slot), and the maximal runs of consecutive slots in that order (positions into it). A slot
-    listed twice breaks a run."""
-    n = len(s)
-    brk = np.flatnonzero(s[1:] != s[:-1] + 1) + 1
-    lstart = np.concatenate(([0], brk))
-    ro = np.argsort(s[lstart], kind="stable")
-    if (ro[1:] > ro[:-1]).all():
-        return None, lstart, np.diff(np.concatenate((lstart, [n])))
-    llen = np.diff(np.concatenate((lstart, [n])))[ro]
-    lstart = lstart[ro]
-    order = np.arange(n) + np.repeat(lstart - (np.cumsum(llen) - llen), llen)
-    ss = s[order]
+def widths(cap: int) -> list[int]:
+    """The copy widths of a plan of at most ``cap`` rows: the powers of two up to ``cap``."""
+    return [1 << b for b in range(max(cap, 1).bit_length())]
+
+
+def structure_bound(cap: int) -> tuple[int, int]:
+    """``(loads, saves)``: how many structures load and save programs of at most ``cap`` rows can
+    take, whatever the slots: every ``((W, E),)`` and every ``((W, E), (1, S))`` (a part may be
+    absent) with widths and counts on their ladders and ``W * E + S <= cap``."""
+    counts = sorted({count_bucket(c) for c in range(1, cap + 1)})
+    loads = {(w, e) for w in widths(cap) for e in counts if w * e <= cap}
+    saves = {tuple((v, c) for v, c in ((w, e), (1, f)) if c) for w in widths(cap)
+             for e in [0, *counts] for f in [0, *counts] if 0 < w * e + f <= cap and (w > 1 or not f)}
+    return len(loads), len(saves)
+
+
+def _runs(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(order, starts, lens, first)``: the plan rows in ascending slot order (stable), and the
+    maximal runs of consecutive slots in that order: their positions, lengths and first slots."""
+    order = np.argsort(slots, kind="stable")
+    ss = slots[order]
     starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
-    return order, starts, np.diff(np.concatenate((starts, [n])))
+    lens = np.diff(np.concatenate((starts, [len(ss)])))
+    return order, starts, lens, ss[starts]
 
 
-def copy_plan(slots, copy_cost: float = 0.0) -> CopyPlan:
-    """How a program moves the rows of a plan with these ``slots``.
+def _one_run(s: np.ndarray) -> bool:
+    """Whether ``s`` is one ascending run listed in order (a fresh store's plan)."""
+    return bool(s[-1] - s[0] == len(s) - 1 and (len(s) == 1 or (np.diff(s) == 1).all()))
 
-    The rows are taken in ascending slot order (a descending run becomes an ascending one, runs
-    listed apart that adjoin merge) and cut into maximal runs of consecutive slots (a slot listed
-    twice, as a load may read one slot into two blocks, breaks a run); each run into the copies
-    of ``_run_copies`` (``copy_cost`` 0: its set bits, no slot moved twice). ``copies`` has
-    widths descending and power-of-two counts (few structures compile): a width whose count is no
-    power of two either splits its copies past the largest power of two into two of half the
-    width each, or repeats its last copy up to the next power of two, whichever costs less (width
-    1 always repeats; ``_power_of_two_counts``). ``copy_cost`` 0 moves every plan row once but
-    width-1 repeats at the end. Costs Python work per copy: a plan of scattered slots (a run per
-    slot, which the allocator does not hand out) is the slow case."""
+
+def _shifted(plan: CopyPlan, first: int) -> CopyPlan:
+    """A plan of slots ``0..n-1`` moved to start at slot ``first`` (rows are plan rows: alike)."""
+    return plan._replace(slots=plan.slots + first)
+
+
+def load_plan(slots, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
+    """A load's copies: one width ``W`` for every run (``ceil(L / W)`` copies each, reading past a
+    run shorter than ``W``, kept within the store's ``num_slots``), ``W`` the cheapest of
+    ``widths(min(cap, num_slots))`` with counts rounded up to the ladder. One ascending run whose
+    copies cannot reach the store's end (a fresh store) takes its cached plan, shifted."""
     s = np.asarray(slots, np.int64).ravel()
-    n = len(s)
-    if not n:
-        return CopyPlan(None, (), None)
-    if s[-1] - s[0] == n - 1 and (n == 1 or (np.diff(s) == 1).all()):  # one ascending run: the fresh store
-        return _one_run(n, copy_cost)
-    order, starts, lens = _sorted_runs(s)
-    copies, program = _power_of_two_counts(_copies_by_width(starts.tolist(), lens.tolist(), copy_cost), copy_cost)
-    pos, width, skip = np.array(program, np.int64).T
-    first = np.cumsum(width) - width  # program row of each copy's first row
-    within = np.arange(int(first[-1] + width[-1])) - np.repeat(first, width)
-    rows = np.repeat(pos, width) + within
-    repeats = within < np.repeat(skip, width)
-    if order is not None:
-        rows = order[rows]
-    if not repeats.any():
-        if len(rows) == n and (rows == np.arange(n)).all():
-            return CopyPlan(None, copies, None)
-        repeats = None
-    return CopyPlan(rows, copies, repeats)
+    if not len(s):
+        return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
+    if _one_run(s) and s[0] + max(len(s), min(cap, num_slots)) <= num_slots:
+        return _shifted(_load_run(len(s), copy_cost, cap, num_slots), int(s[0]))
+    return _load_plan(s, copy_cost, cap, num_slots)
 
 
-def _one_run(n: int, copy_cost: float) -> CopyPlan:
-    """The plan of one ascending run listed in order: its copies in ``_run_copies`` order, which
-    is already program order (a covering copy is no wider than the narrowest other, and at most
-    one other has its width), so every count is 1 or 2."""
-    pattern = _run_copies(n, copy_cost)
-    copies: list[tuple[int, int]] = []
-    for _, w, _ in pattern:
-        if copies and copies[-1][0] == w:
-            copies[-1] = (w, 2)
-        else:
-            copies.append((w, 1))
-    _, width, skip = pattern[-1]
-    if not skip:
-        return CopyPlan(None, tuple(copies), None)
-    kept = n - width + skip  # rows before the covering copy, which reaches back over ``skip`` of them
-    rows = np.concatenate((np.arange(kept), np.arange(n - width, n)))
-    repeats = np.zeros(len(rows), bool)
-    repeats[kept:kept + skip] = True
-    return CopyPlan(rows, tuple(copies), repeats)
+@functools.lru_cache(maxsize=256)
+def _load_run(n: int, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
+    return _frozen(_load_plan(np.arange(n, dtype=np.int64), copy_cost, cap, num_slots))
 
 
-def _copies_by_width(starts: list[int], lens: list[int], copy_cost: float) -> dict[int, list[tuple[int, int]]]:
-    """Every run's copies (``_run_copies``) by width: ``(position in the sorted rows, skip)``, in
-    ascending position (runs come in slot order, and a run has at most two copies of one width,
-    in order)."""
-    by_width: dict[int, list[tuple[int, int]]] = {}
-    for start, length in zip(starts, lens):
-        for offset, w, skip in _run_copies(length, copy_cost):
-            by_width.setdefault(w, []).append((start + offset, skip))
-    return by_width
+def _load_plan(s: np.ndarray, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
+    order, starts, lens, first = _runs(s)
+    ladder = np.array(widths(min(cap, num_slots)), np.int64)
+    need = count_bucket((-(-lens[None, :] // ladder[:, None])).sum(axis=1))  # copies per width, on the ladder
+    # Width 1 always fits the cap (a plan has at most ``cap`` rows, a power of two on the ladder).
+    k = int(np.argmin(np.where(need * ladder <= cap, need * (copy_cost + ladder), np.inf)))
+    w = int(ladder[k])
+    return _plan(s, order, starts, lens, first, -(-lens // w), w, int(need[k]), num_slots)
 
 
-def _power_of_two_counts(by_width: dict[int, list[tuple[int, int]]], copy_cost: float):
-    """Widest first: a count that is no power of two splits its last copies (past the largest
-    power of two) into halves, carried to the next width, or repeats its last copy, whichever
-    costs less (width 1 always repeats). Returns the structure and every copy's ``(position,
-    width, skip)`` in program order (widths descending; within a width, its own copies in
-    ascending slot order, then the halves carried in)."""
-    copies: list[tuple[int, int]] = []
-    program: list[tuple[int, int, int]] = []
-    carry: list[tuple[int, int]] = []
-    for b in range(max(by_width).bit_length() - 1, -1, -1):
-        w = 1 << b
-        todo = by_width.get(w, []) + carry
-        carry = []
-        c = len(todo)
-        if not c:
-            continue
-        low = 1 << (c.bit_length() - 1)
-        high = low if low == c else 2 * low
-        if high != c and (w == 1 or (high - c) * (copy_cost + w) <= (c - low) * copy_cost):
-            todo += [(todo[-1][0], w)] * (high - c)
-        elif high != c:
-            h = w // 2
-            rest, todo = todo[low:], todo[:low]
-            carry = [(p, min(k, h)) for p, k in rest] + [(p + h, max(k - h, 0)) for p, k in rest]
-        copies.append((w, len(todo)))
-        program += [(p, w, k) for p, k in todo]
-    return tuple(copies), program
+def save_plan(slots, copy_cost: float, cap: int) -> CopyPlan:
+    """A save's copies: copies of one width ``W`` within the runs (``ceil(L / W)`` per run, the
+    last reaching back, or ``L // W`` and the rest as single rows, whichever costs less), single
+    rows for runs shorter than ``W``; ``W`` the cheapest of ``widths(cap)``, counts rounded up to
+    the ladder. The slots must be distinct (the engine checks). One ascending run (a fresh
+    store) takes its cached plan, shifted."""
+    s = np.asarray(slots, np.int64).ravel()
+    if not len(s):
+        return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
+    if _one_run(s):
+        return _shifted(_save_run(len(s), copy_cost, cap), int(s[0]))
+    return _save_plan(s, copy_cost, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _save_run(n: int, copy_cost: float, cap: int) -> CopyPlan:
+    return _frozen(_save_plan(np.arange(n, dtype=np.int64), copy_cost, cap))
+
+
+def _frozen(plan: CopyPlan) -> CopyPlan:
+    """A plan whose arrays are read-only (a cached plan, shared by every caller)."""
+    plan.rows.flags.writeable = plan.slots.flags.writeable = False
+    return plan
+
+
+def _save_plan(s: np.ndarray, copy_cost: float, cap: int) -> CopyPlan:
+    order, starts, lens, first = _runs(s)
+    ladder = np.array(widths(cap), np.int64)[:, None]
+    wide, single = _save_split(lens[None, :], ladder, copy_cost)  # (widths, runs)
+    nw, ns = count_bucket(wide.sum(axis=1)), count_bucket(single.sum(axis=1))
+    w_ = ladder[:, 0]
+    # Width 1 always fits the cap (no single rows then).
+    k = int(np.argmin(np.where(nw * w_ + ns <= cap, nw * (copy_cost + w_) + ns * (copy_cost + 1), np.inf)))
+    w, wide, single, ns = int(w_[k]), wide[k], single[k], int(ns[k])
+    plan = _plan(s, order, starts, lens, first, wide, w, int(nw[k]), None)
+    if not ns:
+        return plan
+    # Single rows: the rows of each run that its wide copies leave (the run's last ``single``).
+    run_of = np.repeat(np.arange(len(lens)), single)
+    within = np.arange(int(single.sum())) - np.repeat(np.cumsum(single) - single, single)
+    pos = starts[run_of] + lens[run_of] - single[run_of] + within
+    pos = np.concatenate((pos, np.full(ns - len(pos), pos[-1])))  # the ladder's padding repeats the last row
+    return CopyPlan(np.concatenate((plan.rows, order[pos])), np.concatenate((plan.slots, s[order[pos]])),
+                    plan.copies + ((1, ns),))
+
+
+def _save_split(lens: np.ndarray, w, copy_cost: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per run: copies of width ``w`` and single rows. A run of ``q * w + r`` slots (``q >= 1``)
+    takes ``q + 1`` copies (the last reaching back) where one copy costs less than ``r`` single
+    ones, else ``q`` copies and ``r`` single rows; a shorter run takes single rows only."""
+    q, r = lens // w, lens % w
+    cover = (q > 0) & (r > 0) & (copy_cost + w < r * (copy_cost + 1))
+    return q + cover, np.where(cover, 0, r)
+
+
+def _plan(s, order, starts, lens, first, per_run, w: int, count: int, num_slots: int | None) -> CopyPlan:
+    """Program rows of ``per_run[i]`` copies of width ``w`` for each run ``i`` (its first rows),
+    then copies repeating the last one up to ``count``. Copy ``j`` of a run starts ``j * w`` into
+    it, the last one ending at the run's end. A load (``num_slots``, the store's size, given) may
+    read past a run shorter than ``w`` (moved back to fit the store), and a copy's rows beyond
+    those it moves first are -1; a save's copies stay within their runs."""
+    n_copies = int(per_run.sum())
+    if not n_copies:
+        return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
+    run = np.repeat(np.arange(len(per_run)), per_run)
+    j = np.arange(n_copies) - np.repeat(np.cumsum(per_run) - per_run, per_run)
+    length = lens[run]
+    offset = np.minimum(j * w, np.maximum(length - w, 0))  # the run's last copy ends at its end
+    start = first[run] + offset
+    if num_slots is not None:
+        start = np.minimum(start, num_slots - w)  # a load reading past the store's end moves back
+    lo, hi = j * w, np.minimum((j + 1) * w, length)  # the run offsets this copy moves first
+    pad = count - n_copies
+    if pad:
+        run, start, lo, hi = (np.concatenate((a, np.full(pad, a[-1]))) for a in (run, start, lo, hi))
+        lo[n_copies:] = hi[n_copies:] = 0  # a repeated copy moves no row first
+    slot = np.repeat(start, w) + np.tile(np.arange(w), count)
+    at = slot - np.repeat(first[run], w)  # offset into the copy's run
+    inside = (at >= 0) & (at < np.repeat(lens[run], w))
+    pos = np.repeat(starts[run], w) + np.where(inside, at, 0)
+    rows = order[pos]
+    if num_slots is not None:
+        rows = np.where((at >= np.repeat(lo, w)) & (at < np.repeat(hi, w)), rows, -1)
+    return CopyPlan(rows, slot, ((w, count),))

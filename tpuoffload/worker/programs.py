@@ -28,7 +28,8 @@ They arrive in host memory (worker/ids_ring.py) and each program first copies th
 Copies: a program moves its rows as a few slices of consecutive slots, one dynamic slice of the
 store, one transfer and one update per copy, by a copy structure ``((width, count), ...)`` that is
 a static argument of the program (worker/copy_plan.py: runs of consecutive slots, power-of-two
-copies, covering copies where a copy costs more than the rows it moves twice). Slots come from the
+copies of one width per program besides a save's single rows, counts on a ladder: a set of structures
+bounded whatever the store's history, so a serving engine compiles each once). Slots come from the
 manager's free slots and sorted LRU victims, so a fresh store's plan is one run and a churned
 store's a few runs per request. Per-copy cost is what limits small chunks on a churned store
 (docs/performance.md). The structure is a pure function of the slots and the layout (every host
@@ -55,9 +56,10 @@ SAVE_UNROLL = 4  # the loop unrolling that measured fastest on the H200 (docs/pe
 LOAD_UNROLL = 16
 # A load reads its slots with one dynamic slice per copy written out in the program (XLA issues
 # them as asynchronous host-to-device copies, all in flight at once) up to this many copies; more use
-# one fori_loop per width, to bound compile time. Written out measured faster for churned loads of a
-# few hundred copies on the H200 (docs/performance.md).
-LOAD_STATIC_MAX = 1024
+# one fori_loop per width (unrolled LOAD_UNROLL), whose compile time does not grow with the count: a
+# first call of a 256-copy load written out took up to 3 s on the H200, and on the H200 256 single-row
+# copies took 2.36 ms in a loop unrolled 8 against 2.37 written out (docs/performance.md).
+LOAD_STATIC_MAX = 32
 # The same for a save's writes into the store; 0: always fori_loops, which measured faster.
 SAVE_STATIC_MAX = 0
 # A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /

@@ -51,7 +51,7 @@ from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
 from tpuoffload.worker import programs as programs_module
-from tpuoffload.worker.copy_plan import CopyPlan, copy_plan, copy_rows
+from tpuoffload.worker.copy_plan import CopyPlan, copy_rows, load_plan, save_plan
 from tpuoffload.worker.programs import (bucket, load_plan_ids, pad_rows, programs_for, save_plan_ids, slot_run,
                                         uniform_copies)
 
@@ -78,21 +78,20 @@ def _ints(seq) -> np.ndarray:
     return np.fromiter(seq, np.int64, len(seq))
 
 
-def _plan_ids(plan: CopyPlan, block_ids: np.ndarray, slots: np.ndarray, valid: np.ndarray | int,
-              pad_block: int | None = None) -> np.ndarray:
+def _plan_ids(plan: CopyPlan, block_ids: np.ndarray, valid: np.ndarray | int, pad_block: int | None = None) -> np.ndarray:
     """``(3, rows)`` int32 ids of a program moving ``plan``: row ``i`` moves plan row
-    ``plan.order[i]`` (identity when None). Rows ``plan.repeats`` move a row another copy moves
-    too: a save's rewrite the same bytes into the same slot; a load's (``pad_block`` given)
-    target ``pad_block``, outside every batch shard, and are not valid (each block scattered once)."""
-    order = plan.order
-    ids = np.empty((3, copy_rows(plan.copies)), np.int32)
-    if order is None:
-        ids[0], ids[1], ids[2] = block_ids, slots, valid
-    else:
-        ids[0], ids[1] = block_ids[order], slots[order]
-        ids[2] = valid if isinstance(valid, int) else valid[order]
-    if pad_block is not None and plan.repeats is not None:
-        ids[0, plan.repeats], ids[2, plan.repeats] = pad_block, 0
+    ``plan.rows[i]`` at slot ``plan.slots[i]``. A load's rows of no plan row (``pad_block``
+    given) target ``pad_block``, outside every batch shard, and are not valid: each block is
+    scattered once. A save's rows all name a plan row (a repeated one rewrites the same bytes)."""
+    rows = plan.rows
+    ids = np.empty((3, len(rows)), np.int32)
+    ids[1] = plan.slots
+    if pad_block is None:
+        ids[0], ids[2] = block_ids[rows], valid
+        return ids
+    none = rows < 0  # block_ids[-1] below is never used: replaced where ``none``
+    ids[0] = np.where(none, pad_block, block_ids[rows])
+    ids[2] = np.where(none, 0, valid if isinstance(valid, int) else valid[rows])
     return ids
 
 
@@ -150,7 +149,7 @@ class TransferEngine:
         self._run_caps_of: dict[tuple, dict] = {}  # (program, op, copies) -> ``_copies_fields``
 
         # What a copy costs, in rows of this layout, for saves and loads: how covering copies
-        # trade rows moved twice for copies (programs.SAVE_COPY_BYTES, copy_plan). One program per
+        # trade rows moved twice for copies (programs.SAVE_COPY_BYTES, worker/copy_plan.py). One program per
         # layer group, each paying its own copies.
         groups = len(self._programs)
         self._copy_cost = {"save": groups * programs_module.SAVE_COPY_BYTES / row_bytes,
@@ -234,7 +233,7 @@ class TransferEngine:
     def pieces(self, n: int) -> list[slice]:
         """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``:
         as many full buffers as fit, then the rest (one program each per layer group; the copy
-        structure moves any number of rows with little padding, worker/copy_plan.py)."""
+        structures are bounded whatever the number of rows, worker/copy_plan.py)."""
         return self._pieces(n)
 
     def _pieces(self, n: int) -> list[slice]:
@@ -243,9 +242,9 @@ class TransferEngine:
 
     def _dispatch_save(self, kv_caches, block_ids: np.ndarray, slots: np.ndarray) -> list[jax.Array]:
         """One piece's save program per layer group; returns their tokens."""
-        plan = copy_plan(slots, self._copy_cost["save"])
+        plan = self.copy_plan("save", slots)
         copies = plan.copies
-        ids, entry = self._ids.put(_plan_ids(plan, block_ids, slots, 1))
+        ids, entry = self._ids.put(_plan_ids(plan, block_ids, 1))
         tokens = []
         for i, prog in enumerate(self._programs):
             self._stores[i], token = prog.save(self._group_caches(kv_caches, i), self._stores[i], ids, copies=copies)
@@ -255,6 +254,14 @@ class TransferEngine:
             self.log.record("save", shape=ids.shape, group=i, **self._copies_fields(prog, "save", copies),
                             blocks=block_ids, slots=slots)
         return tokens
+
+    def copy_plan(self, op: str, slots) -> CopyPlan:
+        """The copies one piece's save or load (``op``) of ``slots`` moves in: worker/copy_plan.py
+        with this layout's copy costs, the transfer buffer's rows as the cap and, for a load, the
+        store's size (a load may read slots outside the plan, never past the store)."""
+        if op == "save":
+            return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
+        return load_plan(slots, self._copy_cost["load"], self.max_chunks_per_transfer, self.backend.num_slots)
 
     def _copies_fields(self, prog, op: str, copies) -> dict:
         """What the log says of a program's copies: the widest, how many, the structure."""
@@ -386,7 +393,7 @@ class TransferEngine:
             block_ids, slots, save_ids, sources = block_ids[perm], slots[perm], save_ids[perm], sources[perm]
         moved = self._moved(block_ids, sources)
         cross = bool(moved.any())  # from the plan alone: every host dispatches the same variant
-        plans = [copy_plan(slots[p], self._copy_cost["load"]) for p in pieces]  # once per piece
+        plans = [self.copy_plan("load", slots[p]) for p in pieces]  # once per piece
         rows = self._maybe_read_first(slots[pieces[0]], plans[0])  # before the checks: the copies start now
         failed = self._load_failures(block_ids, slots, save_ids, sources)
         valid = (sources + 1).astype(np.int32)
@@ -443,16 +450,16 @@ class TransferEngine:
 
     def _maybe_read_first(self, slots: np.ndarray, plan: CopyPlan) -> list[jax.Array] | None:
         """A piece's reads (``_read_first``) when it runs as reads then scatter, else None
-        (``plan``: the piece's ``copy_plan``)."""
+        (``plan``: the piece's ``load_plan``)."""
         return self._read_first(slots, plan) if self._reads_first(plan.copies) else None
 
     def _dispatch_load(self, kv_caches: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray, valid: np.ndarray,
                        rows: list[jax.Array] | None, plan: CopyPlan, cross: bool) -> list[jax.Array]:
         """One piece's load program per layer group, or its scatter program of ``rows`` already
-        read; returns the new caches (``plan``: the piece's ``copy_plan``; ``cross``: rows move
+        read; returns the new caches (``plan``: the piece's ``load_plan``; ``cross``: rows move
         across the batch axes)."""
         copies = plan.copies
-        ids, entry = self._ids.put(_plan_ids(plan, block_ids, slots, valid, self.num_blocks))
+        ids, entry = self._ids.put(_plan_ids(plan, block_ids, valid, self.num_blocks))
         new, tokens = list(kv_caches), []
         for i, prog in enumerate(self._programs):
             if rows is None:
@@ -492,7 +499,7 @@ class TransferEngine:
         """Dispatch the reads of a load before its checks: they need only the slots, and the store
         version each takes orders it after every earlier save's writes; the checks only decide
         which rows count. The copies run while this thread checks and dispatches the scatter."""
-        ids = _plan_ids(plan, np.full(len(slots), self.num_blocks, np.int64), slots, 1, self.num_blocks)
+        ids = _plan_ids(plan, np.full(len(slots), self.num_blocks, np.int64), 1, self.num_blocks)
         return self._read_programs("load.read", ids, plan.copies, slots)
 
     def _read_programs(self, op: str, ids_np: np.ndarray, copies, slots: np.ndarray) -> list[jax.Array]:
