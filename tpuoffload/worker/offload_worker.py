@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import jax
@@ -241,23 +241,25 @@ class OffloadWorker:
             failed = blocks
             self._count(C.LOAD_ERRORS, len(blocks))
         failed = set(failed)
-        self.step_load_failures = frozenset(failed).union(
-            *((b + p.block_offset for b in ld.unavailable_block_ids) for p in placed for ld in p.loads))
+        unavailable = []  # the engine's numbering
         for p in placed:
             by_request = p.plan.failures_by_request
-            if p.plan.sync_loads and any(ld.unavailable_block_ids or (failed and not failed.isdisjoint(ld.block_ids))
-                                         for ld in p.loads):
-                self._tainted.add(p.rank)
             for load in p.loads:
+                missed = bool(load.unavailable_block_ids) or bool(failed) and not failed.isdisjoint(load.block_ids)
+                if missed:
+                    unavailable.extend(b + p.block_offset for b in load.unavailable_block_ids)
+                    if p.plan.sync_loads:
+                        self._tainted.add(p.rank)
                 if by_request:  # several KV cache groups: vLLM takes failures by request only
-                    if load.unavailable_block_ids or (failed and not failed.isdisjoint(load.block_ids)):
+                    if missed:
                         self._failed_recving.add(load.req_id)
-                else:
-                    if failed:  # (the usual step has none: no per-block work on the main thread then)
-                        self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
+                elif missed:  # (the usual step has none: no per-block work on the main thread then)
+                    self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
                     self._load_errors.update(load.unavailable_block_ids)
                 if not p.plan.sync_loads:
                     self._finished_recving.add(load.req_id)
+        if failed or unavailable:
+            self.step_load_failures = frozenset(failed.union(unavailable))
 
     def _live_caches(self) -> list[jax.Array]:
         caches = list(self._runner.kv_caches)
@@ -444,15 +446,15 @@ class _Placed:
                                                x.keys) for x in (plan.flush, plan.save))
             self.loads = tuple(LoadRequest(ld.req_id, tuple(_shift(ld.block_ids, b)), _shift(ld.slots, s),
                                            _shift(ld.save_ids, i), ld.unavailable_block_ids) for ld in plan.loads)
-        self.sources = tuple(self._sources(ld) for ld in self.loads)
+        # One scheduler for the engine: every chunk was saved from its destination's batch shard,
+        # the engine's default (``TransferEngine.load``); nothing to compute per row.
+        self.sources = tuple(self._sources(ld) for ld in self.loads) if plan.num_blocks else None
 
     def _sources(self, load: LoadRequest) -> Sequence[int]:
         """A chunk of the planning scheduler's own range was saved from the destination's batch
         shard (the check is the one a single scheduler always had). Under DPScheduler each rank
         saves from its own blocks into its own range of slots, so another rank's chunk (a
         cross-rank hit) sits in the shard of that rank's blocks: its first block names it."""
-        if not self.plan.num_blocks:  # one scheduler for the engine: no other rank's chunks
-            return load.block_ids
         owner = np.asarray(load.slots, np.int64) // self.plan.num_slots
         return np.where(owner == self.rank, np.asarray(load.block_ids, np.int64), owner * self.plan.num_blocks).tolist()
 
@@ -471,12 +473,15 @@ def _concat_saves(batches: list[SaveBatch]) -> SaveBatch:
                      keys=b"".join(b.keys for b in batches))
 
 
-def _concat_loads(placed: Iterable[_Placed]) -> tuple[list[int], list[int], list[int], list[int]]:
-    blocks, slots, save_ids, sources = [], [], [], []
+def _concat_loads(placed: list[_Placed]) -> tuple[list[int], list[int], list[int], list[int] | None]:
+    """The plans' loads as one: blocks, slots, save ids and, under DPScheduler, the source blocks
+    (``_Placed.sources``; None with one scheduler, whose plan is the only one)."""
+    blocks, slots, save_ids = [], [], []
     for p in placed:
-        for load, load_sources in zip(p.loads, p.sources):
+        for load in p.loads:
             blocks.extend(load.block_ids)
             slots.extend(load.slots)
             save_ids.extend(load.save_ids)
-            sources.extend(load_sources)
-    return blocks, slots, save_ids, sources
+    if placed[0].sources is None:
+        return blocks, slots, save_ids, None
+    return blocks, slots, save_ids, [b for p in placed for src in p.sources for b in src]
