@@ -42,15 +42,19 @@ def make_slice(tmp_path):
 @pytest.fixture
 def engines():
     """``make(caches, slots=NUM_SLOTS, **kw)`` builds a TransferEngine over ``caches`` with room
-    for ``slots`` chunks; after the test each is drained and closed."""
+    for ``slots`` chunks in each batch shard (the spare rows of several shards added); after the
+    test each is drained and closed."""
     from engine_helpers import NUM_SLOTS
     from tpuoffload.layout import CacheLayout
+    from tpuoffload.messages import SHARD_SPARE_ROWS
     from tpuoffload.worker.transfer_engine import TransferEngine
 
     made = []
 
     def make(caches, *, slots=NUM_SLOTS, **kw):
-        eng = TransferEngine(caches, slots * CacheLayout.from_caches(caches).device_bytes_per_chunk, **kw)
+        layout = CacheLayout.from_caches(caches)
+        rows = slots + (SHARD_SPARE_ROWS if layout.groups[0].num_shards > 1 else 0)
+        eng = TransferEngine(caches, rows * layout.device_bytes_per_chunk, **kw)
         made.append(eng)
         return eng
 

@@ -72,9 +72,10 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
     for name, layout, ranks in (("tp8", None, 1), ("dp2-tp4", "bf16-dp2-tp4", 2), ("attndp4-tp2", "bf16-attndp4-tp2", 4)):
         # Saves are confirmed within a few steps; a generous timeout keeps a slow shared machine's
         # steps from expiring them, so the hit rates compare the layouts, not the machine's load.
-        # 32 MiB per host: no rank's share of the slots evicts (a slot keeps a row per batch shard,
-        # so DP divides the chunks a host holds by the ranks, and each rank plans 1/ranks of them).
-        pod = make_slice(_spec(layout, save_timeout_s=30.0, cpu_bytes_to_use=1 << 25))
+        # 16 MiB per host, where TP 8 evicts nothing: every device's slot rows serve its own rank,
+        # so no DP rank evicts either (when a slot kept a row per batch shard and each rank planned
+        # 1/ranks of the slots, attention DP 4 evicted 22 chunks here and hit 40.8%).
+        pod = make_slice(_spec(layout, save_timeout_s=30.0))
         assert pod.dp_ranks == ranks
         if ranks > 1:  # tpu-inference's own scheduler class, with one live process per rank
             assert type(pod.scheduler).__module__ == "tpu_inference.core.sched.dp_scheduler"
@@ -91,7 +92,9 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
         if ranks > 1:
             assert totals["cross_rank_chunks_loaded"] > 0 and totals["cross_rank_hit_tokens"] > 0, (name, res.stats)
         hit_rate[name] = totals["hit_tokens"] / totals["lookup_tokens"]
-        table[name] = (round(hit_rate[name], 4), totals["cross_rank_chunks_loaded"], totals["load_errors"])
+        table[name] = (round(hit_rate[name], 4), totals["cross_rank_chunks_loaded"], totals["load_errors"],
+                       totals["evicted"])
+        assert totals["evicted"] == 0, (name, table[name])
         _assert_clean_end(pod)
         if ranks > 1:
             names = sorted(os.listdir(pod.stats_dir))  # each rank named itself once the workers placed it
@@ -104,7 +107,7 @@ def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
                 os.kill(pid, 0)
     # Without cross-rank hits (every rank seeing only its own chunks) this workload measured tp8
     # 16.6%, dp2 8.3%, attn-dp4 5.4%: the router spreads the second wave over the ranks.
-    print("layout: (host-RAM hit rate, cross-rank chunks loaded, load errors):", table)
+    print("layout: (host-RAM hit rate, cross-rank chunks loaded, load errors, evicted):", table)
     assert hit_rate["tp8"] > 0.05, hit_rate
     assert all(hit_rate[n] >= hit_rate["tp8"] - 0.03 for n in ("dp2-tp4", "attndp4-tp2")), hit_rate
 
@@ -147,7 +150,7 @@ def test_ranks_with_the_same_local_blocks_and_slots_never_meet():
     caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
     original = [np.asarray(c) for c in caches]
     runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
-    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 22}), host_id=0)
+    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 23}), host_id=0)
     worker.register_runner(runner)
     per_rank_slots = worker.engine.backend.num_slots // 2
     bpr = caches[0].shape[0] // 2  # blocks per rank
@@ -239,7 +242,7 @@ def _dp_worker(seed: int = 0):
     caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
     original = [np.asarray(c) for c in caches]
     runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
-    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 22}), host_id=0)
+    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 23}), host_id=0)
     worker.register_runner(runner)
     return worker, runner, original, worker.engine.backend.num_slots // 2, caches[0].shape[0] // 2
 
@@ -326,3 +329,12 @@ def test_a_slot_reused_by_its_rank_in_the_step_another_rank_loads_it_is_never_ga
         assert _step(worker, [_rank_plan(0, bpr, 2, per_rank, loads=(LoadRequest("c", (11,), (0,), (1,)),))]) == set()
         assert all(np.array_equal(np.asarray(c)[11], o[5]) for c, o in zip(runner.kv_caches, original))
         worker.close()
+
+
+def test_one_scheduler_over_a_cache_split_by_data_parallelism_is_refused():
+    """Each batch shard's devices keep their own shard's chunks: one scheduler planning slots for
+    every shard's blocks (not how tpu-inference runs DP) is refused at its first step, by name."""
+    worker, _, _, per_rank, _ = _dp_worker()
+    with pytest.raises(ValueError, match="DPScheduler"):
+        worker.bind(OffloadMetadata([StepPlan(0, per_rank)]))
+    worker.close()

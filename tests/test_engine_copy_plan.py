@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import re
 from pathlib import Path
 
@@ -111,20 +112,25 @@ def structure(copies) -> str:
 
 
 def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[str], list[str]]:
-    """Save sentinels, then the pattern's chunks (from both batch shards); load them back in the
-    saved order, then in ascending slot order, then the sentinels. Returns the mismatches, the
-    structures logged by the save, the first load's read and the second's, and the structures
-    the engine's plans give the save and the two loads."""
-    slots, sentinels = SLOT_PATTERNS[pattern]
+    """Save sentinels, then the pattern's chunks in both batch shards at once (each shard's slots
+    are its own store rows, so both write the same rows); load them back in the saved order, then
+    in ascending slot order, then the sentinels. Returns the mismatches, the structures logged by
+    the save, the first load's read and the second's, and the structures the engine's plans give
+    the save and the two loads."""
+    pattern_slots, sentinels = SLOT_PATTERNS[pattern]
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 30)
     eng = engines(caches)
-    per = eng.layout.groups[0].blocks_per_shard
-    n = len(slots)
+    per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
+    n = 2 * len(pattern_slots)
+    shard = [i * 2 // n for i in range(n)]
+    slots = [pattern_slots[i % (n // 2)] + shard[i] * rows for i in range(n)]
+    blocks = [shard[i] * per + i % (n // 2) for i in range(n)]
     src = host(caches)
-    blocks = [(i % 2) * per + i for i in range(n)]
     ids = list(range(900, 900 + n))
-    save_ok(eng, caches, [12, 13, per + 12, per + 13], sentinels, [800, 801, 802, 803])
+    sentinel_blocks = [12, 13, per + 12, per + 13]
+    sentinel_slots = [x + (b // per) * rows for x, b in zip(sentinels, sentinel_blocks)]
+    save_ok(eng, caches, sentinel_blocks, sentinel_slots, [800, 801, 802, 803])
     save_ok(eng, caches, blocks, slots, ids)
     logged = [logged_structure(eng.finish_step().ops[-1])]
     planned = [structure(eng.copy_plan("save", np.array(slots)).copies)]
@@ -132,7 +138,7 @@ def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[str]
     order = sorted(range(n), key=lambda i: slots[i])
     for k, (pos, first) in enumerate(((list(range(n)), 16), (order, 20))):
         caches = random_caches(name, 31 + k)
-        targets = [(i % 2) * per + first + j for j, i in enumerate(pos)]
+        targets = [shard[i] * per + first + i % (n // 2) for i in pos]
         load_slots = [slots[i] for i in pos]
         caches, failed = eng.load(caches, targets, load_slots, [ids[i] for i in pos])
         ops = eng.finish_step().ops
@@ -142,9 +148,10 @@ def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[str]
         after = host(caches)
         bad += [f"load {k} slot {slots[i]}" for i, t in zip(pos, targets)
                 if not np.array_equal(chunk(after, t), chunk(src, blocks[i]))]
-    caches, failed = eng.load(random_caches(name, 33), [14, 15, per + 14, per + 15], sentinels, [800, 801, 802, 803])
+    sentinel_targets = [14, 15, per + 14, per + 15]
+    caches, failed = eng.load(random_caches(name, 33), sentinel_targets, sentinel_slots, [800, 801, 802, 803])
     after = host(caches)
-    bad += [f"sentinel slot {s}" for s, b, t in zip(sentinels, [12, 13, per + 12, per + 13], [14, 15, per + 14, per + 15])
+    bad += [f"sentinel slot {s}" for s, b, t in zip(sentinel_slots, sentinel_blocks, sentinel_targets)
             if not np.array_equal(chunk(after, t), chunk(src, b))]
     return bad, logged, planned
 
@@ -220,20 +227,23 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 60)
     eng = engines(caches)
-    per = eng.layout.groups[0].blocks_per_shard
+    per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
     src = host(caches)
     n = len(slots)
-    blocks = [(i % 2) * per + i for i in range(n)]
+    blocks = [per + i for i in range(n)]  # the second batch shard's blocks, into its slots
     keep = [s for s in range(NUM_SLOTS) if s not in slots][:4]
     sentinels = [26, 27, per + 26, per + 27]  # each loaded back within its batch shard
+    keep = [k + (b // per) * rows for k, b in zip(keep, sentinels)]
+    slots = [s + rows for s in slots]
     save_ok(eng, caches, sentinels, keep, [500, 501, 502, 503])
     ids = list(range(900, 900 + n))
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
     assert logged_copies(ops[-1]) == save_copies and op_shape(ops[-1])[1] == n  # no row twice
     pos = list(range(n))[::-1]
-    targets = [(i % 2) * per + i // 2 for i in pos]  # the source's batch shard, other blocks
-    out, failed = eng.load(random_caches(name, 61), targets + [20, 21, per + 20, per + 21],
+    targets = [per + i for i in pos]  # into a fresh cache: the bytes come from the load alone
+    sentinel_targets = [20, 21, per + 28, per + 29]
+    out, failed = eng.load(random_caches(name, 61), targets + sentinel_targets,
                            [slots[i] for i in pos] + keep, [ids[i] for i in pos] + [500, 501, 502, 503])
     assert failed == []
     ops = eng.finish_step().ops
@@ -241,7 +251,7 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
     after = host(out)
     for i, t in zip(pos, targets):
         assert np.array_equal(chunk(after, t), chunk(src, blocks[i])), (slots[i], t)
-    for b, t in zip(sentinels, [20, 21, per + 20, per + 21]):
+    for b, t in zip(sentinels, sentinel_targets):
         assert np.array_equal(chunk(after, t), chunk(src, b))
 
 
@@ -253,24 +263,38 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
 COVERED_RUNS = [list(range(25, 2, -1)), list(range(40, 51))] + [[60 + 4 * k, 61 + 4 * k] for k in range(7)]
 
 
+def _numbered(shards: list[int], per: int) -> list[int]:
+    """A distinct block of each listed batch shard, in order (``per`` blocks a shard)."""
+    seen: Counter = Counter()
+    out = []
+    for shard in shards:
+        out.append(shard * per + seen[shard])
+        seen[shard] += 1
+    assert max(seen.values()) <= per
+    return out
+
+
 def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[str], int, int]:
-    """Save the covered runs (listed shuffled, one descending) from both batch shards around
-    sentinel slots, load them back in another order into other blocks of their shards, then the
-    sentinels. Returns the mismatches, the rows the save wrote twice and the rows the load read
-    but scattered nowhere (``mutate``: a function of the engine's load plan, for that load only)."""
+    """Save the covered runs (listed shuffled, one descending), each in one batch shard (the runs
+    alternate shards), around sentinel slots, load them back in another order into other blocks of
+    their shards, then the sentinels. Returns the mismatches, the rows the save wrote twice and the
+    rows the load read but scattered nowhere (``mutate``: a function of the engine's load plan, for
+    that load only)."""
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 70)
     eng = engines(caches, slots=128)
-    per = eng.layout.groups[0].blocks_per_shard
+    per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
     src = host(caches)
     rng = np.random.default_rng(7)
-    slots = [s for k in rng.permutation(len(COVERED_RUNS)) for s in COVERED_RUNS[k]]
+    runs = [(k % 2, COVERED_RUNS[k]) for k in rng.permutation(len(COVERED_RUNS))]
+    slots = [x + shard * rows for shard, run in runs for x in run]
     n = len(slots)
     save_plan = eng.copy_plan("save", np.array(slots))
-    blocks = [(i % 2) * per + i // 2 for i in range(n)]  # both batch shards
+    blocks = _numbered([shard for shard, run in runs for _ in run], per)
     used = set(slots)
-    sentinels = sorted({s + d for run in COVERED_RUNS for s in (min(run), max(run)) for d in (-1, 1)} - used)
-    sentinel_blocks = [(k % 2) * per + k // 2 for k in range(len(sentinels))]
+    sentinels = sorted({x + d + shard * rows for shard, run in runs for x in (min(run), max(run)) for d in (-1, 1)}
+                       - used)
+    sentinel_blocks = _numbered([x // rows for x in sentinels], per)
     save_ok(eng, caches, sentinel_blocks, sentinels, list(range(500, 500 + len(sentinels))))
     ids = list(range(900, 900 + n))
     save_ok(eng, caches, blocks, slots, ids)
@@ -279,8 +303,7 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     if pm.SAVE_SINGLE_ROW_BYTES <= eng._programs[0].row_bytes:  # rows this large: one per copy
         assert logged_copies(ops[-1]) == cp.copy_rows(save_plan.copies)
     pos = rng.permutation(n).tolist()
-    within = rng.permutation(n // 2)  # another block of the source's own batch shard
-    targets = [(i % 2) * per + int(within[i // 2]) for i in pos]
+    targets = [per * (blocks[i] // per) + (blocks[i] + 13) % per for i in pos]  # another block of its own shard
     load_plan = eng.copy_plan("load", np.array([slots[i] for i in pos]))
     if mutate is not None:
         real = te.TransferEngine.copy_plan
@@ -335,7 +358,8 @@ def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], i
     steps = json.loads(CHURN_FILE.read_text())[CHURN_KEY]["steps"][:CHURN_STEPS]
     num_slots = int(CHURN_KEY.split("/")[0])
     eng = engines(random_caches(name, 0), slots=num_slots)
-    assert eng.backend.num_slots == num_slots
+    rows = eng.backend.shard_slots  # each batch shard's slots (the steps' slots take turns by shard)
+    assert rows == num_slots
     group = eng.layout.groups[0]
     per = group.blocks_per_shard if group.batch_axes else eng.num_blocks
     ids = iter(range(1, 1 << 40))
@@ -346,7 +370,7 @@ def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], i
     def save(seed: int, slots: list[int]) -> None:
         caches = random_caches(name, seed)
         src = host(caches)
-        blocks = [i % eng.num_blocks for i in range(len(slots))]
+        blocks = [(s // rows) * per + i % per for i, s in enumerate(slots)]  # from the slot's shard
         step_ids = [next(ids) for _ in slots]
         save_ok(eng, caches, blocks, slots, step_ids)
         saved.update((s, (chunk(src, b), i, b)) for s, b, i in zip(slots, blocks, step_ids))
@@ -378,13 +402,15 @@ def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], i
             slots = later
         return bad
 
-    save(1, list(range(num_slots)))  # every slot holds a chunk
+    total = eng.backend.num_slots
+    save(1, list(range(total)))  # every slot holds a chunk
     bad = []
     for k, st in enumerate(steps):
-        save(100 + k, st["save"])
-        bad += load(200 + k, st["load"], f"step {k}")
-    for a in range(0, num_slots, eng.num_blocks):
-        bad += load(300 + a, list(range(a, min(num_slots, a + eng.num_blocks))), "audit")
+        shift = k % (total // rows) * rows
+        save(100 + k, [x + shift for x in st["save"]])
+        bad += load(200 + k, [x + shift for x in st["load"]], f"step {k}")
+    for a in range(0, total, eng.num_blocks):
+        bad += load(300 + a, list(range(a, min(total, a + eng.num_blocks))), "audit")
     return bad, seen, dropped
 
 

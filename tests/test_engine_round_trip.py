@@ -110,21 +110,26 @@ def test_round_trip_more_blocks_than_bucket_permuted_subset(engines):
 
 @pytest.mark.parametrize("name", DP)
 def test_blocks_split_by_data_parallelism(name, engines):
-    """Sources in every batch shard: every device saves and loads only its shard's blocks.
-    Loaded into a block of the same batch shard, a chunk arrives byte-exact; loaded into another
-    batch shard (the store keeps a chunk in its source block's batch shard), it is a load error
-    with zeros in place, never another shard's bytes or garbage."""
+    """Sources in every batch shard: every device saves and loads only its shard's blocks, and
+    keeps only its shard's slots. Every shard saves into the same two rows of its own in one
+    program: each chunk arrives whole, none written over by another shard's save. Loaded into a
+    block of the same batch shard, a chunk arrives byte-exact; loaded into another batch shard (the
+    store keeps a chunk in its source block's batch shard), it is a load error with zeros in place,
+    never another shard's bytes or garbage. A slot outside its block's shard is refused."""
     caches = random_caches(name, 4)
     eng = engines(caches)
     g = eng.layout.groups[0]
-    shards, per = g.num_shards, g.blocks_per_shard
+    shards, per, rows = g.num_shards, g.blocks_per_shard, eng.backend.shard_slots
     assert shards == {"bf16-dp2-tp4": 2, "bf16-attndp4-tp2": 4}[name]
+    assert eng.backend.num_slots == shards * rows and rows == NUM_SLOTS  # every shard keeps its own NUM_SLOTS
     src = host(caches)
     blocks = [s * per + k for s in range(shards) for k in (0, per - 1)]
     same = [s * per + k for s in range(shards) for k in (2, 3)]  # same shard as the source
     other = [((s + 1) % shards) * per + k for s in range(shards) for k in (4, 5)]  # the next shard
-    slots = list(range(len(blocks)))
-    ids = [500 + i for i in slots]
+    slots = [s * rows + k for s in range(shards) for k in (0, 1)]  # rows 0 and 1 of every shard
+    ids = [500 + i for i in range(len(slots))]
+    with pytest.raises(ValueError, match="not in the batch shard"):
+        eng.save(caches, blocks[-1:], [0], [499])
     save_ok(eng, caches, blocks, slots, ids)
     ops = eng.finish_step().ops
     assert op_names(ops) == ["save"] and op_shape(ops[0])[1] == len(blocks)  # 4 or 8: no padding
@@ -153,6 +158,27 @@ def test_blocks_split_by_data_parallelism(name, engines):
         assert np.array_equal(chunk(after, t), chunk(src, b)), (b, t)
 
 
+def test_shards_saving_into_the_same_rows_negative_control(engines, monkeypatch):
+    """Each device writes only its own shard's copies (programs._write_own): without that, every
+    device writing each copy at its slot's row, two shards saving into their row 0 leave the
+    first shard's row holding the other save's gather of a block it does not have."""
+    name = "bf16-dp2-tp4"
+    monkeypatch.setattr(pm, "_write_own", lambda store, rows, ids, *, group, spare_row, write:
+                        write(store, rows, lambda r: ids[1, r]))
+    pm.programs_for.cache_clear()  # programs traced with the stand-in are never reused
+    try:
+        caches = random_caches(name, 4)
+        eng = engines(caches)
+        per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
+        src = host(caches)
+        save_ok(eng, caches, [0, per], [0, rows], [1, 2])
+        out, failed = eng.load(random_caches(name, 5), [2, per + 2], [0, rows], [1, 2])
+        after = host(out)
+        assert failed == [] and not np.array_equal(chunk(after, 2), chunk(src, 0))
+    finally:
+        pm.programs_for.cache_clear()
+
+
 @pytest.mark.parametrize("slots", [[7, 3, 11, 0, 30, 12, 5, 9], [8, 9, 20, 21, 4, 5, 14, 15]],
                          ids=["scattered", "runs of 2"])
 @pytest.mark.parametrize("parts,static_max", [(1, 256), (4, 256), (2, 0), (4, 0), (1, 0)])
@@ -173,6 +199,7 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     src = host(caches)
     per = g.blocks_per_shard
     blocks = [0, 1, 2, 3, per, per + 1, per + 2, per + 3]
+    slots = [s + (i >= 4) * eng.backend.shard_slots for i, s in enumerate(slots)]  # each in its block's shard
     ids = list(range(700, 708))
     save_ok(eng, caches, blocks, slots, ids)
     caches = random_caches(name, 21)

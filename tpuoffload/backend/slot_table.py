@@ -8,8 +8,12 @@ that the bytes this host needs for the destination block are there (with blocks 
 hosts by data parallelism a host only holds its own blocks' bytes). A slot that was never written
 here, failed, or was overwritten is reported, never read as data.
 
-Capacity is exact: ``num_slots = capacity_bytes // slot_bytes`` whole slots, where ``slot_bytes``
-is what one chunk really takes in this host's memory (replicas included).
+Capacity is exact: ``rows = capacity_bytes // slot_bytes`` whole slot rows on every device, where
+``slot_bytes`` is what one row of every local device takes in this host's memory (replicas
+included). With the blocks split over ``shards`` batch shards (data parallelism), each device's
+rows hold only its own shard's chunks: slot ``s`` is row ``s % shard_slots`` of shard ``s //
+shard_slots``, so the host keeps ``shards * shard_slots`` slots in the same bytes, and each device
+keeps ``spare_rows`` rows for the copies of other shards' rows (worker/programs.py).
 
 One lock guards the table (invariant 6): background threads commit and invalidate while the
 engine's main thread looks slots up.
@@ -26,17 +30,23 @@ EMPTY_SLOT = -1  # the save id of an empty or invalidated slot (also in checkpoi
 
 
 class SlotTable:
-    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, shards: int = 1, spare_rows: int = 0) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"cpu_bytes_to_use must be a positive int, got {capacity_bytes!r}")
         if slot_bytes <= 0:
             raise ValueError(f"a slot must hold bytes, got slot_bytes={slot_bytes}")
-        num_slots = capacity_bytes // slot_bytes
-        if num_slots == 0:
+        rows = capacity_bytes // slot_bytes
+        spare = spare_rows if shards > 1 else 0
+        if rows == 0:
             raise ValueError(
                 f"cpu_bytes_to_use={capacity_bytes} is smaller than one chunk on this host ({slot_bytes} bytes)")
+        if rows <= spare:
+            raise ValueError(f"cpu_bytes_to_use={capacity_bytes} holds {rows} slot rows of {slot_bytes} bytes on this "
+                             f"host; with {shards} batch shards each device keeps {spare} spare rows: give it more")
         self.slot_bytes = slot_bytes
-        self.num_slots = num_slots
+        self.rows = rows  # slot rows on every device (the store's length)
+        self.shard_slots = rows - spare  # slots of one batch shard
+        self.num_slots = num_slots = shards * self.shard_slots
         self._tags = np.full(num_slots, EMPTY_SLOT, np.int64)
         self._sources = np.zeros(num_slots, np.int64)  # block id each slot's chunk was gathered from
         self._floor = 0  # save ids below it were revoked by a connector reset: never committed again
@@ -45,7 +55,7 @@ class SlotTable:
     @property
     def nbytes(self) -> int:
         """Host memory the slots take (whole slots only: never more than the configured bytes)."""
-        return self.num_slots * self.slot_bytes
+        return self.rows * self.slot_bytes
 
     def check_slots(self, slots: Sequence[int]) -> np.ndarray:
         idx = np.asarray(slots, dtype=np.int64)

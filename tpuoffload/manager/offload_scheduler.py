@@ -32,7 +32,7 @@ from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_kv_groups_config
-from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
+from tpuoffload.messages import SHARD_SPARE_ROWS, OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
 from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,
@@ -82,14 +82,15 @@ class OffloadScheduler:
         self.block_size = block_size
         self.chunk_bytes = chunk_bytes
         host_bytes = config.host_bytes(chunk_bytes)
-        # Under DPScheduler each rank's half plans over its own share of every host's slots.
+        # Under DPScheduler each rank's half plans over its own batch shard's slots.
         self.dp = dp or DPRank()
         # vLLM's KV cache groups (HMA): a chunk is keyed by content hash and group (kv_groups.py).
         self.kv_groups = kv_groups
         check_kv_groups_config(config, kv_groups, self.dp.ranks)
-        num_slots = host_bytes // chunk_bytes // self.dp.ranks
-        if num_slots == 0:
-            raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than one chunk ({chunk_bytes} bytes per host)")
+        num_slots = self.dp.num_slots(host_bytes // chunk_bytes)
+        if num_slots <= 0:
+            raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than "
+                             f"{1 if self.dp.ranks == 1 else SHARD_SPARE_ROWS + 1} chunks ({chunk_bytes} bytes per host)")
         #: The scheduler's monotonic clock (save deadlines); replaceable, e.g. by tests.
         self.clock = clock
         # Every part counts into this one Counter (registry names: tpuoffload.counters), emptied

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tpuoffload.messages import SHARD_SPARE_ROWS
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -101,8 +103,10 @@ class DPRank:
     connector, per DP rank, each in its own forked process over ``num_blocks`` (the rank's share of
     the blocks). What that asks of a half:
 
-    * ``ranks``: it plans over ``1/ranks`` of every host's slots (the workers place the rank's
-      share after the others', ``StepPlan.placement``), so no two halves hand out the same slot;
+    * ``ranks``: a rank's blocks are one batch shard of the cache, and every device's store rows
+      hold its own shard's chunks (worker/programs.py), so a rank plans over a device's slot rows
+      (less ``SHARD_SPARE_ROWS``) and the workers place them in its shard's range of slots
+      (``StepPlan.placement``): no two halves hand out the same slot, and none wastes host RAM;
     * ``source``: its reports come back under this id (the rank process's pid: unique among the
       ranks of one engine), since every rank's scheduler receives every worker report;
     * ``sync_loads``: DPScheduler hands the workers' ``finished_recving`` to every rank's vLLM
@@ -120,6 +124,10 @@ class DPRank:
     @property
     def sync_loads(self) -> bool:
         return self.ranks > 1
+
+    def num_slots(self, rows: int) -> int:
+        """The slots this half plans over when each host keeps ``rows`` slot rows per device."""
+        return rows if self.ranks == 1 else rows - SHARD_SPARE_ROWS
 
     def snapshot_name(self, rank: int | None) -> str | None:
         """The half's stats file: ``scheduler.json``, or ``scheduler-dp<rank>.json`` once the

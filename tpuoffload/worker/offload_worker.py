@@ -212,6 +212,11 @@ class OffloadWorker:
 
     def _check_slots(self, placed: list["_Placed"]) -> None:
         have = self.engine.backend.num_slots
+        shards = have // self.engine.backend.shard_slots
+        if shards > 1 and not placed[0].plan.num_blocks:
+            raise ValueError(f"this cache splits its blocks over {shards} batch shards (data parallelism), whose "
+                             "chunks tpuoffload keeps per shard: it needs tpu-inference's DPScheduler (one scheduler "
+                             "per DP rank), not one scheduler for the whole engine")
         for p in placed:
             need = p.slot_offset + p.plan.num_slots
             if need > have:

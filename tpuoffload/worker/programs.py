@@ -13,7 +13,11 @@ data dependency.
 
 Gather and scatter run as ``shard_map`` over the cache's own mesh, so every device works on its
 own shard: each device moves the requested blocks that fall in its batch shard's block range and
-ignores the others. The one collective: a load whose rows come from another batch shard's store
+ignores the others. With several batch shards (data parallelism) a device's store rows hold its own
+shard's chunks only: slot ``s`` is row ``s % shard_slots`` of shard ``s // shard_slots``, and a
+save writes its copies inside ``shard_map`` too, each device at its own row (``_write_own``): a copy
+of another shard's rows goes to the device's spare rows (messages.SHARD_SPARE_ROWS), so no shard's
+rows are written by another's save and every device's rows serve its rank whole. The one collective: a load whose rows come from another batch shard's store
 rows (under DPScheduler, a DP rank loading a chunk another rank saved) sums the source shards' rows
 over the batch axes before its scatter (``_from_sources``); the plan alone says whether a load
 needs it, so every host compiles and dispatches the same program. Blocks travel as unsigned integers (a bitcast:
@@ -49,6 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload.layout import GroupLayout, stacked_spec
+from tpuoffload.messages import SHARD_SPARE_ROWS
 from tpuoffload.worker.copy_plan import copy_rows
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -310,6 +315,18 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout, wire: Wire, 
                  for i, c in enumerate(caches))
 
 
+def _write_own(store, rows, ids, *, group: GroupLayout, spare_row: int, write):
+    """``write`` (``GroupPrograms._write_rows``) on one device's store rows, each copy at its slot
+    where the copy's rows are blocks of this device's batch shard, else at ``spare_row`` (a copy
+    never spans two shards' slots: worker/transfer_engine.py plans them apart)."""
+    shard = jax.lax.axis_index(group.batch_axes)
+
+    def start(r):
+        return jnp.where(ids[0, r] // group.blocks_per_shard == shard, ids[1, r], spare_row)
+
+    return write(store, rows, start)
+
+
 def _token(ids):
     """A small output that is ready when the program is (PJRT marks an execution's outputs ready
     together): what a background thread waits on, since the store itself is donated onward, and
@@ -369,6 +386,11 @@ class GroupPrograms:
         self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *self.wire.shape(group.shape[1:]))
+        # Rows of a device that hold its shard's slots; the rest are spare (``_write_own``).
+        self.own_rows = num_slots - SHARD_SPARE_ROWS if group.num_shards > 1 else num_slots
+        if self.own_rows <= 0:
+            raise ValueError(f"a store of {num_slots} rows per device keeps {SHARD_SPARE_ROWS} spare: none left")
+        self._mesh, self._rows_spec = mesh, rows_spec
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize
         self._parts_of: dict[tuple[str, tuple], tuple] = {}
@@ -402,6 +424,8 @@ class GroupPrograms:
                 copies = cap_copies(copies, _pow2_floor(-(-rows // parts)))
             if op in ("save", "install") and self.row_bytes >= SAVE_SINGLE_ROW_BYTES:
                 copies = cap_copies(copies, 1)
+            elif op in ("save", "install") and self.group.num_shards > 1:  # a copy fits the spare rows
+                copies = cap_copies(copies, SHARD_SPARE_ROWS)
             out = self._parts_of[key] = split_parts(copies, parts)
         return out
 
@@ -415,14 +439,14 @@ class GroupPrograms:
         total = sum(c for _, _, groups in parts for _, _, c in groups)
         for lo, hi, groups in parts:  # part k+1's gather overlaps part k's copies to host memory
             rows = self._gather(ids[0, lo:hi], caches)
-            store = self._write_rows(store, rows, ids, lo, groups, total)
+            store = self._store_rows(store, rows, ids[:, lo:hi], groups, total)
         return store, _token(ids)
 
     def _install(self, rows, store, ids, copies=()):
         """Write rows read back from disk (``(shards, P, ...)`` in device memory) into slots ``ids[1]``."""
         ids = jax.device_put(ids, DEVICE)
         (_, _, groups), = self.parts_of("install", copies)
-        return self._write_rows(store, rows, ids, 0, groups, sum(c for _, _, c in groups)), _token(ids)
+        return self._store_rows(store, rows, ids, groups, sum(c for _, _, c in groups)), _token(ids)
 
     def _read(self, store, ids, copies=()):
         """Slots ``ids[1]`` copied into device memory (the disk tier's spills, a load's reads
@@ -436,23 +460,35 @@ class GroupPrograms:
         ids = jax.device_put(ids, DEVICE)
         return self._scatters[cross](ids[0], ids[2], rows, caches), _token(ids)
 
-    def _write_rows(self, store, rows, ids, lo: int, groups, total: int):
+    def _store_rows(self, store, rows, ids, groups, total: int):
+        """Write rows ``(shards, k, ...)`` at the slots ``ids[1]`` names (``ids``: the rows' own,
+        ``(3, k)``): on the whole store, or with several batch shards on each device's own rows."""
+        if self.group.num_shards == 1:
+            return self._write_rows(store, rows, lambda r: ids[1, r], groups=groups, total=total)
+        write = partial(self._write_rows, groups=groups, total=total)
+        own = jax.shard_map(partial(_write_own, group=self.group, spare_row=self.own_rows, write=write),
+                            mesh=self._mesh, in_specs=(self._rows_spec, self._rows_spec, PartitionSpec()),
+                            out_specs=self._rows_spec, check_vma=False)
+        return own(store, rows, ids)
+
+    @staticmethod
+    def _write_rows(store, rows, start, *, groups, total: int):
         """Write rows ``(shards, k, ...)`` into the store: each group ``(offset, width, count)``
         is ``count`` copies of ``width`` rows into ``width`` consecutive slots starting at
-        ``ids[1, lo + offset + j * width]``; written out (one copy, or few in all), else a
-        fori_loop per group."""
+        ``start(offset + j * width)``; written out (one copy, or few in all), else a fori_loop
+        per group."""
         for off, w, c in groups:
             if c == 1 or total <= SAVE_STATIC_MAX:
                 for j in range(c):
                     r = off + j * w
                     group = jax.device_put(jax.lax.slice_in_dim(rows, r, r + w, axis=1), HOST)
-                    store = jax.lax.dynamic_update_slice_in_dim(store, group, ids[1, lo + r], axis=1)
+                    store = jax.lax.dynamic_update_slice_in_dim(store, group, start(r), axis=1)
                 continue
 
             def write(j, st, off=off, w=w):
                 r = off + j * w
                 group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, r, w, axis=1), HOST)
-                return jax.lax.dynamic_update_slice_in_dim(st, group, ids[1, lo + r], axis=1)
+                return jax.lax.dynamic_update_slice_in_dim(st, group, start(r), axis=1)
 
             store = jax.lax.fori_loop(0, c, write, store, unroll=min(SAVE_UNROLL, c))
         return store

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpuoffload import counters as C
 from tpuoffload.backend import SlotTable
 from tpuoffload.layout import CacheLayout
+from tpuoffload.messages import SHARD_SPARE_ROWS
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
@@ -95,6 +96,14 @@ def _plan_ids(plan: CopyPlan, block_ids: np.ndarray, valid: np.ndarray | int, pa
     return ids
 
 
+def _batch_shards(layout: CacheLayout) -> int:
+    """The batch shards the blocks are split over (every layer group alike)."""
+    shards = {g.num_shards for g in layout.groups}
+    if len(shards) > 1:
+        raise ValueError(f"layer groups split their blocks over different numbers of batch shards {sorted(shards)}")
+    return shards.pop()
+
+
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -126,12 +135,14 @@ class TransferEngine:
         self.num_blocks = self.layout.num_blocks
         self._load_wait_timeout_s = load_wait_timeout_s
         self._faults = faults or NO_FAULTS
-        # A chunk takes device_bytes_per_chunk of this host's memory in the store (replicas included).
-        self.backend = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk)
+        # A slot row takes device_bytes_per_chunk of this host's memory in the store (replicas
+        # included); with several batch shards each device's rows are its own shard's slots.
+        self.backend = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk, _batch_shards(self.layout),
+                                 SHARD_SPARE_ROWS)
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
-        self._programs = [programs_for(g, host_memory_kind, self.backend.num_slots) for g in self.layout.groups]
+        self._programs = [programs_for(g, host_memory_kind, self.backend.rows) for g in self.layout.groups]
         # Rows whose padding costs less than another program's dispatch (programs.PIECE_BYTES): a
         # plan's remainder is split into power-of-two pieces no smaller than this. From the layout
         # only, so the same on every host.
@@ -221,6 +232,7 @@ class TransferEngine:
         block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, unique="slots")
         if not len(slots):
             return
+        self._check_shards(block_ids, slots)
         pieces = self._pieces(len(slots))
         if len(pieces) > 1:  # pieces of a plan sorted by slot: runs stay whole across the pieces (rows' order is free)
             perm = np.argsort(slots, kind="stable")
@@ -229,6 +241,17 @@ class TransferEngine:
         for piece in pieces:
             tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
         self._complete_in_background(tokens, block_ids, slots, save_ids)
+
+    def _check_shards(self, block_ids: np.ndarray, slots: np.ndarray) -> None:
+        """With several batch shards a chunk is saved into a slot of its block's shard: its bytes
+        exist on that shard's devices only (slot_table.py)."""
+        per = self.backend.shard_slots
+        if self.backend.num_slots == per:
+            return
+        wrong = self.layout.groups[0].shard_of(block_ids) != slots // per
+        if wrong.any():
+            raise ValueError(f"slots {slots[wrong][:8].tolist()} are not in the batch shard of blocks "
+                             f"{block_ids[wrong][:8].tolist()} (each shard has {per} slots)")
 
     def pieces(self, n: int) -> list[slice]:
         """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``:
@@ -258,10 +281,18 @@ class TransferEngine:
     def copy_plan(self, op: str, slots) -> CopyPlan:
         """The copies one piece's save or load (``op``) of ``slots`` moves in: worker/copy_plan.py
         with this layout's copy costs, the transfer buffer's rows as the cap and, for a load, the
-        store's size (a load may read slots outside the plan, never past the store)."""
+        store's size (a load may read slots outside the plan, never past the store). Its slots are
+        store rows: with several batch shards a slot's row in its shard (slot_table.py), and a save
+        plans each shard's slots apart (no copy spans two shards: ``programs._write_own``)."""
+        per = self.backend.shard_slots
         if op == "save":
-            return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
-        return load_plan(slots, self._copy_cost["load"], self.max_chunks_per_transfer, self.backend.num_slots)
+            if self.backend.num_slots == per:
+                return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
+            s = np.asarray(slots, np.int64)
+            plan = save_plan(s + s // per, self._copy_cost["save"], self.max_chunks_per_transfer)  # a gap per shard
+            return plan._replace(slots=plan.slots % (per + 1))
+        return load_plan(np.asarray(slots, np.int64) % per, self._copy_cost["load"], self.max_chunks_per_transfer,
+                         self.backend.rows)
 
     def _copies_fields(self, prog, op: str, copies) -> dict:
         """What the log says of a program's copies: the widest, how many, the structure."""
