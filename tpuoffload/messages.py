@@ -164,8 +164,9 @@ class StepPlan:
 
     def placement(self) -> tuple[int, int, int]:
         """(block offset, slot offset, save id offset) of this plan in the engine's numbering: a DP
-        rank's blocks start where DPScheduler put them; its slots and save ids are that rank's
-        own range of the host store (rank = block offset // num_blocks)."""
+        rank's blocks start where DPScheduler put them; its slots are its batch shard's (the store
+        rows of that shard's devices, worker/programs.py) and its save ids a range of its own
+        (rank = block offset // num_blocks)."""
         block_offset = self.local_block_ids[0]
         rank = block_offset // self.num_blocks if self.num_blocks else 0
         return block_offset, rank * self.num_slots, rank << RANK_SAVE_ID_SHIFT

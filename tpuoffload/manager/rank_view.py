@@ -1,7 +1,7 @@
 """Under DPScheduler: what the other DP ranks hold READY in host RAM, for cross-rank hits.
 
 tpu-inference's ``DPScheduler`` runs one scheduler half per DP rank, each in its own forked
-process, each owning its own share of every host's slots (manager/topology.py:DPRank). It routes a
+process, each owning its batch shard's slots (manager/topology.py:DPRank). It routes a
 request by its HBM prefix hit on each rank, else by load, so a prefix one rank saved is often asked
 for on another. The halves share no memory and DPScheduler offers them one channel only: the
 workers' report, which it hands whole to every rank. So:
