@@ -33,8 +33,9 @@ from tpuoffload.messages import RANK_SAVE_ID_SHIFT, LoadRequest, OffloadMetadata
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.sim.podslice import PodSlice, SliceSpec
 from tpuoffload.sim.chaos import Chaos
-from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches, tpu_inference
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
+from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.offload_worker import OffloadWorker
 
 from test_podslice import _assert_clean_end
@@ -338,3 +339,28 @@ def test_one_scheduler_over_a_cache_split_by_data_parallelism_is_refused():
     with pytest.raises(ValueError, match="DPScheduler"):
         worker.bind(OffloadMetadata([StepPlan(0, per_rank)]))
     worker.close()
+
+
+def test_rank_stats_stay_apart_and_what_dpscheduler_does_with_them():
+    """Two DP ranks' scheduler halves report the same counter under the same report number: the
+    reports keep one source per rank, so merged they add up instead of one hiding the other.
+    tpu-inference 0.32's own DPScheduler then drops every rank's ``kv_connector_stats`` when it
+    combines the ranks' SchedulerStats (``_combine_scheduler_stats``): under DPScheduler vLLM's
+    Prometheus endpoint gets no tpuoffload series, and the per-rank snapshot files are the record."""
+    tpu_inference()  # its package, entered as the suite's other tests do
+    from tpu_inference.core.sched.dp_scheduler import DPScheduler
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    reports = []
+    for rank in range(2):
+        dp = DPRank(ranks=2, num_blocks=48, source=1000 + rank)
+        assert dp.stats_source(None) == f"sched-pid{1000 + rank}"
+        reports.append(OffloadStats(make_report(dp.stats_source(rank), 1, {"hit_tokens": 16 * (rank + 1)})))
+    assert reports[0].aggregate(reports[1]).reduce()["hit_tokens"] == 48
+    assert DPRank().stats_source(0) == "sched"
+
+    sched = object.__new__(DPScheduler)  # its stats method only, on the two fields it reads
+    sched.dp_size, sched.log_stats = 2, False
+    combined = sched._combine_scheduler_stats([SchedulerStats(num_running_reqs=1, kv_connector_stats=r.data)
+                                               for r in reports])
+    assert combined.num_running_reqs == 2 and combined.kv_connector_stats is None

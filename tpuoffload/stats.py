@@ -1,7 +1,8 @@
 """Transfer statistics that merge by Counter union.
 
 Each report a process makes is keyed ``"<source>|<seq>|<name>"`` (source: a host id, or "sched"
-for the scheduler; seq: that source's report number). Merging takes the per-key maximum, so:
+for the scheduler, "sched-dp<rank>" for each DPScheduler rank's; seq: that source's report
+number). Merging takes the per-key maximum, so:
 
 * merging the same report twice counts it once (idempotent),
 * merge order does not matter (commutative, associative),

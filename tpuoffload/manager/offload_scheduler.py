@@ -397,7 +397,7 @@ class OffloadScheduler:
         for name, value in values.items():  # (Counter.update asks abc whether values is a Mapping: slow)
             totals[name] += value
         self._stats_seq += 1
-        report = make_report("sched", self._stats_seq, values)
+        report = make_report(self.dp.stats_source(self.dp_rank), self._stats_seq, values)
         values.clear()
         return OffloadStats(report) if report else None
 

@@ -129,6 +129,14 @@ class DPRank:
         """The slots this half plans over when each host keeps ``rows`` slot rows per device."""
         return rows if self.ranks == 1 else rows - SHARD_SPARE_ROWS
 
+    def stats_source(self, rank: int | None) -> str:
+        """The source this half's stats reports carry (stats.py): ``sched``, or under DPScheduler
+        one per rank, so that two ranks' reports of the same number never merge into one (the
+        merge keeps one value per key). Its process id until the workers said which rank it is."""
+        if self.ranks == 1:
+            return "sched"
+        return f"sched-dp{rank}" if rank is not None else f"sched-pid{self.source}"
+
     def snapshot_name(self, rank: int | None) -> str | None:
         """The half's stats file: ``scheduler.json``, or ``scheduler-dp<rank>.json`` once the
         workers said which rank it is (None until then)."""
