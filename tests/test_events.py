@@ -141,9 +141,9 @@ def _run(engine, watch: Watch, requests, reset_at: int | None = None, drop: froz
         n += 1
         if drop and n == max(drop) + 2:
             watch.skew += SAVE_TIMEOUT_S + 1
-        if reset_at is not None and n >= reset_at and len(engine.offload.index) and not _loading(engine):
-            # (vLLM refuses to reset with a load in flight: at the first step from reset_at without
-            # one, and with chunks held or being saved to revoke)
+        if reset_at is not None and n >= reset_at and len(engine.offload.index) and not _holding(engine):
+            # (vLLM cannot reset while a request's blocks are held for a load or a save: at the
+            # first step from reset_at without one, and with chunks held or being saved to revoke)
             assert engine.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
             reset_at = None
         assert n < 2000, "engine not idle"
@@ -152,10 +152,14 @@ def _run(engine, watch: Watch, requests, reset_at: int | None = None, drop: froz
     watch.check()
 
 
-def _loading(engine) -> bool:
+def _holding(engine) -> bool:
+    """A request holds blocks vLLM's reset cannot free: waiting for its load, or finished with its
+    blocks kept until its saves are sent (``request_finished`` said so). vLLM's
+    ``reset_prefix_cache(reset_running_requests=True)`` raises then, whatever the connector."""
     from vllm.v1.request import RequestStatus
 
-    return any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in engine.scheduler.requests.values())
+    return any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or r.is_finished()
+               for r in engine.scheduler.requests.values())
 
 
 def _wave(tag: str, count: int = 12):
