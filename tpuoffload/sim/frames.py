@@ -7,8 +7,10 @@ import os
 import pickle
 import socket
 import struct
-import subprocess
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:
+    from tpuoffload.sim.launch import WorkerProcess
 
 HEAD = struct.Struct("<Q")
 
@@ -45,7 +47,7 @@ def free_port() -> int:
 class HostPipe:
     """The scheduler's end of one worker's pipes: non-blocking, framed, deadline-driven."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: "WorkerProcess") -> None:
         self.proc = proc
         self.rfd = proc.stdout.fileno()
         self.wfd = proc.stdin.fileno()

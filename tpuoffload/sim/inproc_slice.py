@@ -104,7 +104,7 @@ class InProcSlice(PodSlice):
         self.start_state = self.worker_state()
 
     def _serve(self, host: _Host, msg: tuple) -> Any:
-        """What a worker process of the pod slice answers to ``msg`` (slice_worker._worker_main)."""
+        """What a worker process of the pod slice answers to ``msg`` (slice_worker.worker_main)."""
         runner, connector = host.runner, host.connector
         if msg[0] == "step":
             if self.chaos.step_delay_s:

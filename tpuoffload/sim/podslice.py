@@ -28,7 +28,6 @@ import random
 import select
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -45,6 +44,7 @@ from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, scheduler_kv_sha
                                         slice_page_bytes)
 from tpuoffload.sim.chaos import Chaos, PointFaults
 from tpuoffload.sim.dispatch_marks import misplaced_op
+from tpuoffload.sim.launch import WorkerProcess, start_worker
 from tpuoffload.sim.frames import HEAD, HostPipe, free_port
 
 
@@ -140,7 +140,7 @@ def _kill_processes(procs) -> None:
         proc.join(timeout=10)
 
 
-def _kill_groups(procs: Iterable[subprocess.Popen]) -> None:
+def _kill_groups(procs: Iterable[WorkerProcess]) -> None:
     procs = list(procs)
     for proc in procs:
         try:
@@ -212,7 +212,7 @@ class PodSlice:
         self.dp_ranks = sharding.total_dp_size if is_dp_scheduler(self.scheduler) else 1
         self.aggregator = (KVOutputAggregator(spec.num_hosts) if self.dp_ranks > 1
                            else KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts))
-        self.procs: list[subprocess.Popen] = []  # kept after close, so callers can check they are gone
+        self.procs: list[WorkerProcess] = []  # kept after close, so callers can check they are gone
         self._pipes: list[HostPipe] = []
         self.steps = 0
         self.digests: list[list[str]] = []  # per step, per host
@@ -271,11 +271,7 @@ class PodSlice:
                 "point_faults": asdict(self.point_faults) if self.point_faults else None,
                 "vllm_config": self.scheduler.vllm_config, "kv_cache_config": self._kv_cache_config()}
         for rank in range(self.spec.num_hosts):
-            with open(self.log_path(rank), "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "tpuoffload.sim.slice_worker", str(rank), str(self.spec.num_hosts), str(port)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
-                )
+            proc = start_worker(rank, self.spec.num_hosts, port, env, self.log_path(rank))
             self.procs.append(proc)
             self._pipes.append(HostPipe(proc))
         replies = self._exchange(init, self.spec.start_timeout_s, "start")

@@ -1,4 +1,4 @@
-"""One worker process of a simulated pod slice (``python -m tpuoffload.sim.slice_worker RANK N PORT``):
+"""One worker process of a simulated pod slice (``worker_main``, started by tpuoffload/sim/launch.py):
 joins the others with ``jax.distributed``, holds its shard of tpu-inference's cache, and runs each
 step's SchedulerOutput through the synthetic runner and tpuoffload's worker half, answering the
 driver (tpuoffload/sim/podslice.py) over framed pipes."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import threading
 import time
 
@@ -24,13 +23,14 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
-def _worker_main(rank: int, num_hosts: int, port: int) -> None:
+def worker_main(rank: int, num_hosts: int, port: int) -> None:
+    """Serve the driver's frames on fd 0 (answers on fd 1, the log on fd 2) until it is gone."""
     import traceback
 
     # Keep the pipe for frames only: anything a library prints to fd 1 goes to the log instead.
     stdout = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    stdin = sys.stdin.buffer
+    stdin = os.fdopen(os.dup(0), "rb")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
 
     def receive():
@@ -123,6 +123,3 @@ def _worker_main(rank: int, num_hosts: int, port: int) -> None:
         except Exception:
             send_frame(stdout, ("error", traceback.format_exc()))
 
-
-if __name__ == "__main__":
-    _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
