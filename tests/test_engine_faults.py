@@ -70,6 +70,9 @@ def fault_sequence(name: str, faults: Injected | None = None) -> list[dict]:
     eng = TransferEngine(caches, NUM_SLOTS * CacheLayout.from_caches(caches).device_bytes_per_chunk, faults=faults,
                          load_wait_timeout_s=0.3 if block else 10.0)
     steps: list[dict] = []
+    shard_of, rows = eng.layout.groups[0].shard_of, eng.backend.shard_slots
+    low = [i + shard_of(b) * rows for i, b in enumerate(SEQ_OLD)]  # "slots 0..3", each in its chunk's shard
+    high = [x + 4 for x in low]  # "slots 4..7"
 
     def load(step: int, slots: list[int], ids: list[int]) -> list[int]:
         nonlocal caches
@@ -97,32 +100,32 @@ def fault_sequence(name: str, faults: Injected | None = None) -> list[dict]:
                       "counters": {k: c[k] for k in ("chunks_saved", "save_failures", "chunks_loaded", "load_errors")}})
 
     try:
-        eng.save(caches, SEQ_OLD, [0, 1, 2, 3], [1, 2, 3, 4])
+        eng.save(caches, SEQ_OLD, low, [1, 2, 3, 4])
         assert eng.wait_idle(30)
         close_step()
 
         arm(save_side)
-        eng.save(caches, SEQ_SAVE1, [0, 1, 2, 3], [10, 11, 12, 13])
+        eng.save(caches, SEQ_SAVE1, low, [10, 11, 12, 13])
         if not block:
             assert eng.wait_idle(30)
         close_step()
 
         arm(not save_side)
-        failed = load(2, [0, 1, 2, 3], [10, 11, 12, 13])
+        failed = load(2, low, [10, 11, 12, 13])
         if faults is not None:
             faults.disarm()  # also releases a slow save
         assert eng.wait_idle(30)
         close_step(failed)
 
         arm(True)
-        eng.save(caches, SEQ_SAVE3, [4, 5, 6, 7], [20, 21, 22, 23])
-        failed = load(3, [4, 5, 6, 7], [20, 21, 22, 23])
+        eng.save(caches, SEQ_SAVE3, high, [20, 21, 22, 23])
+        failed = load(3, high, [20, 21, 22, 23])
         if faults is not None:
             faults.disarm()
         assert eng.wait_idle(30)
         close_step(failed)
 
-        failed = load(4, [0, 1, 2, 3], [10, 11, 12, 13])
+        failed = load(4, low, [10, 11, 12, 13])
         close_step(failed)
     finally:
         if faults is not None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tpuoffload.layout import CacheLayout, UnsupportedCache
+from tpuoffload.messages import SHARD_SPARE_ROWS
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches, tpu_inference
 from tpuoffload.worker.offload_worker import OffloadWorker
 from tpuoffload.worker.transfer_engine import TransferEngine
@@ -44,13 +45,17 @@ def test_layout_round_trip_byte_exact(name):
     assert layout.slot_bytes > 0
     first = _random_bytes_like(caches, seed=1)
     engine = TransferEngine(first, 64 * layout.device_bytes_per_chunk)
-    assert engine.backend.num_slots == 64
-    nb = spec.num_blocks
-    # Sources and destinations straddle every batch shard (data / attention-data parallelism).
+    group = layout.groups[0]
+    rows = 64 - (SHARD_SPARE_ROWS if group.num_shards > 1 else 0)  # each batch shard's slots
+    assert engine.backend.num_slots == group.num_shards * rows
+    nb, per = spec.num_blocks, group.blocks_per_shard
+    # Sources and destinations straddle every batch shard (data / attention-data parallelism); a
+    # chunk goes into a slot of its source's shard, and both saves of a slot come from one shard.
     src_a = [1, nb // 2 + 3, nb - 2, 5]
-    src_b = [nb - 1, 2, nb // 2, 7]
+    src_b = [a - a % per + (a % per + 7) % per for a in src_a]
     dst = [nb // 2 + 1, 0, nb - 3, nb // 2 + 5]
-    slots, ids_a, ids_b = [4, 9, 0, 63], [10, 11, 12, 13], [20, 21, 22, 23]
+    slots = [x + group.shard_of(a) * rows for x, a in zip([4, 9, 0, rows - 1], src_a)]
+    ids_a, ids_b = [10, 11, 12, 13], [20, 21, 22, 23]
     engine.save(first, src_a, slots, ids_a)
     second = _random_bytes_like(caches, seed=2)
     engine.save(second, src_b, slots, ids_b)  # overwrites the same slots: write-after-write
@@ -61,7 +66,6 @@ def test_layout_round_trip_byte_exact(name):
     loaded, failed = engine.load(first, dst, slots, ids_b)
     # A chunk is stored in its source block's batch shard: a load into another shard (data
     # parallelism) is a load error with zeros in place, never another shard's bytes.
-    group = layout.groups[0]
     cross = [d for s, d in zip(src_b, dst) if group.shard_of(s) != group.shard_of(d)]
     assert failed == cross
     assert (group.num_shards > 1) == bool(cross)
