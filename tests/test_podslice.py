@@ -8,6 +8,8 @@ context position it reads; the workload driver checks every generated token.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import time
@@ -119,7 +121,7 @@ def test_exception_at_each_fault_point_on_one_host(make_slice, point):
     issues identical programs at every step (the harness compares digests), the outputs are exact,
     and the failures are reported and counted."""
     pod = make_slice(_spec(2, 1, num_blocks=48), point_faults=PointFaults(host=1, rate=0.5, points=(point,)))
-    res = run_prefix_repetition(pod, WORKLOAD)
+    res = run_prefix_repetition(pod, dataclasses.replace(WORKLOAD, num_requests=12))  # half the waves: 4 points
     assert res.finished == res.requests and res.wrong_outputs == []
     totals = pod.stats.totals()
     counter = "load_errors" if point in ("LOAD_SLOT_CHECK", "LOAD_PREPARE") else "save_failures"
