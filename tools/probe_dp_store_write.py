@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""What the data-parallel save's store write costs against the plain one, side by side.
+
+With blocks split over batch shards (DP), a save writes its copies inside ``shard_map``, each
+device at its own row or at its spare rows (worker/programs.py ``_write_own``); without, one
+global write puts every copy at the same row on every device. This probe times both on the same
+copies (16-row copies, ``SHARD_SPARE_ROWS``, into a pinned-host store), plus the ``shard_map``
+write without the owner test (to tell the two costs apart), and checks the bytes written.
+
+    python tools/probe_dp_store_write.py --expect-platform gpu
+
+It refuses to run on another platform than ``--expect-platform`` (never a silent CPU fallback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+HOST = jax.memory.Space.Host
+WIDTH = 16  # rows per copy (messages.SHARD_SPARE_ROWS)
+CASES = ((128, 32), (512, 16), (2048, 8))  # (KiB per row per device, copies)
+
+
+def writes(mesh, spare_at: int, copies: int):
+    """The three writes of ``copies`` copies of WIDTH rows: plain, per-device, per-device without the test."""
+    def plain(store, rows, slots):
+        def body(j, st):
+            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * WIDTH, WIDTH, axis=1), HOST)
+            return jax.lax.dynamic_update_slice_in_dim(st, group, slots[j], axis=1)
+        return jax.lax.fori_loop(0, copies, body, store, unroll=4)
+
+    def own(store, rows, slots, owner):
+        shard = jax.lax.axis_index("data")
+
+        def body(j, st):
+            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * WIDTH, WIDTH, axis=1), HOST)
+            return jax.lax.dynamic_update_slice_in_dim(st, group, jnp.where(owner == shard, slots[j], spare_at), axis=1)
+        return jax.lax.fori_loop(0, copies, body, store, unroll=4)
+
+    hs = NamedSharding(mesh, P("data"), memory_kind="pinned_host")
+    specs = dict(mesh=mesh, in_specs=(P("data"), P("data"), P(), P()), out_specs=P("data"), check_vma=False)
+    return {"plain": jax.jit(lambda st, r, s, o: plain(st, r, s), donate_argnums=0, out_shardings=hs),
+            "own": jax.jit(jax.shard_map(own, **specs), donate_argnums=0, out_shardings=hs),
+            "own, no test": jax.jit(jax.shard_map(lambda st, r, s, o: plain(st, r, s), **specs), donate_argnums=0,
+                                    out_shardings=hs)}
+
+
+def run_case(mesh, row_kib: int, copies: int, rounds: int) -> str:
+    n, words = mesh.size, row_kib * 256
+    slots_total = 512 if row_kib >= 2048 else 4096 * 256 // row_kib
+    hs = NamedSharding(mesh, P("data"), memory_kind="pinned_host")
+    store = jax.jit(lambda: jnp.zeros((n, slots_total + WIDTH, words), jnp.uint32), out_shardings=hs)()
+    rows = jax.jit(lambda: (jnp.arange(n * WIDTH * copies * words, dtype=jnp.uint32) * 7 + 3).reshape(
+        n, WIDTH * copies, words), out_shardings=NamedSharding(mesh, P("data")))()
+    slots = jnp.asarray(np.arange(copies, dtype=np.int32) * (slots_total // copies))
+    owner = jnp.int32(0)
+    fns = writes(mesh, slots_total, copies)
+    store = fns["own"](store, rows, slots, owner)
+    got, want = np.array(store, copy=True)[0], np.array(rows, copy=True)[0]
+    exact = all(np.array_equal(got[s:s + WIDTH], want[j * WIDTH:(j + 1) * WIDTH])
+                for j, s in enumerate(np.asarray(slots).tolist()))
+    del got, want
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):  # interleaved rounds, the median of 10 calls each
+        for name, fn in fns.items():
+            ts = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                store = fn(store, rows, slots, owner)
+                store.block_until_ready()
+                ts.append(time.perf_counter() - t0)
+            times[name].append(float(np.median(ts)))
+    med = {name: float(np.median(v)) for name, v in times.items()}
+    mib = n * WIDTH * copies * words * 4 / 2**20
+    return (f"| {row_kib} KiB | {copies} x {WIDTH} rows ({mib:.0f} MiB) | {'exact' if exact else 'WRONG'} | "
+            f"{med['plain'] * 1e3:.2f} | {med['own'] * 1e3:.2f} | {med['own, no test'] * 1e3:.2f} | "
+            f"{med['own'] / med['plain']:.3f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--expect-platform", required=True, help="gpu, tpu or cpu: refuse to run on another")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    platform = jax.default_backend()
+    if platform != args.expect_platform:
+        raise SystemExit(f"this run is on {platform}, not {args.expect_platform}")
+    devices = jax.devices()
+    print(f"{devices[0].device_kind} x {len(devices)}, JAX {jax.__version__}")
+    print("| row per device | copies | bytes | plain ms | per-device ms | per-device, no owner test ms | per-device / plain |")
+    print("|---|---|---|---|---|---|---|")
+    mesh = Mesh(np.array(devices), ("data",))
+    for row_kib, copies in CASES:
+        print(run_case(mesh, row_kib, copies, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
