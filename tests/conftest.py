@@ -46,7 +46,7 @@ def engines():
     test each is drained and closed."""
     from engine_helpers import NUM_SLOTS
     from tpuoffload.layout import CacheLayout
-    from tpuoffload.messages import SHARD_SPARE_ROWS
+    from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
     from tpuoffload.worker.transfer_engine import TransferEngine
 
     made = []

@@ -206,3 +206,14 @@ def test_deployment_run_verifies_bytes(bench, tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["config"] == "gpt-oss-120b-tp8" and row["block_shape"] == [16, 1, 2, 128] and row["layers"] == 18
     assert row["block_kib"] == 144 and row["blocks"] == 16
+
+
+def test_the_transfer_engine_imports_without_vllm():
+    """The accelerator machine that runs the transfer benchmark has JAX and numpy only: the worker's
+    transfer engine and its programs must import without vLLM (or tpu-inference)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm'] = None; sys.modules['tpu_inference'] = None; "
+            "import tpuoffload.worker.transfer_engine, tpuoffload.worker.programs, tpuoffload.worker.copy_plan")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -248,3 +248,32 @@ def test_separate_dp_engines_keep_their_files_apart():
     assert engines[1].disk_path == "/d/{host}/engine-dp1"
     one = per_engine(config, types.SimpleNamespace(data_parallel_size=1, data_parallel_index=0))
     assert one == config  # one engine: the paths as given
+
+
+def test_multiprocess_dp_engines_are_single_scheduler_engines_with_their_own_files(monkeypatch):
+    """``TPU_MULTIPROCESS_DP=1``: tpu-inference's own sharding config gives each engine a mesh without
+    DP (``total_dp_size`` 1) while vLLM's parallel config keeps the engine's DP index, so each
+    engine's connector is one plain scheduler (no DPScheduler) whose files stay its own."""
+    import types
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from tpuoffload.config import per_engine
+    from tpuoffload.manager.topology import DPRank
+    from tpuoffload.sim.tpu_layouts import tpu_inference
+
+    sharding = tpu_inference().sharding
+    monkeypatch.setenv("TPU_MULTIPROCESS_DP", "1")
+    config = parse_config({"cpu_bytes_to_use": 1 << 22, "stats_dir": "/s"})
+    for index in (0, 1):
+        parallel = types.SimpleNamespace(tensor_parallel_size=4, data_parallel_size=2, data_parallel_rank=index,
+                                         data_parallel_index=index, data_parallel_size_local=1,
+                                         decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                                         enable_expert_parallel=False, pipeline_parallel_size=1)
+        vllm_config = types.SimpleNamespace(additional_config={}, parallel_config=parallel, lora_config=None,
+                                            model_config=types.SimpleNamespace(use_mla=False),
+                                            scheduler_config=types.SimpleNamespace(scheduler_cls=Scheduler))
+        vllm_config.sharding_config = sharding.ShardingConfigManager.from_vllm_config(vllm_config)
+        assert vllm_config.sharding_config.total_dp_size == 1 and parallel.data_parallel_size == 2
+        assert DPRank.of(vllm_config, types.SimpleNamespace(num_blocks=48)) == DPRank()
+        assert per_engine(config, parallel).stats_dir == f"/s/engine-dp{index}"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tpuoffload.layout import CacheLayout, UnsupportedCache
-from tpuoffload.messages import SHARD_SPARE_ROWS
+from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches, tpu_inference
 from tpuoffload.worker.offload_worker import OffloadWorker
 from tpuoffload.worker.transfer_engine import TransferEngine

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 HOST = jax.memory.Space.Host
-WIDTH = 16  # rows per copy (messages.SHARD_SPARE_ROWS)
+WIDTH = 16  # rows per copy (backend/slot_table.py SHARD_SPARE_ROWS)
 CASES = ((128, 32), (512, 16), (2048, 8))  # (KiB per row per device, copies)
 
 

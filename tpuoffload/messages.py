@@ -176,12 +176,6 @@ class StepPlan:
 #: their own ids from 0; no rank plans 2**40 saves).
 RANK_SAVE_ID_SHIFT = 40
 
-#: With the blocks split over batch shards (a DP rank's blocks are one shard), each device's store
-#: rows hold its own shard's chunks only, and every device keeps this many rows more, into which a
-#: save's copies of another shard's rows go (worker/programs.py): a DP rank plans over a device's
-#: slot rows less these. It bounds the widest copy such a save makes.
-SHARD_SPARE_ROWS = 16
-
 
 @dataclass
 class OffloadMetadata(KVConnectorMetadata):

@@ -28,9 +28,15 @@ import numpy as np
 
 EMPTY_SLOT = -1  # the save id of an empty or invalidated slot (also in checkpoints)
 
+#: With the blocks split over batch shards (a DP rank's blocks are one shard), each device keeps this
+#: many rows past its shard's slots, into which a save's copies of another shard's rows go
+#: (worker/programs.py): a DP rank plans over a device's slot rows less these. It bounds the widest
+#: copy such a save makes.
+SHARD_SPARE_ROWS = 16
+
 
 class SlotTable:
-    def __init__(self, capacity_bytes: int, slot_bytes: int, shards: int = 1, spare_rows: int = 0) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, shards: int = 1, spare_rows: int = SHARD_SPARE_ROWS) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"cpu_bytes_to_use must be a positive int, got {capacity_bytes!r}")
         if slot_bytes <= 0:

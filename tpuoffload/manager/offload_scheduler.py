@@ -32,7 +32,8 @@ from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_kv_groups_config
-from tpuoffload.messages import SHARD_SPARE_ROWS, OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
+from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
+from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
 from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,

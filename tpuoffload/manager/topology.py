@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpuoffload.messages import SHARD_SPARE_ROWS
+from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

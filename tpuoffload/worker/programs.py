@@ -16,7 +16,7 @@ own shard: each device moves the requested blocks that fall in its batch shard's
 ignores the others. With several batch shards (data parallelism) a device's store rows hold its own
 shard's chunks only: slot ``s`` is row ``s % shard_slots`` of shard ``s // shard_slots``, and a
 save writes its copies inside ``shard_map`` too, each device at its own row (``_write_own``): a copy
-of another shard's rows goes to the device's spare rows (messages.SHARD_SPARE_ROWS), so no shard's
+of another shard's rows goes to the device's spare rows (backend/slot_table.py SHARD_SPARE_ROWS), so no shard's
 rows are written by another's save and every device's rows serve its rank whole. The one collective: a load whose rows come from another batch shard's store
 rows (under DPScheduler, a DP rank loading a chunk another rank saved) sums the source shards' rows
 over the batch axes before its scatter (``_from_sources``); the plan alone says whether a load
@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tpuoffload.layout import GroupLayout, stacked_spec
-from tpuoffload.messages import SHARD_SPARE_ROWS
+from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 from tpuoffload.worker.copy_plan import copy_rows
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device

@@ -47,7 +47,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpuoffload import counters as C
 from tpuoffload.backend import SlotTable
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import SHARD_SPARE_ROWS
 from tpuoffload.worker.dispatch_log import DispatchLog, StepDigest
 from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
@@ -137,8 +136,7 @@ class TransferEngine:
         self._faults = faults or NO_FAULTS
         # A slot row takes device_bytes_per_chunk of this host's memory in the store (replicas
         # included); with several batch shards each device's rows are its own shard's slots.
-        self.backend = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk, _batch_shards(self.layout),
-                                 SHARD_SPARE_ROWS)
+        self.backend = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk, _batch_shards(self.layout))
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
