@@ -135,3 +135,35 @@ def test_connector_idle_at_the_end(report, dp, tp):
     for leaks in conn["scheduler_leaks"]:
         assert all(v == 0 for v in leaks.values()), conn["scheduler_leaks"]
 
+
+
+def test_the_child_runs_again_once_only_when_the_attention_stand_in_refuses(tmp_path, monkeypatch):
+    """The one retry ``run_child`` allows: the attention stand-in's refusal of a batch (said in a
+    warning, the first log kept). Any other failure, or a second refusal, fails the test."""
+    import contextlib
+    import json
+    import os
+
+    from tpuoffload.sim import real_engine
+
+    def fake(outcomes):
+        def run(cmd, env, timeout_s, log_path):
+            rc, text = outcomes.pop(0)
+            with open(log_path, "w") as f:
+                f.write(text)
+            if rc == 0:
+                with open(cmd[cmd.index("--json") + 1], "w") as f:
+                    json.dump({"runs": {}}, f)
+            return rc, text
+        return run
+
+    refusal = f"ValueError: {real_engine.STAND_IN_REFUSAL}, dtype=int32) <= kv_len"
+    monkeypatch.setattr(real_engine, "_run_logged", fake([(1, refusal), (0, "")]))
+    with pytest.warns(UserWarning, match="stand-in refused"):
+        assert real_engine.run_child(str(tmp_path / "a")) == {"runs": {}}
+    assert os.path.exists(tmp_path / "a" / "engine-first.log")
+    for outcomes in ([(1, "Traceback: AssertionError")], [(1, refusal), (1, refusal)]):
+        monkeypatch.setattr(real_engine, "_run_logged", fake(list(outcomes)))
+        with pytest.raises(RuntimeError, match="exited 1"), (pytest.warns(UserWarning) if len(outcomes) > 1
+                                                             else contextlib.nullcontext()):
+            real_engine.run_child(str(tmp_path / f"b{len(outcomes)}"))
