@@ -3,9 +3,10 @@
 
 With blocks split over batch shards (DP), a save writes its copies inside ``shard_map``, each
 device at its own row or at its spare rows (worker/programs.py ``_write_own``); without, one
-global write puts every copy at the same row on every device. This probe times both on the same
-copies (16-row copies, ``SHARD_SPARE_ROWS``, into a pinned-host store), plus the ``shard_map``
-write without the owner test (to tell the two costs apart), and checks the bytes written.
+global write puts every copy at the same row on every device. This probe times the product's own two
+writes on the same copies (16-row copies, ``SHARD_SPARE_ROWS``, into a pinned-host store), plus the
+plain write inside ``shard_map`` without the owner test (to tell the two costs apart), and checks
+the bytes written.
 
     python tools/probe_dp_store_write.py --expect-platform gpu
 
@@ -15,40 +16,39 @@ It refuses to run on another platform than ``--expect-platform`` (never a silent
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-HOST = jax.memory.Space.Host
-WIDTH = 16  # rows per copy (backend/slot_table.py SHARD_SPARE_ROWS)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS  # noqa: E402
+from tpuoffload.worker.programs import GroupPrograms, _write_own  # noqa: E402
+
+WIDTH = SHARD_SPARE_ROWS  # rows per copy: the widest a DP save makes
 CASES = ((128, 32), (512, 16), (2048, 8))  # (KiB per row per device, copies)
 
 
-def writes(mesh, spare_at: int, copies: int):
-    """The three writes of ``copies`` copies of WIDTH rows: plain, per-device, per-device without the test."""
-    def plain(store, rows, slots):
-        def body(j, st):
-            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * WIDTH, WIDTH, axis=1), HOST)
-            return jax.lax.dynamic_update_slice_in_dim(st, group, slots[j], axis=1)
-        return jax.lax.fori_loop(0, copies, body, store, unroll=4)
-
-    def own(store, rows, slots, owner):
-        shard = jax.lax.axis_index("data")
-
-        def body(j, st):
-            group = jax.device_put(jax.lax.dynamic_slice_in_dim(rows, j * WIDTH, WIDTH, axis=1), HOST)
-            return jax.lax.dynamic_update_slice_in_dim(st, group, jnp.where(owner == shard, slots[j], spare_at), axis=1)
-        return jax.lax.fori_loop(0, copies, body, store, unroll=4)
-
+def writes(mesh, spare_at: int, copies: int, blocks_per_shard: int):
+    """The product's two writes of ``copies`` copies of WIDTH rows (worker/programs.py): the plain
+    global one (``_write_rows``), the per-device one (``_write_own``), and the per-device one
+    without the owner test (``_write_rows`` inside ``shard_map``), to tell the two costs apart."""
+    groups = ((0, WIDTH, copies),)
+    write = partial(GroupPrograms._write_rows, groups=groups, total=copies)
+    layout = SimpleNamespace(batch_axes=("data",), blocks_per_shard=blocks_per_shard)  # what _write_own reads
     hs = NamedSharding(mesh, P("data"), memory_kind="pinned_host")
-    specs = dict(mesh=mesh, in_specs=(P("data"), P("data"), P(), P()), out_specs=P("data"), check_vma=False)
-    return {"plain": jax.jit(lambda st, r, s, o: plain(st, r, s), donate_argnums=0, out_shardings=hs),
-            "own": jax.jit(jax.shard_map(own, **specs), donate_argnums=0, out_shardings=hs),
-            "own, no test": jax.jit(jax.shard_map(lambda st, r, s, o: plain(st, r, s), **specs), donate_argnums=0,
-                                    out_shardings=hs)}
+    specs = dict(mesh=mesh, in_specs=(P("data"), P("data"), P()), out_specs=P("data"), check_vma=False)
+    return {"plain": jax.jit(lambda st, r, ids: write(st, r, lambda i: ids[1, i]), donate_argnums=0, out_shardings=hs),
+            "own": jax.jit(jax.shard_map(partial(_write_own, group=layout, spare_row=spare_at, write=write), **specs),
+                           donate_argnums=0, out_shardings=hs),
+            "own, no test": jax.jit(jax.shard_map(lambda st, r, ids: write(st, r, lambda i: ids[1, i]), **specs),
+                                    donate_argnums=0, out_shardings=hs)}
 
 
 def run_case(mesh, row_kib: int, copies: int, rounds: int) -> str:
@@ -58,13 +58,15 @@ def run_case(mesh, row_kib: int, copies: int, rounds: int) -> str:
     store = jax.jit(lambda: jnp.zeros((n, slots_total + WIDTH, words), jnp.uint32), out_shardings=hs)()
     rows = jax.jit(lambda: (jnp.arange(n * WIDTH * copies * words, dtype=jnp.uint32) * 7 + 3).reshape(
         n, WIDTH * copies, words), out_shardings=NamedSharding(mesh, P("data")))()
-    slots = jnp.asarray(np.arange(copies, dtype=np.int32) * (slots_total // copies))
-    owner = jnp.int32(0)
-    fns = writes(mesh, slots_total, copies)
-    store = fns["own"](store, rows, slots, owner)
+    starts = np.arange(copies) * (slots_total // copies)
+    ids = np.zeros((3, WIDTH * copies), np.int32)  # row 0: blocks (all of shard 0), row 1: slots
+    ids[1] = (starts[:, None] + np.arange(WIDTH)).ravel()
+    ids = jnp.asarray(ids)
+    fns = writes(mesh, slots_total, copies, blocks_per_shard=64)
+    store = fns["own"](store, rows, ids)
     got, want = np.array(store, copy=True)[0], np.array(rows, copy=True)[0]
     exact = all(np.array_equal(got[s:s + WIDTH], want[j * WIDTH:(j + 1) * WIDTH])
-                for j, s in enumerate(np.asarray(slots).tolist()))
+                for j, s in enumerate(starts.tolist()))
     del got, want
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):  # interleaved rounds, the median of 10 calls each
@@ -72,7 +74,7 @@ def run_case(mesh, row_kib: int, copies: int, rounds: int) -> str:
             ts = []
             for _ in range(10):
                 t0 = time.perf_counter()
-                store = fn(store, rows, slots, owner)
+                store = fn(store, rows, ids)
                 store.block_until_ready()
                 ts.append(time.perf_counter() - t0)
             times[name].append(float(np.median(ts)))

@@ -13,7 +13,7 @@ Capacity is exact: ``rows = capacity_bytes // slot_bytes`` whole slot rows on ev
 included). With the blocks split over ``shards`` batch shards (data parallelism), each device's
 rows hold only its own shard's chunks: slot ``s`` is row ``s % shard_slots`` of shard ``s //
 shard_slots``, so the host keeps ``shards * shard_slots`` slots in the same bytes, and each device
-keeps ``spare_rows`` rows for the copies of other shards' rows (worker/programs.py).
+keeps ``SHARD_SPARE_ROWS`` rows for the copies of other shards' rows (worker/programs.py).
 
 One lock guards the table (invariant 6): background threads commit and invalidate while the
 engine's main thread looks slots up.
@@ -35,23 +35,29 @@ EMPTY_SLOT = -1  # the save id of an empty or invalidated slot (also in checkpoi
 SHARD_SPARE_ROWS = 16
 
 
+def shard_slots(rows: int, shards: int) -> int:
+    """The slots of one batch shard when every device keeps ``rows`` slot rows."""
+    return rows if shards == 1 else rows - SHARD_SPARE_ROWS
+
+
 class SlotTable:
-    def __init__(self, capacity_bytes: int, slot_bytes: int, shards: int = 1, spare_rows: int = SHARD_SPARE_ROWS) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, shards: int = 1) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"cpu_bytes_to_use must be a positive int, got {capacity_bytes!r}")
         if slot_bytes <= 0:
             raise ValueError(f"a slot must hold bytes, got slot_bytes={slot_bytes}")
         rows = capacity_bytes // slot_bytes
-        spare = spare_rows if shards > 1 else 0
         if rows == 0:
             raise ValueError(
                 f"cpu_bytes_to_use={capacity_bytes} is smaller than one chunk on this host ({slot_bytes} bytes)")
-        if rows <= spare:
+        if shard_slots(rows, shards) <= 0:
             raise ValueError(f"cpu_bytes_to_use={capacity_bytes} holds {rows} slot rows of {slot_bytes} bytes on this "
-                             f"host; with {shards} batch shards each device keeps {spare} spare rows: give it more")
+                             f"host; with {shards} batch shards each device keeps {SHARD_SPARE_ROWS} spare rows: "
+                             "give it more")
         self.slot_bytes = slot_bytes
         self.rows = rows  # slot rows on every device (the store's length)
-        self.shard_slots = rows - spare  # slots of one batch shard
+        self.shards = shards  # batch shards the blocks are split over
+        self.shard_slots = shard_slots(rows, shards)  # slots of one batch shard (its devices' first rows)
         self.num_slots = num_slots = shards * self.shard_slots
         self._tags = np.full(num_slots, EMPTY_SLOT, np.int64)
         self._sources = np.zeros(num_slots, np.int64)  # block id each slot's chunk was gathered from

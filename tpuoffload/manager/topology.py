@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
+from tpuoffload.backend.slot_table import shard_slots
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -127,7 +127,7 @@ class DPRank:
 
     def num_slots(self, rows: int) -> int:
         """The slots this half plans over when each host keeps ``rows`` slot rows per device."""
-        return rows if self.ranks == 1 else rows - SHARD_SPARE_ROWS
+        return shard_slots(rows, self.ranks)
 
     def stats_source(self, rank: int | None) -> str:
         """The source this half's stats reports carry (stats.py): ``sched``, or under DPScheduler

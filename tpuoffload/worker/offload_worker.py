@@ -211,8 +211,7 @@ class OffloadWorker:
             t.act(plans[0].step, plans[0].tiers.get(t.name))
 
     def _check_slots(self, placed: list["_Placed"]) -> None:
-        have = self.engine.backend.num_slots
-        shards = have // self.engine.backend.shard_slots
+        have, shards = self.engine.backend.num_slots, self.engine.backend.shards
         if shards > 1 and not placed[0].plan.num_blocks:
             raise ValueError(f"this cache splits its blocks over {shards} batch shards (data parallelism), whose "
                              "chunks tpuoffload keeps per shard: it needs tpu-inference's DPScheduler (one scheduler "

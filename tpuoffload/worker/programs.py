@@ -344,17 +344,20 @@ def num_parts(n: int, row_bytes: int, part_bytes: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def programs_for(group: GroupLayout, host_memory_kind: str, num_slots: int) -> "GroupPrograms":
+def programs_for(group: GroupLayout, host_memory_kind: str, num_slots: int, own_rows: int) -> "GroupPrograms":
     """The programs of a layout, shared by every engine built on it (each compiles once per process)."""
-    return GroupPrograms(group, host_memory_kind, num_slots)
+    return GroupPrograms(group, host_memory_kind, num_slots, own_rows)
 
 
 class GroupPrograms:
     """The store, save and load programs of one layer group."""
 
-    def __init__(self, group: GroupLayout, host_memory_kind: str, num_slots: int) -> None:
+    def __init__(self, group: GroupLayout, host_memory_kind: str, num_slots: int, own_rows: int) -> None:
+        """``num_slots`` rows per device, the first ``own_rows`` its batch shard's slots and the rest
+        spare (``_write_own``; backend/slot_table.py)."""
         self.group = group
         self.num_slots = num_slots
+        self.own_rows = own_rows
         mesh = group.sharding.mesh
         cache_spec = PartitionSpec(*group.spec)
         rows_spec = stacked_spec(group)
@@ -386,10 +389,6 @@ class GroupPrograms:
         self.install = jax.jit(self._install, donate_argnums=1, static_argnames="copies",
                                out_shardings=(self.store_sharding, token_sharding))
         self.store_shape = (group.num_shards, num_slots, n, *self.wire.shape(group.shape[1:]))
-        # Rows of a device that hold its shard's slots; the rest are spare (``_write_own``).
-        self.own_rows = num_slots - SHARD_SPARE_ROWS if group.num_shards > 1 else num_slots
-        if self.own_rows <= 0:
-            raise ValueError(f"a store of {num_slots} rows per device keeps {SHARD_SPARE_ROWS} spare: none left")
         self._mesh, self._rows_spec = mesh, rows_spec
         # Bytes of one slot's row on each device (what each device's copies move per row).
         self.row_bytes = n * int(np.prod(group.tile_shape)) * group.dtype.itemsize

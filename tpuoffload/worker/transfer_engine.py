@@ -140,7 +140,8 @@ class TransferEngine:
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
-        self._programs = [programs_for(g, host_memory_kind, self.backend.rows) for g in self.layout.groups]
+        self._programs = [programs_for(g, host_memory_kind, self.backend.rows, self.backend.shard_slots)
+                          for g in self.layout.groups]
         # Rows whose padding costs less than another program's dispatch (programs.PIECE_BYTES): a
         # plan's remainder is split into power-of-two pieces no smaller than this. From the layout
         # only, so the same on every host.
@@ -243,9 +244,9 @@ class TransferEngine:
     def _check_shards(self, block_ids: np.ndarray, slots: np.ndarray) -> None:
         """With several batch shards a chunk is saved into a slot of its block's shard: its bytes
         exist on that shard's devices only (slot_table.py)."""
-        per = self.backend.shard_slots
-        if self.backend.num_slots == per:
+        if self.backend.shards == 1:
             return
+        per = self.backend.shard_slots
         wrong = self.layout.groups[0].shard_of(block_ids) != slots // per
         if wrong.any():
             raise ValueError(f"slots {slots[wrong][:8].tolist()} are not in the batch shard of blocks "
@@ -282,15 +283,16 @@ class TransferEngine:
         store's size (a load may read slots outside the plan, never past the store). Its slots are
         store rows: with several batch shards a slot's row in its shard (slot_table.py), and a save
         plans each shard's slots apart (no copy spans two shards: ``programs._write_own``)."""
-        per = self.backend.shard_slots
+        if self.backend.shards > 1:
+            per = self.backend.shard_slots
+            slots = np.asarray(slots, np.int64)
+            if op == "save":  # a gap after each shard's slots: no run crosses into the next shard
+                plan = save_plan(slots + slots // per, self._copy_cost["save"], self.max_chunks_per_transfer)
+                return plan._replace(slots=plan.slots % (per + 1))
+            slots = slots % per
         if op == "save":
-            if self.backend.num_slots == per:
-                return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
-            s = np.asarray(slots, np.int64)
-            plan = save_plan(s + s // per, self._copy_cost["save"], self.max_chunks_per_transfer)  # a gap per shard
-            return plan._replace(slots=plan.slots % (per + 1))
-        return load_plan(np.asarray(slots, np.int64) % per, self._copy_cost["load"], self.max_chunks_per_transfer,
-                         self.backend.rows)
+            return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
+        return load_plan(slots, self._copy_cost["load"], self.max_chunks_per_transfer, self.backend.rows)
 
     def _copies_fields(self, prog, op: str, copies) -> dict:
         """What the log says of a program's copies: the widest, how many, the structure."""
