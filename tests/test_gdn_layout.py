@@ -1,0 +1,249 @@
+"""Issue 21, GDN (Gated DeltaNet / mamba) hybrids: the runtime facts of a Qwen3.5-like model (3 GDN
+layers to 1 full-attention layer, 8 layers) under tpu-inference 0.32 with prefix caching (mamba cache
+mode "align") and HMA on, measured from tpu-inference's and vLLM's installed code
+(``tpuoffload.sim.gdn_layout``), and tpuoffload's refusal of that layout on both halves."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tpuoffload.layout import CacheLayout, UnsupportedCache
+from tpuoffload.manager.kv_groups import KVCacheGroups
+from tpuoffload.sim import gdn_layout as gl
+
+SPEC = gl.QWEN35_LIKE
+BS = SPEC.block_size
+CONV_DIM = 2 * SPEC.linear_num_key_heads * SPEC.linear_key_head_dim + \
+    SPEC.linear_num_value_heads * SPEC.linear_value_head_dim  # q, k and v go through the conv
+CONV_SHAPE = (SPEC.linear_conv_kernel_dim - 1, CONV_DIM)
+SSM_SHAPE = (SPEC.linear_num_value_heads, SPEC.linear_value_head_dim, SPEC.linear_key_head_dim)
+MAMBA_PAGE = int(np.prod(CONV_SHAPE)) * 2 + int(np.prod(SSM_SHAPE)) * 4  # bf16 conv, float32 ssm
+ATTN_PAGE = BS * 4 * 2 * 128 * 2  # the measured TPU array row: (16, 4, 2, 128) bf16
+
+
+@pytest.fixture(scope="module")
+def layout():
+    return gl.build(SPEC)
+
+
+def _rng_tokens(rng, n):
+    return [rng.randrange(3, 30000) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ specs, pools, groups, arrays
+def test_specs_tpu_inference_reports(layout):
+    cc = layout.vllm_config.cache_config
+    # vLLM's hybrid hook chose align mode (prefix caching on) with mamba blocks of block_size tokens.
+    assert (cc.mamba_cache_mode, cc.mamba_block_size, cc.mamba_ssm_cache_dtype) == ("align", BS, "float32")
+    kinds = {name: type(s).__name__ for name, s in layout.kv_cache_specs.items()}
+    assert kinds == {**{n: "MambaSpec" for n in SPEC.gdn_layers},
+                     **{n: "FullAttentionSpec" for n in SPEC.attention_layers}}
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    for name in SPEC.gdn_layers:
+        s = layout.kv_cache_specs[name]
+        assert s.shapes == (CONV_SHAPE, SSM_SHAPE) == ((3, 512), (8, 32, 32))
+        assert s.dtypes == (torch.bfloat16, torch.float32)
+        assert (s.mamba_type, s.mamba_cache_mode, s.block_size) == (MambaAttentionBackendEnum.GDN_ATTN, "align", BS)
+        assert s.real_page_size_bytes == MAMBA_PAGE == 35840
+    for name in SPEC.attention_layers:
+        s = layout.kv_cache_specs[name]
+        assert (s.num_kv_heads, s.head_size, s.block_size) == (4, 64, BS)  # 2 KV heads padded to tp=4
+    # update_mamba_page_size_padded: one page for every layer = 1 attention page + 3 unpadded mamba
+    # pages (vLLM groups 2 attention + 6 GDN layers as 1 attention group and 3 mamba groups).
+    uniform = ATTN_PAGE + 3 * MAMBA_PAGE
+    assert {s.page_size_bytes for s in layout.kv_cache_specs.values()} == {uniform} == {140288}
+    assert cc.mamba_page_size_padded == uniform
+
+
+def test_compact_mamba_pool_and_attention_pool(layout):
+    cc = layout.vllm_config.cache_config
+    # max_num_reqs = max(max_num_seqs, MIN_NUM_SEQS) on the runner; align mode reserves 8 blocks per request.
+    assert layout.max_num_reqs == max(SPEC.max_num_seqs, gl.min_num_seqs()) == 8
+    assert layout.mamba_num_blocks == layout.max_num_reqs * 8 + 1 == 65
+    assert layout.available_memory == int(SPEC.hbm_bytes * SPEC.gpu_memory_utilization)
+    attn = (layout.available_memory - 65 * 6 * MAMBA_PAGE) // (2 * ATTN_PAGE)  # the rest goes to attention
+    assert layout.attention_num_blocks == attn == 362
+    assert cc.num_gpu_blocks_override == 362 and layout.kv_cache_config.num_blocks == 362
+    # propagate_mamba_num_blocks carried M to the scheduler's config.
+    assert layout.kv_cache_config.mamba_num_blocks == cc.mamba_num_blocks == 65
+    # The patched HBM query is confined to the build.
+    utils = gl.tpu_inference().utils
+    with pytest.raises(RuntimeError, match="Expected TPU devices"):
+        utils.hbm_usage_bytes(layout.mesh.devices.flatten())
+
+
+def test_smaller_budget_resplits_both_pools():
+    """Both pools over the budget at 8 requests: tpu-inference re-splits at the request count both
+    can serve (5 here): M = 5 * 8 + 1."""
+    small = gl.build(dataclasses.replace(SPEC, hbm_bytes=24 << 20))
+    assert (small.mamba_num_blocks, small.attention_num_blocks) == (41, 211)
+    assert {a.shape[0] for c in small.kv_caches if isinstance(c, tuple) for a in c} == {41}
+
+
+def test_groups_and_tensors(layout):
+    cfg = layout.kv_cache_config
+    assert layout.group_kinds() == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+    names = SPEC.layer_names()
+    assert [g.layer_names for g in cfg.kv_cache_groups] == [[names[i], names[i + 4]] for i in range(4)]
+    assert all(g.kv_cache_spec.block_size == BS for g in cfg.kv_cache_groups)
+    assert (layout.scheduler_block_size, layout.hash_block_size) == (BS, BS)
+    # vLLM's tensors: one per group, sized at the uniform page for every layer and block, which is
+    # not what tpu-inference allocates (each layer its own array; mamba arrays of M rows).
+    tensors = layout.worker_kv_cache_config.kv_cache_tensors
+    assert [t.layers for t in tensors] == [g.layer_names for g in cfg.kv_cache_groups]
+    assert {t.size for t in tensors} == {2 * 362 * 140288}
+    allocated = sum(a.nbytes for c in layout.kv_caches for a in (c if isinstance(c, tuple) else (c,)))
+    assert allocated == 2 * 362 * ATTN_PAGE + 6 * 65 * MAMBA_PAGE <= layout.available_memory
+
+
+def test_runner_arrays(layout):
+    caches, index = layout.kv_caches, layout.layer_name_to_kvcache_index
+    assert layout.state_layers() == [0, 1, 2, 3, 4, 5]
+    for i in range(6):
+        conv, ssm = caches[i]
+        assert (conv.shape, conv.dtype, ssm.shape, ssm.dtype) == \
+            ((65,) + CONV_SHAPE, jnp.bfloat16, (65,) + SSM_SHAPE, jnp.float32)
+        assert tuple(conv.sharding.spec) == ("data", None, "model")
+        assert tuple(ssm.sharding.spec) == ("data", "model", None, None)
+    for i in (6, 7):
+        assert (caches[i].shape, caches[i].dtype) == ((362, BS, 4, 2, 128), jnp.bfloat16)
+        assert tuple(caches[i].sharding.spec) == ("data", None, "model")
+    # One array per layer, in group order.
+    names = SPEC.layer_names()
+    assert index == {names[0]: 0, names[4]: 1, names[1]: 2, names[5]: 3, names[2]: 4, names[6]: 5,
+                     names[3]: 6, names[7]: 7}
+
+
+# ------------------------------------------------------------------ the scheduler side
+def test_scheduler_uses_tpu_hybrid_coordinator(layout):
+    import vllm.v1.core.kv_cache_coordinator as coord_mod
+    import vllm.v1.core.sched.scheduler as sched_mod
+
+    sched, installed = gl.make_scheduler(layout)
+    assert installed
+    co = sched.kv_cache_manager.coordinator
+    assert (type(sched.kv_cache_manager).__name__, type(co).__name__) == ("TPUKVCacheManager",
+                                                                          "TPUHybridKVCacheCoordinator")
+    assert (co.attention_block_pool.num_gpu_blocks, co.mamba_block_pool.num_gpu_blocks) == (362, 65)
+    assert (co.mamba_group_ids, co.mirror_mamba_groups, co.primary_mamba_group_id) == ({0, 1, 2}, True, 0)
+    # vLLM's modules are put back once the scheduler is built; the scheduler keeps tpu-inference's manager.
+    assert coord_mod.get_kv_cache_coordinator.__module__ == "vllm.v1.core.kv_cache_coordinator"
+    assert sched_mod.KVCacheManager.__module__ == "vllm.v1.core.kv_cache_manager"
+
+
+def test_align_mode_keeps_the_state_block_of_the_last_boundary(layout):
+    sched, _ = gl.make_scheduler(layout)
+    rng = random.Random(3)
+    prompt = _rng_tokens(rng, 5 * BS + 3)
+    sched.add_request(gl.make_request(layout, "a", prompt, max_tokens=3))
+    null = [0] * 4
+
+    so = gl.step(sched)  # align mode: 5 full blocks first, the 3-token tail next step
+    assert so.num_scheduled_tokens == {"a": 5 * BS}
+    m0, m1, m2, attn = gl.block_table(sched, "a")
+    assert m0 == m1 == m2  # mirrored mamba groups share ids
+    col = gl.state_block_column(5 * BS, BS)
+    assert col == 4 and m0[:col] == null and len(m0) == col + 1 and 0 < m0[col] < 65
+    after_80 = m0[col]
+    assert len(attn) == 5 and 0 not in attn and len(set(attn)) == 5
+
+    so = gl.step(sched)  # the tail: the new state goes to column 5; column 4 is still held
+    assert so.num_scheduled_tokens == {"a": 3}
+    m0, *_, attn = gl.block_table(sched, "a")
+    assert gl.state_block_column(5 * BS + 3, BS) == 5
+    assert m0[:4] == null and m0[4] == after_80 and 0 < m0[5] < 65 and m0[5] != after_80
+    after_83 = m0[5]
+
+    gl.step(sched)  # first decode step: the column-4 state is released (kept in the prefix cache)
+    m0, *_ = gl.block_table(sched, "a")
+    assert m0 == null + [0, after_83]
+    attn_a = attn
+    while sched.requests:
+        gl.step(sched)
+
+    # Same 5-block prefix: a 80-token hit whose mamba state is the block that held it for "a".
+    sched.add_request(gl.make_request(layout, "b", prompt[:5 * BS] + _rng_tokens(rng, 20), max_tokens=2))
+    so = gl.step(sched)
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 5 * BS
+    m0, m1, m2, attn = new.block_ids
+    assert m0[:4] == null and m0[4] == after_80
+    assert list(attn[:5]) == attn_a[:5]
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["tpu-coordinator", "stock-vllm"])
+def test_mamba_ids_are_rows_of_the_compact_pool(layout, hooks):
+    """With tpu-inference's coordinator every id a mamba group gets is a row of the M-row state
+    arrays while attention ids run past M; stock vLLM's coordinator (one shared pool) hands the
+    mamba groups ids past M, rows the runner never allocated."""
+    sched, _ = gl.make_scheduler(layout, hooks=hooks)
+    rng = random.Random(1)
+    for i in range(4):
+        sched.add_request(gl.make_request(layout, f"r{i}", _rng_tokens(rng, 20 * BS), max_tokens=4))
+    seen = [set() for _ in range(4)]
+    for _ in range(50):
+        if not sched.requests:
+            break
+        gl.step(sched)
+        for r in sched.requests:
+            for g, ids in enumerate(gl.block_table(sched, r)):
+                seen[g] |= set(ids)
+    assert not sched.requests
+    mamba_max = max(max(seen[g]) for g in range(3))
+    assert layout.mamba_num_blocks < max(seen[3]) < layout.attention_num_blocks
+    if hooks:
+        assert mamba_max < layout.mamba_num_blocks
+        assert seen[0] == seen[1] == seen[2]
+    else:
+        assert mamba_max >= layout.mamba_num_blocks
+
+
+# ------------------------------------------------------------------ tpuoffload refuses it
+REFUSED_GROUP = (r"KV cache group 0 \(MambaSpec, layers \['model.layers.0.linear_attn'.*"
+                 r"cannot be offloaded by tpuoffload")
+
+
+@pytest.fixture(scope="module")
+def connector_config(layout):
+    vc = gl.make_vllm_config(SPEC, {"num_cpu_chunks": 16})
+    assert not vc.scheduler_config.disable_hybrid_kv_cache_manager  # HMA stays on with this connector
+    return vc
+
+
+def test_scheduler_half_refuses(layout, connector_config):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tpuoffload.connector import TPUOffloadConnector
+
+    with pytest.raises(ValueError, match=REFUSED_GROUP):
+        KVCacheGroups.of(layout.kv_cache_config, BS)
+    with pytest.raises(ValueError, match=REFUSED_GROUP):
+        TPUOffloadConnector(connector_config, KVConnectorRole.SCHEDULER, copy.deepcopy(layout.kv_cache_config))
+    # vLLM's scheduler, as the engine builds it on TPU, builds the connector and stops there.
+    with pytest.raises(ValueError, match=REFUSED_GROUP):
+        gl.make_scheduler(layout, vllm_config=connector_config)
+
+
+def test_worker_half_refuses(layout, connector_config):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tpuoffload.connector import TPUOffloadConnector
+
+    tuple_msg = r"kv_caches\[0\] is a tuple of 2 arrays: mamba/SSM state layers"
+    with pytest.raises(UnsupportedCache, match=tuple_msg):
+        CacheLayout.from_caches(layout.kv_caches)
+    worker = TPUOffloadConnector(connector_config, KVConnectorRole.WORKER,
+                                 copy.deepcopy(layout.worker_kv_cache_config))
+    with pytest.raises(UnsupportedCache, match=tuple_msg):
+        worker.register_runner(layout.runner)
+    # The attention arrays alone are an ordinary layout: the refusal is the state tuples.
+    attn_only = CacheLayout.from_caches(layout.kv_caches[6:])
+    assert attn_only.num_layers == 2 and [g.shape for g in attn_only.groups] == [(362, BS, 4, 2, 128)]
