@@ -247,3 +247,176 @@ def test_worker_half_refuses(layout, connector_config):
     # The attention arrays alone are an ordinary layout: the refusal is the state tuples.
     attn_only = CacheLayout.from_caches(layout.kv_caches[6:])
     assert attn_only.num_layers == 2 and [g.shape for g in attn_only.groups] == [(362, BS, 4, 2, 128)]
+
+
+# ------------------------------------------------------------------ an external (KV connector) prefix hit
+from tpuoffload.sim import vllm_setup  # noqa: E402,F401  (VLLM_TARGET_DEVICE=cpu before vLLM's platform)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA)
+
+
+class ExternalHitConnector(KVConnectorBase_V1, SupportsHMA):
+    """Test-only connector (built by vLLM's Scheduler from ``kv_transfer_config`` with
+    ``kv_connector_module_path`` = this module): reports an external hit of ``hit_tokens`` tokens
+    (``load_async``: loaded between steps) and records what the scheduler hands it."""
+
+    hit_tokens, load_async = 0, False
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.matched: list[tuple[str, int]] = []  # get_num_new_matched_tokens(request, num_computed_tokens)
+        self.allocs: list[tuple[str, int, tuple[list[int], ...]]] = []  # update_state_after_alloc
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.matched.append((request.request_id, num_computed_tokens))
+        ext = max(self.hit_tokens - num_computed_tokens, 0)
+        return ext, self.load_async and ext > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.allocs.append((request.request_id, num_external_tokens, tuple(map(list, blocks.get_block_ids()))))
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished_all_groups(self, request, block_ids):
+        return False, None
+
+    # worker side: not used by the scheduler
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def ext_hit_config(layout):
+    vc = gl.make_vllm_config(SPEC, {}, connector=("ExternalHitConnector", __name__))
+    assert not vc.scheduler_config.disable_hybrid_kv_cache_manager  # HMA on (SupportsHMA), as on TPU
+    assert (vc.cache_config.mamba_cache_mode, vc.cache_config.block_size) == ("align", BS)
+    return vc
+
+
+def _ext_hit_scheduler(layout, vc, hit_tokens, load_async):
+    sched, installed = gl.make_scheduler(layout, vllm_config=vc)
+    assert installed and type(sched.connector) is ExternalHitConnector
+    assert type(sched.kv_cache_manager).__name__ == "TPUKVCacheManager"
+    sched.connector.hit_tokens, sched.connector.load_async = hit_tokens, load_async
+    return sched, sched.kv_cache_manager.coordinator
+
+
+def _finish(sched, so, finished_recving=()):
+    """update_from_output as the engine does after the step ran (one sampled token for a request
+    whose prompt is complete; the worker connector's finished loads)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[7] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else [] for r in ids]
+    kv_out = KVConnectorOutput(finished_recving=set(finished_recving)) if finished_recving else None
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                   sampled_token_ids=sampled, kv_connector_output=kv_out))
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async-load", "sync-load"])
+def test_external_hit_gets_a_compact_pool_state_block_at_the_hit_column(layout, ext_hit_config, load_async):
+    """An external hit of k = 3 full blocks on a new request, through vLLM's real Scheduler.schedule()
+    with tpu-inference's TPUKVCacheManager. schedule() (vllm/v1/core/sched/scheduler.py) calls
+        ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(request, block_aligned_local)
+        ...
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_tokens_past_hit,
+            num_new_computed_tokens=num_new_local_computed_tokens, new_computed_blocks=new_computed_blocks,
+            num_lookahead_tokens=effective_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens, delay_cache_blocks=load_kv_async, ...)
+        ...
+        self.connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(request_id),
+                                                num_external_computed_tokens)
+    with num_tokens_past_hit = 0 for an async load (the request then waits in WAITING_FOR_REMOTE_KVS)
+    and the block-aligned remaining chunk for a sync load. In the coordinator, MambaManager's
+    add_local_computed_blocks pads get_num_skipped_tokens(k*16) // 16 = (k*16 - 1) // 16 = k - 1
+    null blocks and allocate_external_computed_blocks adds one block from the compact mamba pool:
+    column k - 1, the column the GDN op reads next ((num_computed - 1) // mamba_block_size)."""
+    from vllm.v1.request import RequestStatus
+
+    k, M = 3, layout.mamba_num_blocks
+    sched, co = _ext_hit_scheduler(layout, ext_hit_config, k * BS, load_async)
+    conn = sched.connector
+    prompt = _rng_tokens(random.Random(11), 5 * BS + 3)
+    sched.add_request(gl.make_request(layout, "a", prompt, max_tokens=2))
+    free_m, free_a = co.mamba_block_pool.get_num_free_blocks(), co.attention_block_pool.get_num_free_blocks()
+
+    so = sched.schedule()
+    req = sched.requests["a"]
+    assert conn.matched == [("a", 0)]  # no local hit: the connector is asked from token 0
+    # Taken as reported (no mamba cap); a sync load's chunk (32 tokens) is already counted.
+    assert req.num_computed_tokens == k * BS + (0 if load_async else 2 * BS)
+    ((rid, n_ext, ids),) = conn.allocs
+    assert (rid, n_ext) == ("a", k * BS) and ids == gl.block_table(sched, "a")
+    m0, m1, m2, attn = ids
+    assert m0 == m1 == m2  # mirrored mamba groups
+    x = m0[k - 1]
+    assert gl.state_block_column(k * BS, BS) == k - 1 == 2
+    assert m0[:k - 1] == [0] * (k - 1) and 0 < x < M  # a state block at the hit's last column
+    assert co.mamba_block_pool.blocks[x].ref_cnt == 3  # one compact-pool row, held by the 3 groups
+    assert 0 not in attn and len(set(attn)) == len(attn)
+    if load_async:
+        assert so.num_scheduled_tokens == {} and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert m0 == [0, 0, x] and len(attn) == k  # only the hit's blocks
+        assert co.mamba_block_pool.get_num_free_blocks() == free_m - 1
+        assert co.attention_block_pool.get_num_free_blocks() == free_a - k
+        assert co.mamba_block_pool.blocks[x].block_hash is None  # delay_cache_blocks: not cached yet
+        _finish(sched, so, finished_recving={"a"})  # the worker reports the load done
+        so = sched.schedule()  # _update_waiting_for_remote_kv: cache_blocks(request, 48); the request runs
+        assert len(conn.allocs) == 2 and conn.allocs[1][:2] == ("a", 0)
+    # Both: the remaining prompt, block-aligned (80), starts from the loaded state.
+    assert so.num_scheduled_tokens == {"a": 5 * BS - k * BS}
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == k * BS
+    m0, m1, m2, attn = new.block_ids
+    y = m0[4]
+    assert m0 == m1 == m2 == [0, 0, x, 0, y] and 0 < y < M and y != x
+    assert len(attn) == 5 and list(attn[:k]) == ids[3][:k]
+    # The GDN op reads column (48 - 1) // 16 = 2, block x (the loaded state), writes (80 - 1) // 16 = 4.
+    read_col, write_col = gl.state_block_column(k * BS, BS), gl.state_block_column(5 * BS, BS)
+    assert (read_col, write_col) == (2, 4) and m0[read_col] == x and m0[write_col] == y
+    assert co.mamba_block_pool.get_num_free_blocks() == free_m - 2
+    assert co.attention_block_pool.get_num_free_blocks() == free_a - 5
+    # vLLM's default prefix_cache_retention_interval = 0 hashes only semantic mamba checkpoints (the
+    # prompt's replay boundary, shared-prefix junctions): the loaded 48-token state gets no hash.
+    assert co.retention_interval == 0 and co.mamba_block_pool.blocks[x].block_hash is None
+    _finish(sched, so)
+    for _ in range(20):
+        if not sched.requests:
+            break
+        _finish(sched, sched.schedule())
+    assert not sched.requests
+
+
+def test_unaligned_external_hit_is_not_capped(layout, ext_hit_config):
+    """Neither vLLM's scheduler nor tpu-inference's coordinator aligns an external hit for the mamba
+    groups: a 40-token (2.5 blocks) sync hit is taken as is; the state block goes to column
+    (40 - 1) // 16 = 2 and the next chunk runs only to the block boundary (48), written in place."""
+    sched, co = _ext_hit_scheduler(layout, ext_hit_config, 40, False)
+    conn = sched.connector
+    sched.add_request(gl.make_request(layout, "u", _rng_tokens(random.Random(12), 5 * BS + 3), max_tokens=2))
+    so = sched.schedule()
+    ((rid, n_ext, ids),) = conn.allocs
+    (new,) = so.scheduled_new_reqs
+    assert (rid, n_ext) == ("u", 40) and new.num_computed_tokens == 40  # taken as reported
+    assert tuple(map(list, new.block_ids)) == ids
+    assert so.num_scheduled_tokens == {"u": 8}  # _mamba_block_aligned_split: to the next boundary
+    m0, m1, m2, attn = ids
+    assert m0 == m1 == m2 and m0[:2] == [0, 0] and len(m0) == 3 and 0 < m0[2] < layout.mamba_num_blocks
+    assert len(attn) == 3 and 0 not in attn
+    assert gl.state_block_column(40, BS) == gl.state_block_column(48, BS) == 2  # read and write the same block
+    _finish(sched, so)
+    for _ in range(20):
+        if not sched.requests:
+            break
+        _finish(sched, sched.schedule())
+    assert not sched.requests

@@ -170,9 +170,11 @@ def model_dir(spec: GdnLayoutSpec) -> str:
     return d
 
 
-def make_vllm_config(spec: GdnLayoutSpec, kv_connector_extra_config: dict | None = None):
+def make_vllm_config(spec: GdnLayoutSpec, kv_connector_extra_config: dict | None = None,
+                     connector: tuple[str, str] = ("TPUOffloadConnector", "tpuoffload.connector")):
     """vLLM's config for ``spec`` with prefix caching on; with ``kv_connector_extra_config``, with
-    ``TPUOffloadConnector`` configured (vLLM then decides HMA from the connector, as on TPU)."""
+    ``connector`` (class name, module path; default ``TPUOffloadConnector``) configured (vLLM then
+    decides HMA from the connector, as on TPU)."""
     from tpuoffload.sim import vllm_setup  # noqa: F401  (VLLM_TARGET_DEVICE=cpu before vLLM's platform)
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
@@ -189,8 +191,8 @@ def make_vllm_config(spec: GdnLayoutSpec, kv_connector_extra_config: dict | None
                                cache_dtype="auto", enable_prefix_caching=True)
     kv_transfer_config = None
     if kv_connector_extra_config is not None:
-        kv_transfer_config = KVTransferConfig(kv_connector="TPUOffloadConnector",
-                                              kv_connector_module_path="tpuoffload.connector", kv_role="kv_both",
+        kv_transfer_config = KVTransferConfig(kv_connector=connector[0],
+                                              kv_connector_module_path=connector[1], kv_role="kv_both",
                                               kv_connector_extra_config=dict(kv_connector_extra_config))
     with vllm_setup.tpu_platform_hybrid_kv_cache():
         vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
