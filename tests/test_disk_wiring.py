@@ -89,6 +89,30 @@ def test_prefixes_come_back_from_disk_byte_exact(tmp_path, num_hosts):
     engine.close()
 
 
+def test_a_prefix_split_between_disk_and_host_ram_comes_back_whole(tmp_path):
+    """A's first 4 blocks went to disk, its other 8 stay in host RAM as the least recently used
+    chunks. Asked again, A waits for its 4 blocks from disk and loads all 12: the fetch's own slots
+    must not evict the host-RAM part of the hit it completes (pinned until the fetch resolves)."""
+    import random
+
+    from tpuoffload.sim.vllm_setup import make_request
+
+    engine = _engine(tmp_path, num_cpu_chunks=24)
+    rng = random.Random(7)
+    a, b = ([rng.randrange(10, 30000) for _ in range(n * 16 + 5)] for n in (12, 16))
+    capacity = DiskIndex.capacity(DISK_BYTES, engine.offload.chunk_bytes)
+    for rid, tokens in (("a", a), ("b", b)):  # 28 chunks into 24 slots: A's first 4 spill
+        _run(engine, [make_request(rid, tokens, max_tokens=2, block_size=16)], tmp_path, capacity)
+    assert engine.stats.totals()[C.SPILLS_CONFIRMED] == 4
+    assert engine.scheduler.reset_prefix_cache()
+    _run(engine, [make_request("a2", a, max_tokens=2, block_size=16)], tmp_path, capacity)
+    totals = engine.stats.totals()
+    assert totals[C.FETCHES_ISSUED] == 4 and totals[C.FETCHES_FAILED] == 0, totals
+    assert totals[C.HIT_TOKENS] == 12 * 16, totals
+    _assert_clean(engine)
+    engine.close()
+
+
 @pytest.mark.parametrize("where", ["every host", "host 1 only"])
 def test_corrupt_chunk_files_fail_the_fetch_everywhere_and_are_recomputed(tmp_path, where):
     engine = _engine(tmp_path, 2)

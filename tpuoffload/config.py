@@ -220,13 +220,11 @@ def check_kv_groups_config(config: OffloadConfig, groups, dp_ranks: int) -> None
     """With several KV cache groups (vLLM's hybrid KV cache manager), vLLM accepts load failures
     only by request, for asynchronous loads (``failed_recving``): DPScheduler's synchronous loads
     cannot report them. Lazy offload would flush a sliding-window group's block ids remembered
-    before vLLM dropped them (and is not planned per group yet). The disk tier does not look chunks
-    up by group yet."""
+    before vLLM dropped them (and is not planned per group yet)."""
     if not groups.several:
         return
     refused = [key for key, on in (("data parallelism (DPScheduler)", dp_ranks > 1),
-                                   ("lazy_offload", config.lazy_offload),
-                                   ("disk_path", config.disk_path)) if on]
+                                   ("lazy_offload", config.lazy_offload)) if on]
     if refused:
         raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with several KV cache groups "
                          f"({groups.describe()}) yet")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, Range
 from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
 from tpuoffload.manager.hash_table import HashKeys, PackedHashes
 from tpuoffload.manager.index import ChunkIndex
+from tpuoffload.manager.kv_groups import KVCacheGroups, chunk_hash, chunk_keys
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.save_planner import SavePlanner
 from tpuoffload.manager.tier import Tier
@@ -152,9 +154,6 @@ class DiskIndex:
         return len(entries), len(others)
 
     # ---------------------------------------------------------------- fetches
-    def ready_prefix(self, hashes) -> list[int]:
-        return self.index.ready_prefix(hashes)
-
     def start_fetch(self, entries: np.ndarray) -> np.ndarray:
         """Pin disk chunks for a fetch; their disk ids."""
         self.index.pin(entries)
@@ -186,22 +185,37 @@ def _hash_keys(rows: np.ndarray) -> np.ndarray:
     return np.stack([rows["k1"], rows["k2"]], axis=1)
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """What a request waits for: disk ``entries`` and their chunk ``keys`` (earliest block first),
+    and the keys of the host-RAM chunks of the hit they complete (``in_ram``)."""
+
+    entries: np.ndarray
+    keys: PackedHashes
+    in_ram: PackedHashes
+
+
 class FetchPlanner:
     WANTED, IN_FLIGHT, DONE = 0, 1, 2
     MAX_TRIES = 8  # plans in which no host-RAM slot was free for a wanted fetch before giving up
 
     def __init__(self, saves: SavePlanner, disk: DiskIndex, block_size: int, counters: Counter[str],
-                 forget_lookup: Callable[[str], object]) -> None:
+                 forget_lookup: Callable[[str], object], groups: KVCacheGroups = KVCacheGroups()) -> None:
         self.saves = saves  # fetched chunks take host-RAM slots as saves do (SavePlanner.claim)
         self.ram, self.disk = saves.index, disk
         self.block_size = block_size
+        self.groups = groups  # vLLM's KV cache groups: a hit is one every group can serve
         self.counters = counters
         self._forget_lookup = forget_lookup
         self._state: dict[str, int] = {}
-        self._wanted: dict[str, tuple[np.ndarray, list]] = {}  # req -> (disk entries, their hashes)
+        self._wanted: dict[str, _Wanted] = {}  # req -> what it waits for
         self._by_save_id: dict[int, tuple[str, int, int]] = {}  # RAM save id -> (req, disk entry, disk id)
         self._left: Counter[str] = Counter()  # req -> fetched chunks not resolved yet
         self._tries: Counter[str] = Counter()  # req -> plans that found no slot for its fetch
+        self._held: dict[str, np.ndarray] = {}  # req -> host-RAM slots pinned while its fetch is in flight
 
     def wants(self, request: "Request", local_blocks: int, ram_hits: int) -> bool:
         """True while the request should wait for chunks coming back from disk (vLLM: None)."""
@@ -209,40 +223,81 @@ class FetchPlanner:
         state = self._state.get(rid)
         if state is not None:
             return state != self.DONE
-        start = local_blocks + ram_hits
         limit = (request.num_tokens - 1) // self.block_size
-        if limit <= start:
+        wanted = self._wanted_chunks(request.block_hashes, local_blocks, ram_hits, limit)
+        if wanted is None:
             return False
-        hashes = request.block_hashes[start:limit]
-        entries = self.disk.ready_prefix(hashes)
-        if not entries:
-            return False
-        self._wanted[rid] = (np.asarray(entries, dtype=np.int64), list(hashes[:len(entries)]))
+        self._wanted[rid] = wanted
         self._state[rid] = self.WANTED
         return True
 
+    def _wanted_chunks(self, hashes, local: int, ram_hits: int, limit: int) -> "_Wanted | None":
+        """The disk chunks that lengthen the request's host-RAM hit of ``ram_hits`` blocks after
+        its ``local`` ones (earliest block first), and the host-RAM chunks of the hit they complete;
+        None if there are none. The hit is the longest every KV cache group can serve from host RAM
+        and disk together (``KVCacheGroups.hit_length``: a full-attention group all its blocks, a
+        sliding-window group its window's), and each group's chunks of it that host RAM lacks come
+        back."""
+        start = local + ram_hits
+        if limit <= start or not self._may_continue(hashes[start]):
+            return None
+        span = hashes[local:limit]
+        in_ram = [slots >= 0 for slots in self.groups.ready_slots(self.ram, span)]
+        on_disk = self.groups.ready_slots(self.disk.index, span)
+        n = self.groups.hit_length([r | (d >= 0) for r, d in zip(in_ram, on_disk)])
+        if n <= ram_hits:
+            return None
+        first = np.array(self.groups.first_blocks(n))
+        part = np.arange(n)[:, None] >= first  # (block, group): the hit's chunks
+        ram = np.stack([r[:n] for r in in_ram], axis=1)
+        packed = PackedHashes.of(span[:n])
+        keys = np.stack([np.frombuffer(chunk_keys(packed, g).buf, np.uint8).reshape(n, packed.width)
+                         for g in range(self.groups.num)], axis=1)  # (block, group, width)
+        disk = np.stack([d[:n] for d in on_disk], axis=1)
+
+        def pick(mask: np.ndarray) -> PackedHashes:  # block by block, so a cut keeps early prefixes
+            return PackedHashes(keys[mask].tobytes(), packed.width)
+
+        return _Wanted(disk[part & ~ram].astype(np.int64), pick(part & ~ram), pick(part & ram))
+
+    def _may_continue(self, block_hash: bytes) -> bool:
+        """One probe (the usual answer): a longer hit needs the block after the host-RAM hit in
+        every full-attention group, so the first one's chunk must be in host RAM or on disk."""
+        full = [g for g, w in enumerate(self.groups.windows) if w is None]
+        if not full:
+            return True
+        key = chunk_hash(block_hash, full[0])
+        return self.disk.index.ready_slot(key) >= 0 or self.ram.ready_slot(key) >= 0
+
     def plan(self, step: int) -> DiskBatch:
-        """Fetches wanted since the last plan (call with the step's loads pinned)."""
+        """Fetches wanted since the last plan (call with the step's loads pinned). The host-RAM
+        chunks of the hit a fetch completes stay pinned until it resolves: its own claim, or any
+        save meanwhile, would otherwise evict them (they are often the least recently used)."""
         if not self._wanted:
             return DiskBatch()
         slots_out, ids_out, disk_out, keys_out = [], [], [], []
-        retry: dict[str, tuple[np.ndarray, list]] = {}
-        for rid, (entries, hashes) in self._wanted.items():
-            packed = PackedHashes.of(hashes)
+        retry: dict[str, _Wanted] = {}
+        for rid, wanted in self._wanted.items():
+            entries, packed = wanted.entries, wanted.keys
             keys = HashKeys.of(packed)
             # Still on disk, and not in host RAM meanwhile (saved again, or another fetch).
             ok = (self.disk.index.find(keys) == entries) & (self.ram.find(keys) < 0)
             n = len(ok) if ok.all() else int(ok.argmin())
+            held = self.ram.ready_slots(HashKeys.of(wanted.in_ram))
+            held = held[held >= 0]
+            self.ram.pin(held)
             claim = self.saves.claim(PackedHashes(packed.buf[:n * packed.width], packed.width), step)
             slots = claim.slots
             if not len(slots):
+                self.ram.unpin(held)
                 # Host RAM is all saving or pinned right now: try again next step, a few times.
                 self._tries[rid] += 1
                 if n and self._tries[rid] < self.MAX_TRIES:
-                    retry[rid] = (entries, hashes)
+                    retry[rid] = wanted
                 else:
                     self._state[rid] = self.DONE
                 continue
+            self._held[rid] = held
             n, base, keys = len(slots), claim.first_save_id, claim.keys
             entries = entries[claim.keep]  # the chunks are distinct and new: a prefix of them
             self.ram.events.copy_in(slots, self.disk.index.events.rows(entries))  # KV events: their records
@@ -278,6 +333,7 @@ class FetchPlanner:
                 self._left[rid] -= 1
                 if self._left[rid] <= 0:
                     del self._left[rid]
+                    self.ram.unpin(self._held.pop(rid, _NONE))
                     if rid in self._state:
                         self._state[rid] = self.DONE
                         self._forget_lookup(rid)  # the next lookup sees the fetched chunks

@@ -170,29 +170,45 @@ class KVCacheGroups:
         full = [g for g, w in enumerate(self.windows) if w is None]
         if full and index.ready_slot(chunk_hash(hashes[local], full[0])) < 0:
             return NO_HIT  # the usual answer, in one probe
-        packed = PackedHashes.of(hashes[local:stop])
-        ready = [index.ready_slots(HashKeys.of(chunk_keys(packed, g))) for g in range(self.num)]
-        n = stop - local
-        for g in full:
-            miss = np.flatnonzero(ready[g] < 0)
-            n = min(n, int(miss[0]) if len(miss) else n)
-        while n > 0:  # each sliding-window group may shorten it; shorter is fine for full groups
-            m = min(self._window_hit(ready[g], w, n) for g, w in enumerate(self.windows) if w is not None) \
-                if self.windowed else n
-            if m == n:
-                break
-            n = m
+        ready = self.ready_slots(index, hashes[local:stop])
+        n = self.hit_length([r >= 0 for r in ready])
         if n <= 0:
             return NO_HIT
-        first = tuple(0 if w is None else max(0, n - w) for w in self.windows)
+        first = self.first_blocks(n)
         slots = tuple(ready[g][first[g]:n] for g in range(self.num))
         return GroupedHit(n, first, slots, tuple(index.save_ids(s) for s in slots))
 
+    def ready_slots(self, index: "ChunkIndex", hashes: Sequence[bytes]) -> list[np.ndarray]:
+        """Per group, the READY slot of each block's chunk in ``index`` (-1: none)."""
+        packed = PackedHashes.of(hashes)
+        return [index.ready_slots(HashKeys.of(chunk_keys(packed, g))) for g in range(self.num)]
+
+    def first_blocks(self, n: int) -> tuple[int, ...]:
+        """Per group, the first of a hit's ``n`` blocks it loads (its window's start, or 0)."""
+        return tuple(0 if w is None else max(0, n - w) for w in self.windows)
+
+    def hit_length(self, available: Sequence[np.ndarray]) -> int:
+        """The longest hit every group can serve, given per group whether each block's chunk is
+        available (bool arrays of one length): a full-attention group needs all of its blocks, a
+        sliding-window group its window ending at the hit boundary."""
+        n = len(available[0])
+        for g, w in enumerate(self.windows):
+            if w is None:
+                miss = np.flatnonzero(~available[g][:n])
+                n = int(miss[0]) if len(miss) else n
+        while n > 0:  # each sliding-window group may shorten it; shorter is fine for full groups
+            m = min((self._window_hit(available[g], w, n) for g, w in enumerate(self.windows) if w is not None),
+                    default=n)
+            if m == n:
+                break
+            n = m
+        return max(n, 0)
+
     @staticmethod
-    def _window_hit(ready: np.ndarray, window: int, n: int) -> int:
-        """The largest m <= n whose window (blocks max(0, m - window) .. m - 1) is all READY."""
-        ok = ready[:n] >= 0
-        # Length of the run of READY blocks ending at each block.
+    def _window_hit(ok: np.ndarray, window: int, n: int) -> int:
+        """The largest m <= n whose window (blocks max(0, m - window) .. m - 1) is all available."""
+        ok = ok[:n]
+        # Length of the run of available blocks ending at each block.
         idx = np.arange(1, n + 1)
         last_miss = np.maximum.accumulate(np.where(ok, 0, idx))
         run = idx - last_miss

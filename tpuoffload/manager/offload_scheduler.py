@@ -148,7 +148,8 @@ class OffloadScheduler:
                 raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
             disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s,
                              events=disk_events)
-            fetches = FetchPlanner(self.saves, disk, self.block_size, self.counters, self.loads.take_lookup)
+            fetches = FetchPlanner(self.saves, disk, self.block_size, self.counters, self.loads.take_lookup,
+                                   self.kv_groups)
             tiers.append(DiskTierPlanner(disk, fetches, self.index, num_hosts, self.counters, lambda: self.clock(),
                                          config.persist_timeout_s, keeps_files=config.persist_path is not None))
         return tiers
