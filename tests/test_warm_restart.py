@@ -168,7 +168,7 @@ def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted
                                                                                           False, True]
     # fetchable, under the disk id each file was written with, in host 0's recency order
     entries = [disk.index.slot_of(key(k)) for k in (100, 500)]
-    assert disk.ready_prefix([key(100), key(500), key(300)]) == entries
+    assert disk.index.ready_prefix([key(100), key(500), key(300)]) == entries
     assert list(disk.index.save_ids(np.array(entries))) == [7, 4] and disk.index.lru_order() == entries
     # deleted on every host; k1 = 1 (a free table cell's marker, never a scheduler's key) too
     assert sorted(unpack_keys(disk.take_drops().keys)[:, 0]) == [1, 200, 300, 400]

@@ -75,11 +75,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import hashlib
 import importlib.util
-import json
-import os
-import tempfile
 import types
 from dataclasses import dataclass, field
 from functools import cache
@@ -159,15 +155,9 @@ def model_dir(spec: GdnLayoutSpec) -> str:
         "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": spec.dtype,
         "tie_word_embeddings": False,
     }
-    text = json.dumps(cfg, sort_keys=True)
-    d = os.path.join(tempfile.gettempdir(), "vllm_tiny_gdn_" + hashlib.sha256(text.encode()).hexdigest()[:16])
-    if not os.path.exists(os.path.join(d, "config.json")):
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".config.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(d, "config.json"))
-    return d
+    from tpuoffload.sim.vllm_setup import config_dir
+
+    return config_dir(cfg, "vllm_tiny_gdn_")
 
 
 def make_vllm_config(spec: GdnLayoutSpec, kv_connector_extra_config: dict | None = None,

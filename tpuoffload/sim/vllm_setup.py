@@ -101,18 +101,23 @@ def tiny_model_dir(
         "torch_dtype": "float32",
         "tie_word_embeddings": False,
     }
-    # One directory per shape, named by its config: the same "model" in every process and run,
-    # as a real model path is (warm-restart checkpoints are matched by it).
+    d = config_dir(cfg, "vllm_tiny_model_")
+    if default:
+        _MODEL_DIR = d
+    return d
+
+
+def config_dir(cfg: dict, prefix: str) -> str:
+    """A temp directory holding only ``cfg`` as config.json, named by its content: the same "model"
+    in every process and run, as a real model path is (warm-restart checkpoints are matched by it)."""
     text = json.dumps(cfg, sort_keys=True)
-    d = os.path.join(tempfile.gettempdir(), "vllm_tiny_model_" + hashlib.sha256(text.encode()).hexdigest()[:16])
+    d = os.path.join(tempfile.gettempdir(), prefix + hashlib.sha256(text.encode()).hexdigest()[:16])
     if not os.path.exists(os.path.join(d, "config.json")):
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f".config.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, os.path.join(d, "config.json"))
-    if default:
-        _MODEL_DIR = d
     return d
 
 
