@@ -323,6 +323,16 @@ def _finish(sched, so, finished_recving=()):
                                                    sampled_token_ids=sampled, kv_connector_output=kv_out))
 
 
+def _drain(sched, so, max_steps=20):
+    """Finish step ``so`` and run the scheduler until every request is done."""
+    _finish(sched, so)
+    for _ in range(max_steps):
+        if not sched.requests:
+            break
+        _finish(sched, sched.schedule())
+    assert not sched.requests
+
+
 @pytest.mark.parametrize("load_async", [True, False], ids=["async-load", "sync-load"])
 def test_external_hit_gets_a_compact_pool_state_block_at_the_hit_column(layout, ext_hit_config, load_async):
     """An external hit of k = 3 full blocks on a new request, through vLLM's real Scheduler.schedule()
@@ -389,12 +399,7 @@ def test_external_hit_gets_a_compact_pool_state_block_at_the_hit_column(layout, 
     # vLLM's default prefix_cache_retention_interval = 0 hashes only semantic mamba checkpoints (the
     # prompt's replay boundary, shared-prefix junctions): the loaded 48-token state gets no hash.
     assert co.retention_interval == 0 and co.mamba_block_pool.blocks[x].block_hash is None
-    _finish(sched, so)
-    for _ in range(20):
-        if not sched.requests:
-            break
-        _finish(sched, sched.schedule())
-    assert not sched.requests
+    _drain(sched, so)
 
 
 def test_unaligned_external_hit_is_not_capped(layout, ext_hit_config):
@@ -414,9 +419,4 @@ def test_unaligned_external_hit_is_not_capped(layout, ext_hit_config):
     assert m0 == m1 == m2 and m0[:2] == [0, 0] and len(m0) == 3 and 0 < m0[2] < layout.mamba_num_blocks
     assert len(attn) == 3 and 0 not in attn
     assert gl.state_block_column(40, BS) == gl.state_block_column(48, BS) == 2  # read and write the same block
-    _finish(sched, so)
-    for _ in range(20):
-        if not sched.requests:
-            break
-        _finish(sched, sched.schedule())
-    assert not sched.requests
+    _drain(sched, so)

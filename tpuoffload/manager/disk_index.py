@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,7 +37,7 @@ from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, Range
 from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
 from tpuoffload.manager.hash_table import HashKeys, PackedHashes
 from tpuoffload.manager.index import ChunkIndex
-from tpuoffload.manager.kv_groups import KVCacheGroups, chunk_hash, chunk_keys
+from tpuoffload.manager.kv_groups import KVCacheGroups, chunk_keys
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.save_planner import SavePlanner
 from tpuoffload.manager.tier import Tier
@@ -261,13 +261,10 @@ class FetchPlanner:
         return _Wanted(disk[part & ~ram].astype(np.int64), pick(part & ~ram), pick(part & ram))
 
     def _may_continue(self, block_hash: bytes) -> bool:
-        """One probe (the usual answer): a longer hit needs the block after the host-RAM hit in
-        every full-attention group, so the first one's chunk must be in host RAM or on disk."""
-        full = [g for g, w in enumerate(self.groups.windows) if w is None]
-        if not full:
-            return True
-        key = chunk_hash(block_hash, full[0])
-        return self.disk.index.ready_slot(key) >= 0 or self.ram.ready_slot(key) >= 0
+        """One probe (the usual answer): a longer hit needs the block after the host-RAM hit, so
+        its probe chunk (``KVCacheGroups.probe_key``) must be in host RAM or on disk."""
+        key = self.groups.probe_key(block_hash)
+        return key is None or self.disk.index.ready_slot(key) >= 0 or self.ram.ready_slot(key) >= 0
 
     def plan(self, step: int) -> DiskBatch:
         """Fetches wanted since the last plan (call with the step's loads pinned). The host-RAM

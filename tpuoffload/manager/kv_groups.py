@@ -167,8 +167,8 @@ class KVCacheGroups:
         can serve from READY chunks (see the module doc); no effect on the index."""
         if stop <= local:
             return NO_HIT
-        full = [g for g, w in enumerate(self.windows) if w is None]
-        if full and index.ready_slot(chunk_hash(hashes[local], full[0])) < 0:
+        key = self.probe_key(hashes[local])
+        if key is not None and index.ready_slot(key) < 0:
             return NO_HIT  # the usual answer, in one probe
         ready = self.ready_slots(index, hashes[local:stop])
         n = self.hit_length([r >= 0 for r in ready])
@@ -177,6 +177,12 @@ class KVCacheGroups:
         first = self.first_blocks(n)
         slots = tuple(ready[g][first[g]:n] for g in range(self.num))
         return GroupedHit(n, first, slots, tuple(index.save_ids(s) for s in slots))
+
+    def probe_key(self, block_hash: bytes) -> bytes | None:
+        """The key of the first full-attention group's chunk of this block (None: no such group).
+        A hit through the block needs that chunk, so one lookup of it answers most misses."""
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        return chunk_hash(block_hash, full[0]) if full else None
 
     def ready_slots(self, index: "ChunkIndex", hashes: Sequence[bytes]) -> list[np.ndarray]:
         """Per group, the READY slot of each block's chunk in ``index`` (-1: none)."""
