@@ -59,12 +59,25 @@ class OffloadConfig:
     # is replaced by the host's index) and the bytes of chunk files it may hold (exact).
     disk_path: str | None = None
     disk_bytes_to_use: int | None = None
+    # GDN/mamba hybrids (Qwen3.5): the share of host RAM that holds state chunks (one state row of
+    # every GDN layer), beside the KV chunks of the attention layers (manager/kv_groups.py).
+    state_ram_fraction: float = 0.25
 
     # ---- derived sizes (need the size of one chunk on one host) ----
     def host_bytes(self, chunk_bytes: int) -> int:
         if self.cpu_bytes_to_use is not None:
             return self.cpu_bytes_to_use
         return self.num_cpu_chunks * chunk_bytes
+
+    def pool_bytes(self, chunk_bytes: int, pools: int) -> tuple[int, ...]:
+        """Host bytes of each slot pool, from the bytes of a KV chunk: one pool takes
+        ``host_bytes(chunk_bytes)``; with a state pool (GDN/mamba layers, a second pool) that pool
+        takes ``state_ram_fraction`` of them. Both halves split alike, each with its own chunk sizes."""
+        total = self.host_bytes(chunk_bytes)
+        if pools == 1:
+            return (total,)
+        state = int(total * self.state_ram_fraction)
+        return (total - state, state)
 
     def staging_capacity(self, chunk_bytes: int) -> int:
         if self.staging_bytes is not None:
@@ -193,6 +206,11 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
             if not isinstance(extra[key], str) or not extra[key]:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] must be a directory path, got {extra[key]!r}")
             out[key] = extra[key]
+    if "state_ram_fraction" in extra:
+        out["state_ram_fraction"] = _as_float("state_ram_fraction", extra["state_ram_fraction"], 0.0, 1.0)
+        if not 0.0 < out["state_ram_fraction"] < 1.0:
+            raise ValueError("kv_connector_extra_config['state_ram_fraction'] must be between 0 and 1 (exclusive), "
+                             f"got {out['state_ram_fraction']!r}")
     for key, high in (("persist_interval_s", 7 * 86400.0), ("persist_timeout_s", 86400.0)):
         if key in extra:
             out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "persist_interval_s")

@@ -161,6 +161,9 @@ class StepPlan:
     # DPScheduler: this rank's READY chunks that came and went since its last plan (the workers
     # echo it to every rank).
     news: ChunkNews = field(default_factory=ChunkNews)
+    # The last ``state_slots`` of the ``num_slots`` slots are the state pool's: GDN/mamba state
+    # rows, kept in the workers' second store (worker/pooled_engine.py); 0: one pool (KV chunks).
+    state_slots: int = 0
 
     def placement(self) -> tuple[int, int, int]:
         """(block offset, slot offset, save id offset) of this plan in the engine's numbering: a DP
