@@ -61,7 +61,8 @@ def test_candidates_block_by_block_and_skip_the_null_block():
     hashes = _hashes(6)
     # The sliding-window group has dropped blocks 0 and 1 (null); blocks 0..5, span 1..4 then 0..1.
     ids = ([NULL_BLOCK, NULL_BLOCK, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25])
-    blocks, keys = groups.candidates([(ids, hashes, 1, 5)])
+    blocks, keys, pools = groups.candidates([(ids, hashes, 1, 5)])
+    assert pools.tolist() == [0] * 7
     assert blocks == [21, 11, 22, 12, 23, 13, 24]
     want = [chunk_hash(hashes[1], 1)] + [chunk_hash(hashes[i], g) for i in (2, 3, 4) for g in (0, 1)]
     assert keys.buf == b"".join(want)

@@ -246,6 +246,11 @@ def check_kv_groups_config(config: OffloadConfig, groups, dp_ranks: int) -> None
     if refused:
         raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with several KV cache groups "
                          f"({groups.describe()}) yet")
+    # GDN/mamba state chunks live in a second slot pool, which neither tier beside host RAM keeps.
+    refused = [key for key, on in (("disk_path", config.disk_path), ("persist_path", config.persist_path)) if on]
+    if refused and groups.num_pools > 1:
+        raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with GDN/mamba state layers "
+                         f"({groups.describe()}) yet")
 
 
 ENGINE_DIRS = ("stats_dir", "persist_path", "disk_path")

@@ -29,8 +29,8 @@ from tpuoffload.messages import OffloadMetadata
 from tpuoffload.manager import OffloadScheduler
 from tpuoffload.manager.events import event_format
 from tpuoffload.manager.kv_groups import KVCacheGroups
-from tpuoffload.manager.topology import (DPRank, host_chunk_bytes, publish_as_dp_rank, reporting_workers,
-                                         storage_factor)
+from tpuoffload.manager.topology import (DPRank, host_chunk_bytes, host_state_bytes, publish_as_dp_rank,
+                                         reporting_workers, storage_factor)
 from tpuoffload.stats import OffloadStats
 from tpuoffload.worker.offload_worker import OffloadWorker
 from tpuoffload.worker.persistence import Deployment
@@ -83,11 +83,12 @@ class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 dp=dp,
                 kv_groups=KVCacheGroups.of(kv_cache_config, vllm_config.cache_config.block_size),
                 events=event_format(vllm_config, kv_cache_config),
+                state_chunk_bytes=host_state_bytes(kv_cache_config, self.num_workers),
             )
-            logger.info("tpuoffload scheduler%s: %d host slots of %d bytes per host; %d worker processes confirm "
-                        "each chunk (%s); KV cache groups: %s; %s",
+            logger.info("tpuoffload scheduler%s: host slots per pool %s (KV chunks of %d bytes per host, then state "
+                        "chunks); %d worker processes confirm each chunk (%s); KV cache groups: %s; %s",
                         f" (DPScheduler rank of {dp.ranks}, {dp.num_blocks} blocks, source {dp.source})"
-                        if dp.ranks > 1 else "", self.scheduler.index.num_slots, self.scheduler.chunk_bytes,
+                        if dp.ranks > 1 else "", self.scheduler.index.pool_sizes, self.scheduler.chunk_bytes,
                         self.num_workers, workers_source, self.scheduler.kv_groups.describe(), self.config.summary())
             self._bind_scheduler_hooks()
         else:

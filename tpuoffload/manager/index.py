@@ -7,6 +7,11 @@ Lifecycle of a slot::
     revoke_all (connector reset): READY -> FREE (or REVOKED while pinned), SAVING -> REVOKED;
     REVOKED --(its save resolves / its last pin goes)--> FREE, never READY.
 
+The slots may form several pools (``pools``: consecutive ranges, e.g. KV chunks and GDN state
+chunks, whose slots differ in size on the workers): each pool has its own free list and LRU order,
+a save names slots of one pool (``select_and_name`` / ``allocate``), and eviction makes room in
+that pool only. Everything else (hashes, states, pins, save ids) is one table over every slot.
+
 Only READY chunks can be loaded (invariant 7: loadable only after every host confirmed) and only
 READY chunks with no pin can be evicted, so a chunk being saved or being loaded is never evicted.
 A REVOKED slot keeps its slot until nothing can be writing or reading it, but no hash names it, so
@@ -70,9 +75,15 @@ class ChunkIndex:
     """
 
     def __init__(self, num_slots: int, counters: Counter[str] | None = None,
-                 events: ChunkEvents = NO_EVENTS) -> None:
-        self._pool = SlotPool(num_slots)
-        self._lru = RecencyLog(num_slots)
+                 events: ChunkEvents = NO_EVENTS, pools: tuple[int, ...] = ()) -> None:
+        """``pools``: the slots of each pool, in slot order (default: one pool of ``num_slots``)."""
+        pools = pools or (num_slots,)
+        if sum(pools) != num_slots or min(pools) <= 0:
+            raise ValueError(f"slot pools {pools} do not split {num_slots} slots")
+        starts = np.cumsum((0,) + pools[:-1])
+        self._pools = [SlotPool(n, int(first)) for n, first in zip(pools, starts)]
+        self._lrus = [RecencyLog(num_slots) for _ in pools]
+        self._starts = starts[1:]  # first slot of each pool but the first
         self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
         # Per-slot fields side by side in one record of 32 bytes (the views below are its
         # columns): a save or a confirmation writes several fields of each of its slots, one
@@ -97,11 +108,19 @@ class ChunkIndex:
     # ------------------------------------------------------------------ queries (no side effects)
     @property
     def num_slots(self) -> int:
-        return self._pool.num_slots
+        return self._pools[-1].stop
+
+    @property
+    def pool_sizes(self) -> tuple[int, ...]:
+        return tuple(p.num_slots for p in self._pools)
 
     @property
     def num_free_slots(self) -> int:
-        return self._pool.num_free
+        return sum(p.num_free for p in self._pools)
+
+    def pool_of(self, slots: np.ndarray) -> np.ndarray:
+        """The pool of each slot."""
+        return np.searchsorted(self._starts, slots, side="right")
 
     def __len__(self) -> int:
         """Chunks a hash names (READY or SAVING)."""
@@ -143,22 +162,23 @@ class ChunkIndex:
         keep, k1, k2, n_dup = self._k.select_new(self._table.buckets, self._key2, _u64(keys.k1), _u64(keys.k2))
         return HashKeys(k1, k2), keep, n_dup, len(keys) - len(keep) - n_dup
 
-    def select_and_name(self, packed: PackedHashes, limit: int,
-                        first_save_id: int) -> tuple[HashKeys, np.ndarray, int, int, np.ndarray, int]:
+    def select_and_name(self, packed: PackedHashes, limit: int, first_save_id: int,
+                        pool: int = 0) -> tuple[HashKeys, np.ndarray, int, int, np.ndarray, int]:
         """``select_new`` of a batch of save candidates, then ``allocate`` + ``add_saving`` of its
-        first kept keys from free slots only (no eviction), in one compiled call: up to ``limit``
-        keys are named SAVING under save ids ``first_save_id ..``. Returns (the kept keys, their
-        positions, batch duplicates, held, the slots named, ``add_saving``'s run step). Fewer
+        first kept keys from ``pool``'s free slots only (no eviction), in one compiled call: up to
+        ``limit`` keys are named SAVING under save ids ``first_save_id ..``. Returns (the kept keys,
+        their positions, batch duplicates, held, the slots named, ``add_saving``'s run step). Fewer
         slots than ``min(kept, limit)`` means the pool ran out: ``allocate`` + ``add_saving`` the
         next kept keys (evicting)."""
-        stack, allocated, top = self._pool.free_stack()
+        slot_pool = self._pools[pool]
+        stack, allocated, top = slot_pool.free_stack()
         table = self._table
         table.check_room(min(len(packed), limit, top))
         keep, k1, k2, n_dup, slots, reused, run_step = self._k.plan_saves(
             table.buckets, self._key2, self._cell, self._state_np, self._save_id, stack, allocated, top,
             packed.buf, packed.width, limit, first_save_id)
         n = len(slots)
-        self._pool.took(n)
+        slot_pool.took(n)
         if n:
             table.inserted(n, reused)
             self._counts[FREE] -= n
@@ -181,7 +201,7 @@ class ChunkIndex:
     def lru_order(self) -> list[int]:
         """Slots of the eviction candidates, least recently used first. O(num_slots): for reports
         and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
-        return self._lru.order().tolist()
+        return [s for lru in self._lrus for s in lru.order().tolist()]
 
     def ready_prefix(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> list[int]:
         """Slots of the leading hashes of ``hashes[start:stop]`` that are READY (stops at the
@@ -217,9 +237,9 @@ class ChunkIndex:
                                                  packed.buf, packed.width))
 
     # ------------------------------------------------------------------ saves
-    def allocate(self, n: int) -> np.ndarray:
-        """Up to ``n`` slots for new saves: free slots first, then slots of LRU READY unpinned
-        chunks, evicted here (counted in ``evicted``). Invariant 10: host RAM is a fixed number of
+    def allocate(self, n: int, pool: int = 0) -> np.ndarray:
+        """Up to ``n`` slots of ``pool`` for new saves: free slots first, then slots of the pool's
+        LRU READY unpinned chunks, evicted here (counted in ``evicted``). Invariant 10: host RAM is a fixed number of
         slots, never exceeded; a chunk being saved, loaded (pinned) or revoked is never evicted. Fewer only when host RAM is full of chunks
         that are saving, pinned or revoked. The slots stay FREE until ``add_saving``.
 
@@ -227,11 +247,11 @@ class ChunkIndex:
         choice alone; only which new chunk gets which of their slots changes): a step's saves
         then name runs of consecutive slots where the evicted chunks' slots adjoin, so the
         worker moves them in a few wide copies (worker/programs.py) however the store churned."""
-        slots = self._pool.take(n)
+        slots = self._pools[pool].take(n)
         short = n - len(slots)
         if short > 0:
             pins = self._pins
-            victims = self._lru.pop_oldest(short, lambda s: pins[s] == 0)
+            victims = self._lrus[pool].pop_oldest(short, lambda s: pins[s] == 0)
             if len(victims):
                 victims = np.sort(victims)
                 self._evict(victims)
@@ -269,7 +289,7 @@ class ChunkIndex:
         if self._k.mark_ready(self._state_np, self._save_id, slots, _i64(save_ids)):
             self._counts[SAVING] -= len(slots)
             self._counts[READY] += len(slots)
-            self._lru.touch(slots)
+            self._touch(slots)
             self.events.ready(slots, save_ids)
             return len(slots)
         slots, states = self._matching(slots, save_ids)
@@ -280,7 +300,7 @@ class ChunkIndex:
         self._state_np[ready] = READY
         self._counts[SAVING] -= len(ready)
         self._counts[READY] += len(ready)
-        self._lru.touch(ready)
+        self._touch(ready)
         self.events.ready(ready, self._save_id[ready])
         if len(ready) < len(slots):
             self._free(slots[~saving], REVOKED)
@@ -321,14 +341,15 @@ class ChunkIndex:
             return
         if not self.free_slots_mask(slots).all():
             raise ValueError("adopt: a slot is not FREE")
-        self._pool.take_these(slots)
+        for pool, part in self._by_pool(slots):
+            self._pools[pool].take_these(part)
         self._cell[slots] = self._table.insert(keys.k1, slots)
         self._key2[slots] = keys.k2
         self._state_np[slots] = READY
         self._save_id[slots] = save_ids
         self._counts[FREE] -= n
         self._counts[READY] += n
-        self._lru.touch(slots)
+        self._touch(slots)
         self.events.copy_in(slots, rows)
         self.events.ready(slots, save_ids)
 
@@ -358,9 +379,9 @@ class ChunkIndex:
         states = self._state_np[released]
         ready = states == READY
         if ready.all():  # the usual case: nothing was revoked or discarded meanwhile
-            self._lru.touch(released)
+            self._touch(released)
             return
-        self._lru.touch(released[ready])
+        self._touch(released[ready])
         gone = np.unique(released[states == REVOKED])
         if len(gone):
             self._free(gone, REVOKED)
@@ -375,7 +396,7 @@ class ChunkIndex:
         one = np.array([slot], dtype=np.int64)
         self.events.removed(one)
         self._unname(one)
-        self._lru.forget(one)
+        self._forget(one)
         if self._pins[slot]:
             self._set_state(one, READY, REVOKED)
         else:
@@ -393,7 +414,7 @@ class ChunkIndex:
         state = self._state_np
         ready = np.flatnonzero(state == READY)
         self.events.removed(ready)
-        self._lru.forget(ready)
+        self._forget(ready)
         pinned = ready[self._pins[ready] > 0]
         if len(pinned):
             self._set_state(pinned, READY, REVOKED)
@@ -467,6 +488,22 @@ class ChunkIndex:
         vals, cells = self._table.rebuild()
         self._cell[vals] = cells
 
+    def _by_pool(self, slots: np.ndarray):
+        """(pool, its slots in the given order) for each pool that ``slots`` touch."""
+        if len(self._pools) == 1:
+            return ((0, slots),)
+        pool = self.pool_of(slots)
+        return ((p, slots[pool == p]) for p in range(len(self._pools)) if (pool == p).any())
+
+    def _touch(self, slots: np.ndarray) -> None:
+        """Make ``slots`` the most recently used of their pools (the last listed most of all)."""
+        for pool, part in self._by_pool(slots):
+            self._lrus[pool].touch(part)
+
+    def _forget(self, slots: np.ndarray) -> None:
+        for pool, part in self._by_pool(slots):
+            self._lrus[pool].forget(part)
+
     def _set_state(self, slots: np.ndarray, old: int, new: int) -> None:
         self._state_np[slots] = new
         self._counts[old] -= len(slots)
@@ -475,4 +512,5 @@ class ChunkIndex:
     def _free(self, slots: np.ndarray, old: int) -> None:
         self._set_state(slots, old, FREE)
         self._save_id[slots] = -1
-        self._pool.give(slots)
+        for pool, part in self._by_pool(slots):
+            self._pools[pool].give(part)

@@ -14,6 +14,12 @@ Per group, what a hit needs (``KVCacheGroups.find_hit``), as vLLM's own managers
 * full attention: every block from vLLM's local hit to the hit boundary;
 * sliding window: only the blocks of the window that ends at the hit boundary (vLLM allocates
   nothing below it: those block ids are the null block), so a load moves only that tail;
+* GDN/mamba state (vLLM's mamba cache mode "align", tpu-inference's compact state pool): the one
+  state chunk at the hit boundary, a window of one block. Its chunk is one ROW of every state
+  array (the second slot pool, ``pools``), saved only in the step that computes exactly that
+  boundary (``state_ids``): the row at column k - 1 holds the state after k blocks only then. The
+  other mamba groups mirror the first one's ids (tpu-inference's hybrid coordinator), so their
+  layers' rows travel in its chunk: they save and load nothing themselves (a window of 0);
 
 and the hit length is one every group can serve. Saves skip the null block (a sliding-window
 block vLLM already dropped), so only blocks a later hit can use are saved.
@@ -90,13 +96,22 @@ class GroupedHit:
 
 NO_HIT = GroupedHit(0)
 
+#: The slot pools (``KVCacheGroups.pools``): KV chunks (one block of every attention array), and
+#: state chunks (one row of every GDN/mamba state array).
+KV_POOL, STATE_POOL = 0, 1
+#: ``KVCacheGroups.windows`` of a mamba group that mirrors the primary one's ids: nothing of its own.
+MIRROR = 0
+
 
 @dataclass(frozen=True)
 class KVCacheGroups:
     """vLLM's KV cache groups, in vLLM's order. ``windows[g]``: the blocks a hit of group ``g``
-    needs, ending at the hit boundary (sliding window), or None (full attention: all of them)."""
+    needs, ending at the hit boundary (sliding window; 1 for the GDN/mamba state group, ``MIRROR``
+    for the mamba groups that mirror it), or None (full attention: all of them). ``pools[g]``: the
+    slot pool of group ``g``'s chunks (empty: every group in ``KV_POOL``)."""
 
     windows: tuple[int | None, ...] = (None,)
+    pools: tuple[int, ...] = ()
 
     @property
     def num(self) -> int:
@@ -111,24 +126,40 @@ class KVCacheGroups:
     def windowed(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    @property
+    def num_pools(self) -> int:
+        """Slot pools the chunks need: 2 with a GDN/mamba state group, else 1."""
+        return 1 + (STATE_POOL in self.pools)
+
+    @property
+    def state_group(self) -> int | None:
+        """The mamba group whose ids name the state rows (the others mirror it), if any."""
+        return next((g for g, p in enumerate(self.pools) if p == STATE_POOL and self.windows[g] != MIRROR), None)
+
     def describe(self) -> str:
-        return ", ".join(f"group {g}: " + ("full attention" if w is None else f"sliding window of {w} blocks")
-                         for g, w in enumerate(self.windows))
+        def kind(g: int, w: int | None) -> str:
+            if self.pools and self.pools[g] == STATE_POOL:
+                return "GDN/mamba state" + (" (mirrors the state group)" if w == MIRROR else ", one row per hit")
+            return "full attention" if w is None else f"sliding window of {w} blocks"
+
+        return ", ".join(f"group {g}: {kind(g, w)}" for g, w in enumerate(self.windows))
 
     @classmethod
     def of(cls, kv_cache_config: "KVCacheConfig", block_size: int) -> "KVCacheGroups":
         """The groups of vLLM's KV cache config. Raises ValueError naming a group kind this
         connector cannot offload."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         groups = kv_cache_config.kv_cache_groups
         if len(groups) <= 1:
             return cls()  # one group, whatever its kind: chunks as before HMA
         windows: list[int | None] = []
+        pools: list[int] = []
         for g, group in enumerate(groups):
             spec = group.kv_cache_spec
             if spec.block_size != block_size:
                 raise ValueError(f"KV cache group {g} has blocks of {spec.block_size} tokens, not {block_size}")
+            pools.append(KV_POOL)
             if isinstance(spec, SlidingWindowSpec):
                 # The blocks vLLM keeps for a hit of h tokens: those its window does not skip
                 # (SlidingWindowManager.get_num_skipped_tokens), the window's blocks ending at h.
@@ -136,30 +167,61 @@ class KVCacheGroups:
                 windows.append(-(-keep // block_size))
             elif isinstance(spec, FullAttentionSpec):
                 windows.append(None)
+            elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+                pools[-1] = STATE_POOL
+                windows.append(MIRROR if STATE_POOL in pools[:-1] else 1)
             else:
-                raise ValueError(f"KV cache group {g} ({type(spec).__name__}, layers {group.layer_names[:3]}) "
-                                 "cannot be offloaded by tpuoffload: full-attention and sliding-window groups can")
-        return cls(tuple(windows) or (None,))
+                mode = f" in mamba cache mode {spec.mamba_cache_mode!r}" if isinstance(spec, MambaSpec) else ""
+                raise ValueError(f"KV cache group {g} ({type(spec).__name__}, layers {group.layer_names[:3]}){mode} "
+                                 "cannot be offloaded by tpuoffload: full-attention, sliding-window and GDN/mamba "
+                                 "groups in mamba cache mode 'align' (prefix caching on) can")
+        if all(p == STATE_POOL for p in pools):
+            raise ValueError("every KV cache group holds GDN/mamba state: tpuoffload needs an attention group")
+        return cls(tuple(windows), tuple(pools) if STATE_POOL in pools else ())
+
+    def pool_of_groups(self) -> np.ndarray:
+        """Per group, its slot pool (int8)."""
+        return np.array(self.pools or (KV_POOL,) * self.num, dtype=np.int8)
+
+    def state_ids(self, block_ids: Sequence[Sequence[int]], full: int, exact: bool) -> Sequence[Sequence[int]]:
+        """A request's block ids per group as its saves see them at ``full`` full blocks: the state
+        group keeps only column ``full - 1``, and only when this step ends exactly at that boundary
+        (``exact``: the GDN kernel wrote the state after ``full`` blocks there in this step; any
+        other non-null row holds a state of another length), the mirror groups keep nothing. The
+        other groups' lists are returned as they are."""
+        state = self.state_group
+        if state is None:
+            return block_ids
+        out = list(block_ids)
+        for g, p in enumerate(self.pools):
+            if p == STATE_POOL:
+                ids = [NULL_BLOCK] * full
+                if g == state and exact and full:
+                    ids[full - 1] = block_ids[g][full - 1]
+                out[g] = ids
+        return out
 
     # ------------------------------------------------------------------ saves
     def candidates(self, spans: Sequence[tuple[Sequence[Sequence[int]], Sequence[bytes], int, int]]
-                   ) -> tuple[list[int], PackedHashes]:
-        """Save candidates of several groups: for each span (the request's block ids per group,
-        its block hashes, start, full), blocks ``start .. full - 1`` of every group, block by block
-        (so a staging cut keeps whole early prefixes of every group), keyed by hash and group; the
-        null block (a sliding-window block vLLM already dropped) is skipped."""
+                   ) -> tuple[list[int], PackedHashes, np.ndarray]:
+        """Save candidates of several groups: for each span (the request's block ids per group as
+        ``state_ids`` gives them, its block hashes, start, full), blocks ``start .. full - 1`` of
+        every group, block by block (so a staging cut keeps whole early prefixes of every group),
+        keyed by hash and group; the null block (a sliding-window block vLLM already dropped, a
+        state row not saved) is skipped. Returns (block ids, keys, each candidate's slot pool)."""
         G = self.num
         ids = np.array([[b for block_ids, _, start, full in spans for b in block_ids[g][start:full]]
                         for g in range(G)], dtype=np.int64).T  # (n, G)
         if not ids.size:
-            return [], PackedHashes(b"", 16)
+            return [], PackedHashes(b"", 16), np.zeros(0, np.int8)
         packed = PackedHashes.of_runs([hashes[start:full] for _, hashes, start, full in spans])
         words = np.frombuffer(packed.buf, dtype="<u8").reshape(len(packed), packed.width // 8)
         keys = np.repeat(words[:, None, :], G, axis=1)  # (n, G, width/8)
         for g in range(1, G):
             _key_words(keys[:, g], g)
         real = ids != NULL_BLOCK
-        return ids[real].tolist(), PackedHashes(keys[real].tobytes(), packed.width)
+        pools = np.broadcast_to(self.pool_of_groups(), ids.shape)[real]
+        return ids[real].tolist(), PackedHashes(keys[real].tobytes(), packed.width), pools
 
     # ------------------------------------------------------------------ hits
     def find_hit(self, index: "ChunkIndex", hashes: Sequence[bytes], local: int, stop: int) -> GroupedHit:
@@ -187,23 +249,27 @@ class KVCacheGroups:
     def ready_slots(self, index: "ChunkIndex", hashes: Sequence[bytes]) -> list[np.ndarray]:
         """Per group, the READY slot of each block's chunk in ``index`` (-1: none)."""
         packed = PackedHashes.of(hashes)
-        return [index.ready_slots(HashKeys.of(chunk_keys(packed, g))) for g in range(self.num)]
+        none = np.full(len(hashes), -1, np.int64)
+        return [none if w == MIRROR else index.ready_slots(HashKeys.of(chunk_keys(packed, g)))
+                for g, w in enumerate(self.windows)]
 
     def first_blocks(self, n: int) -> tuple[int, ...]:
-        """Per group, the first of a hit's ``n`` blocks it loads (its window's start, or 0)."""
+        """Per group, the first of a hit's ``n`` blocks it loads (its window's start, or 0; a
+        mirror group: none, ``n``)."""
         return tuple(0 if w is None else max(0, n - w) for w in self.windows)
 
     def hit_length(self, available: Sequence[np.ndarray]) -> int:
         """The longest hit every group can serve, given per group whether each block's chunk is
         available (bool arrays of one length): a full-attention group needs all of its blocks, a
-        sliding-window group its window ending at the hit boundary."""
+        sliding-window group its window ending at the hit boundary (the state group: the block at
+        the boundary), a mirror group nothing."""
         n = len(available[0])
         for g, w in enumerate(self.windows):
             if w is None:
                 miss = np.flatnonzero(~available[g][:n])
                 n = int(miss[0]) if len(miss) else n
         while n > 0:  # each sliding-window group may shorten it; shorter is fine for full groups
-            m = min((self._window_hit(available[g], w, n) for g, w in enumerate(self.windows) if w is not None),
+            m = min((self._window_hit(available[g], w, n) for g, w in enumerate(self.windows) if w),
                     default=n)
             if m == n:
                 break

@@ -166,7 +166,7 @@ class RequestLifecycle:
         blocks: list[int] = []
         runs: list[list[bytes]] = []
         origins: list[Origin] = []
-        for rec, full in self._filled(so):
+        for rec, full, _ in self._filled(so):
             start = rec.watermark
             if full > start:
                 ids = block_ids_of(rec.request.request_id)
@@ -177,22 +177,23 @@ class RequestLifecycle:
                 rec.watermark = full
         return blocks, runs, origins
 
-    def step_spans(self, so: "SchedulerOutput") -> list[tuple["Request", int, int]]:
+    def step_spans(self, so: "SchedulerOutput") -> list[tuple["Request", int, int, bool]]:
         """``step_candidates`` for several KV cache groups (manager/kv_groups.py): per request, the
-        request and the span ``start .. full - 1`` of blocks to save, whose ids the caller reads per
-        group."""
+        request, the span ``start .. full - 1`` of blocks to save, whose ids the caller reads per
+        group, and whether this step's forward ends exactly at block ``full`` (where a GDN state
+        is saved: ``KVCacheGroups.state_ids``)."""
         spans = []
-        for rec, full in self._filled(so):
+        for rec, full, end in self._filled(so):
             start = rec.watermark
             if full > start:
-                spans.append((rec.request, start, full))
+                spans.append((rec.request, start, full, end == full * self.block_size))
                 rec.watermark = full
         return spans
 
     def track_computed(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> None:
         """Lazy mode: remember the ids of the full blocks each scheduled request has computed once
         this step's forward ran, for a flush at its finish or preemption."""
-        for rec, full in self._filled(so):
+        for rec, full, _ in self._filled(so):
             if full > len(rec.computed_block_ids):
                 rec.computed_block_ids = block_ids_of(rec.request.request_id)[:full]
 
@@ -234,9 +235,9 @@ class RequestLifecycle:
             rec.watermark = full
 
     def _filled(self, so: "SchedulerOutput"):
-        """(record, full) for each scheduled request that may still have blocks to save, ``full``
-        being its full blocks once this step's forward ran (capped by the save limit and by the
-        hashes vLLM has computed)."""
+        """(record, full, end) for each scheduled request that may still have blocks to save,
+        ``full`` being its full blocks once this step's forward ran (capped by the save limit and by
+        the hashes vLLM has computed), ``end`` its computed tokens then."""
         scheduled = so.num_scheduled_tokens
         done = []
         bs = self.block_size
@@ -249,8 +250,9 @@ class RequestLifecycle:
             req = rec.request
             self._catch_up(rec)  # a preemption no hook reported yet is applied first
             limit = no_limit or req.num_prompt_tokens // bs
-            full = min((req.num_computed_tokens + n_sched) // bs, limit, len(req.block_hashes))
-            yield rec, full
+            end = req.num_computed_tokens + n_sched
+            full = min(end // bs, limit, len(req.block_hashes))
+            yield rec, full, end
             if full >= limit:
                 done.append(req_id)
         self._saving.difference_update(done)

@@ -76,22 +76,21 @@ class OffloadScheduler:
     def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
                  hosts_source: str = "", clock: Callable[[], float] = time.monotonic,
                  dp: DPRank | None = None, kv_groups: KVCacheGroups = KVCacheGroups(),
-                 events: EventFormat | None = None) -> None:
+                 events: EventFormat | None = None, state_chunk_bytes: int = 0) -> None:
+        """``chunk_bytes``: a KV chunk's bytes on one host; ``state_chunk_bytes``: a GDN/mamba
+        state chunk's (``kv_groups`` with a state group: the second slot pool)."""
         if block_size <= 0 or chunk_bytes <= 0:
             raise ValueError(f"block_size ({block_size}) and chunk_bytes ({chunk_bytes}) must be positive")
         self.config = config
         self.block_size = block_size
         self.chunk_bytes = chunk_bytes
-        host_bytes = config.host_bytes(chunk_bytes)
         # Under DPScheduler each rank's half plans over its own batch shard's slots.
         self.dp = dp or DPRank()
         # vLLM's KV cache groups (HMA): a chunk is keyed by content hash and group (kv_groups.py).
         self.kv_groups = kv_groups
         check_kv_groups_config(config, kv_groups, self.dp.ranks)
-        num_slots = self.dp.num_slots(host_bytes // chunk_bytes)
-        if num_slots <= 0:
-            raise ValueError(f"cpu_bytes_to_use={host_bytes} is smaller than "
-                             f"{1 if self.dp.ranks == 1 else SHARD_SPARE_ROWS + 1} chunks ({chunk_bytes} bytes per host)")
+        pools = self._pool_sizes(chunk_bytes, state_chunk_bytes)
+        num_slots = sum(pools)
         #: The scheduler's monotonic clock (save deadlines); replaceable, e.g. by tests.
         self.clock = clock
         # Every part counts into this one Counter (registry names: tpuoffload.counters), emptied
@@ -106,14 +105,16 @@ class OffloadScheduler:
         # Under DPScheduler the other ranks hear of this rank's READY chunks (rank_view.py), and
         # this rank's view of theirs serves hits its own index lacks; with one scheduler it is empty.
         self.view = RankView(self.dp.ranks, num_slots)
+        self._state_slots = pools[1] if len(pools) > 1 else 0  # the last slots (StepPlan.state_slots)
         self.index = ChunkIndex(num_slots, counters=self.counters,
-                                events=RankNews(sink) if self.dp.ranks > 1 else sink)
+                                events=RankNews(sink) if self.dp.ranks > 1 else sink, pools=pools)
         # Warm restart with events: the records of every named chunk go beside the checkpoints.
         self._meta_writer = (MetaWriter(config.persist_path, self._events_log, self._event_records)
                              if events is not None and config.persist_path is not None else NO_META_WRITER)
         self.ledger = CompletionLedger(num_hosts, source=hosts_source, counters=self.counters)
         self.staging = StagingBudget(config.staging_capacity(chunk_bytes))
         self.saves = SavePlanner(self.index, self.ledger, self.staging, chunk_bytes=chunk_bytes,
+                                 state_chunk_bytes=state_chunk_bytes,
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
                                  counters=self.counters, with_keys=config.persist_path is not None)
         self.loads = LoadTracker(self.index, block_size, self.counters, kv_groups, self.view)
@@ -127,6 +128,25 @@ class OffloadScheduler:
         self.dp_rank: int | None = None if self.dp.ranks > 1 else 0  # known from the first report (DP)
         self._snapshot: SnapshotWriter | None = None
         self._open_snapshot()
+
+    def _pool_sizes(self, chunk_bytes: int, state_chunk_bytes: int) -> tuple[int, ...]:
+        """The slots of each pool: KV chunks, then (with a GDN/mamba state group) state chunks,
+        from ``config.pool_bytes`` (the workers split their host RAM alike)."""
+        pool_bytes = self.config.pool_bytes(chunk_bytes, self.kv_groups.num_pools)
+        kv = self.dp.num_slots(pool_bytes[0] // chunk_bytes)
+        if kv <= 0:
+            raise ValueError(f"cpu_bytes_to_use={pool_bytes[0]} is smaller than "
+                             f"{1 if self.dp.ranks == 1 else SHARD_SPARE_ROWS + 1} chunks ({chunk_bytes} bytes per host)")
+        if len(pool_bytes) == 1:
+            return (kv,)
+        if state_chunk_bytes <= 0:
+            raise ValueError("a GDN/mamba state group needs the state chunk's bytes (state_chunk_bytes)")
+        state = pool_bytes[1] // state_chunk_bytes
+        if state <= 0:
+            raise ValueError(f"state_ram_fraction={self.config.state_ram_fraction} of host RAM ({pool_bytes[1]} bytes) "
+                             f"holds no state chunk of {state_chunk_bytes} bytes: give it more host RAM or a larger "
+                             "fraction")
+        return kv, state
 
     def _sink(self, num_entries: int, medium: str) -> ChunkEvents:
         """An index's event sink: records and announces its chunks when events are on."""
@@ -258,12 +278,13 @@ class OffloadScheduler:
                 self.requests.track_computed(scheduler_output, block_ids_of)
                 save: SaveBatch = NO_SAVES
             elif self.kv_groups.several:
-                spans = [(r, block_ids_of(r.request_id), start, full)
-                         for r, start, full in self.requests.step_spans(scheduler_output)]
-                blocks, keys = (self.kv_groups.candidates([(ids, r.block_hashes, start, full)
-                                                           for r, ids, start, full in spans])
-                                if spans else ([], None))
-                save = plan(blocks, keys, step, GroupedOrigins(spans)) if blocks else NO_SAVES
+                groups = self.kv_groups
+                spans = [(r, groups.state_ids(block_ids_of(r.request_id), full, exact), start, full)
+                         for r, start, full, exact in self.requests.step_spans(scheduler_output)]
+                blocks, keys, pools = (groups.candidates([(ids, r.block_hashes, start, full)
+                                                          for r, ids, start, full in spans])
+                                       if spans else ([], None, None))
+                save = plan(blocks, keys, step, GroupedOrigins(spans), pools) if blocks else NO_SAVES
             else:
                 blocks, runs, origins = self.requests.step_candidates(scheduler_output, block_ids_of)
                 save = plan(blocks, PackedHashes.of_runs(runs), step, origins) if blocks else NO_SAVES
@@ -274,7 +295,7 @@ class OffloadScheduler:
         plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
                         tiers=parts, source=self.dp.source, num_blocks=self.dp.num_blocks,
                         sync_loads=self.dp.sync_loads, failures_by_request=self.kv_groups.several,
-                        news=self.index.events.take_news(self.view.epoch))
+                        news=self.index.events.take_news(self.view.epoch), state_slots=self._state_slots)
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()
@@ -360,7 +381,7 @@ class OffloadScheduler:
             self.index.drop(res.dropped_slots, res.dropped_ids)
         for t in self.tiers:
             t.on_resolved(res)
-        self.staging.release(len(res) * self.chunk_bytes)
+        self.staging.release(self.saves.staged_bytes(np.concatenate((res.ready_slots, res.dropped_slots))))
 
     # ------------------------------------------------------------------ reset
     def reset_cache(self) -> bool:

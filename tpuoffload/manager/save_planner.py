@@ -13,6 +13,11 @@ never waited for). The per-chunk work is compiled (``ChunkIndex.select_and_name`
 deduplicates and names the chunks that free slots take; ``allocate`` and ``add_saving`` for the
 rest, when eviction makes room; kernels.py); the rest is a fixed number of calls per batch.
 
+With two slot pools (GDN/mamba state chunks beside KV chunks: manager/kv_groups.py) each
+candidate names its pool, and each pool's candidates are claimed apart (``_claim_pools``): its own
+free slots, its own LRU victims, its own chunk size against the staging budget; the claims' save
+ids follow each other, so the step still saves one SaveBatch of contiguous save ids.
+
 ``SavePlanner.claim`` is the only way a host-RAM slot becomes SAVING: a save and a tier bringing
 chunks back into host RAM (the disk tier's fetches) both claim their slots through it, so both
 take the same staging room, the same LRU eviction and one ledger batch, and the RAM ledger makes
@@ -56,6 +61,7 @@ class Claim:
 
 class SavePlanner:
     def __init__(self, index: ChunkIndex, ledger: CompletionLedger, staging: StagingBudget, *,
+                 state_chunk_bytes: int = 0,
                  chunk_bytes: int, save_timeout_s: float, clock: Callable[[], float],
                  counters: Counter[str], with_keys: bool = False) -> None:
         self.index = index
@@ -63,16 +69,19 @@ class SavePlanner:
         self.ledger = ledger
         self.staging = staging
         self.chunk_bytes = chunk_bytes
+        # Bytes of one chunk of each slot pool (KV, GDN state): what a save takes of staging.
+        self.pool_chunk_bytes = np.array((chunk_bytes, state_chunk_bytes)[:len(index.pool_sizes)], np.int64)
         self.save_timeout_s = save_timeout_s
         self.clock = clock
         self.counters = counters
 
     def plan(self, block_ids: Sequence[int], hashes: "Sequence[ChunkHash] | PackedHashes", step: int,
-             origins: Origins = ()) -> SaveBatch:
+             origins: Origins = (), pools: np.ndarray | None = None) -> SaveBatch:
         """Chunks to save among the candidates ``zip(block_ids, hashes)``, earliest first. The
         blocks must hold their content until the workers gather them in this step's plan.
         ``hashes`` may also be given packed already; ``origins`` say which request blocks the
-        candidates are, in order (what the index's event sink records of each new chunk).
+        candidates are, in order (what the index's event sink records of each new chunk);
+        ``pools`` each candidate's slot pool (None: all the KV pool's).
 
         Enforces invariant 5 (the only deduplication: within the batch, against chunks held and
         against saves in flight) and invariant 10 (the staging budget's room and the slots that exist
@@ -81,7 +90,8 @@ class SavePlanner:
         if not n:
             return NO_SAVES
         packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
-        c = self.claim(packed, step)
+        split = pools is not None and bool(pools.any())  # then the claim lists its chunks pool by pool
+        c = self._claim_pools(packed, pools, step) if split else self.claim(packed, step)
         counters = self.counters
         for name, k in ((C.DEDUP_BATCH, c.n_dup), (C.DEDUP_INDEX, c.n_held), (C.SKIPPED_STAGING, c.n_staging),
                         (C.SKIPPED_NO_SPACE, c.n_no_space)):
@@ -91,13 +101,41 @@ class SavePlanner:
         if not got:
             return NO_SAVES
         counters[C.SAVES_ISSUED] += got
-        self.index.events.record(c.slots, c.keep, origins)
-        blocks = tuple(block_ids) if got == n else tuple(map(block_ids.__getitem__, c.keep.tolist()))
+        if split:  # the sink reads candidates in batch order
+            order = np.argsort(c.keep, kind="stable")
+            self.index.events.record(c.slots[order], c.keep[order], origins)
+        else:
+            self.index.events.record(c.slots, c.keep, origins)
+        blocks = tuple(block_ids) if got == n and not split else tuple(map(block_ids.__getitem__, c.keep.tolist()))
         keys, base = c.keys, c.first_save_id
         return SaveBatch(block_ids=blocks, slots=compact_ints(c.slots, c.run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
 
-    def claim(self, packed: PackedHashes, step: int) -> Claim:
+    def _claim_pools(self, packed: PackedHashes, pools: np.ndarray, step: int) -> Claim:
+        """``claim`` of each pool's candidates in turn (pool order), as one Claim: its chunks are
+        pool 0's claimed chunks then pool 1's, under consecutive save ids."""
+        rows = np.frombuffer(packed.buf, np.uint8).reshape(len(packed), packed.width)
+        claims, positions = [], []
+        for pool in np.unique(pools).tolist():
+            pos = np.flatnonzero(pools == pool)
+            claims.append(self.claim(PackedHashes(rows[pos].tobytes(), packed.width), step, pool))
+            positions.append(pos)
+        if len(claims) == 1:
+            c = claims[0]
+            return Claim(c.keys, positions[0][c.keep], c.slots, c.run_step, c.first_save_id, c.n_dup, c.n_held,
+                         c.n_staging, c.n_no_space)
+        return Claim(HashKeys(np.concatenate([c.keys.k1 for c in claims]), np.concatenate([c.keys.k2 for c in claims])),
+                     np.concatenate([pos[c.keep] for pos, c in zip(positions, claims)]),
+                     np.concatenate([c.slots for c in claims]), None, claims[0].first_save_id,
+                     *(sum(getattr(c, f) for c in claims) for f in ("n_dup", "n_held", "n_staging", "n_no_space")))
+
+    def staged_bytes(self, slots: np.ndarray) -> int:
+        """Staging bytes the saves into ``slots`` took (each its pool's chunk size)."""
+        if len(self.pool_chunk_bytes) == 1:
+            return len(slots) * self.chunk_bytes
+        return int(self.pool_chunk_bytes[self.index.pool_of(slots)].sum())
+
+    def claim(self, packed: PackedHashes, step: int, pool: int = 0) -> Claim:
         """Host-RAM slots for the new chunks among ``packed``, as many as the staging budget and
         host RAM allow, earliest first: deduplicated (within the batch, against chunks held and
         saves in flight), free slots first, then LRU chunks evicted, staging reserved, one ledger
@@ -108,14 +146,15 @@ class SavePlanner:
         # saved is an index duplicate (in flight included). Deduplication and the free slots'
         # naming are one call (the usual case); kept keys beyond what free slots covered are
         # named below, on slots of evicted chunks.
-        limit = self.staging.room(self.chunk_bytes)  # chunks the staging budget takes now
+        unit = int(self.pool_chunk_bytes[pool])
+        limit = self.staging.room(unit)  # chunks the staging budget takes now
         first = self.ledger.next_save_id
-        keys, keep, n_dup, n_held, slots, run_step = self.index.select_and_name(packed, limit, first)
+        keys, keep, n_dup, n_held, slots, run_step = self.index.select_and_name(packed, limit, first, pool)
         n_keep = len(keep)
         granted = min(n_keep, limit)
         got = len(slots)
         if got < granted:  # host RAM is full: LRU chunks make room
-            victims = self.index.allocate(granted - got)
+            victims = self.index.allocate(granted - got, pool)
             if len(victims):
                 self.index.add_saving(keys.take(slice(got, got + len(victims))), victims, first + got)
                 slots = np.concatenate((slots, victims)) if got else victims
@@ -123,7 +162,7 @@ class SavePlanner:
         if got < n_keep:
             keep, keys = keep[:got], keys.take(slice(0, got))
         if got:
-            reserved = self.staging.reserve_up_to(got, self.chunk_bytes)
+            reserved = self.staging.reserve_up_to(got, unit)
             assert reserved == got, (reserved, got)  # got <= room(), and nothing reserved since
             base = self.ledger.open_batch(slots, self.clock() + self.save_timeout_s, step)
             assert base == first, (base, first)  # the save ids the chunks were named under

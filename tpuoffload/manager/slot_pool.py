@@ -8,7 +8,8 @@ from tpuoffload.manager.kernels import kernels
 
 
 class SlotPool:
-    """Free list of slot numbers ``0 .. num_slots - 1``, handed out and taken back in batches.
+    """Free list of slot numbers ``first .. first + num_slots - 1``, handed out and taken back in
+    batches.
 
     Contract: ``take(n)`` returns up to ``n`` distinct slots that are not currently allocated
     (fewer only when the pool runs out; never blocks, never grows), lowest numbers first on a
@@ -16,14 +17,16 @@ class SlotPool:
     a double free is a bookkeeping bug that would hand one slot to two chunks.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, first: int = 0) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.num_slots = num_slots
+        self.first = first
+        self.stop = first + num_slots
         # A stack: free slots are _stack[:_top], the next one handed out is _stack[_top - 1].
-        self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
+        self._stack = np.arange(self.stop - 1, first - 1, -1, dtype=np.int64)
         self._top = num_slots
-        self._allocated = np.zeros(num_slots, dtype=bool)
+        self._allocated = np.zeros(self.stop, dtype=bool)  # indexed by slot number
 
     @property
     def num_free(self) -> int:
@@ -51,8 +54,9 @@ class SlotPool:
         k = len(slots)
         if not k:
             return
-        if slots.min() < 0 or slots.max() >= self.num_slots:
-            raise ValueError(f"slots out of range 0..{self.num_slots - 1}: {slots[(slots < 0) | (slots >= self.num_slots)][:8]}")
+        if slots.min() < self.first or slots.max() >= self.stop:
+            bad = (slots < self.first) | (slots >= self.stop)
+            raise ValueError(f"slots out of range {self.first}..{self.stop - 1}: {slots[bad][:8]}")
         if not self._allocated[slots].all():
             raise ValueError(f"slots not allocated: {slots[~self._allocated[slots]][:8]}")
         if k > 1 and len(np.unique(slots)) != k:
@@ -66,6 +70,8 @@ class SlotPool:
         slots = np.asarray(slots, dtype=np.int64)
         if not len(slots):
             return
+        if slots.min() < self.first or slots.max() >= self.stop:
+            raise ValueError(f"take_these: slots out of range {self.first}..{self.stop - 1}")
         if self._allocated[slots].any() or len(np.unique(slots)) != len(slots):
             raise ValueError("take_these: a slot is allocated already or listed twice")
         self._allocated[slots] = True

@@ -74,23 +74,46 @@ def storage_factor(vllm_config: "VllmConfig") -> int:
     return factor
 
 
+def _is_state(spec) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
 def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor: int = 1) -> int:
-    """Bytes one worker process stores per chunk (one block of every array): vLLM's page sizes cover
-    the whole mesh, so the sum over KV cache groups of ``page_size_bytes * layers``, times
-    ``storage_factor``, is divided by the number of reporting processes."""
+    """Bytes one worker process stores per KV chunk (one block of every attention array): vLLM's
+    page sizes cover the whole mesh, so the sum over KV cache groups of ``page_size_bytes *
+    layers``, times ``storage_factor``, is divided by the number of reporting processes."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) > 1:
+    if any(_is_state(g.kv_cache_spec) for g in groups):
+        # A GDN/mamba hybrid: tpu-inference pads every page to one size (attention page + the
+        # mamba pages), but an attention array's block is its real page; one array per layer.
+        total = factor * max(g.kv_cache_spec.real_page_size_bytes * len(g.layer_names)
+                             for g in groups if not _is_state(g.kv_cache_spec))
+    elif len(groups) > 1:
         # vLLM's hybrid KV cache manager: the groups share one block pool and tpu-inference's
         # arrays each serve one layer of every group, so a chunk (one block of every array, keyed
         # by its group) is a page of the largest group's layers.
         total = factor * max(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     else:
         total = factor * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    return _per_worker(total, num_workers, "one block of every layer")
+
+
+def host_state_bytes(kv_cache_config: "KVCacheConfig", num_workers: int) -> int:
+    """Bytes one worker process stores per state chunk (one row of every GDN/mamba state array:
+    the real, unpadded state of every mamba layer); 0 without mamba layers."""
+    total = sum(g.kv_cache_spec.real_page_size_bytes * len(g.layer_names)
+                for g in kv_cache_config.kv_cache_groups if _is_state(g.kv_cache_spec))
+    return _per_worker(total, num_workers, "one state row of every GDN layer") if total else 0
+
+
+def _per_worker(total: int, num_workers: int, what: str) -> int:
     if total <= 0:
         raise ValueError("the KV cache config has no layers: nothing to offload")
     if total % num_workers:
-        raise ValueError(f"one block of every layer is {total} bytes, which does not divide over "
-                         f"{num_workers} reporting worker processes")
+        raise ValueError(f"{what} is {total} bytes, which does not divide over {num_workers} reporting worker "
+                         "processes")
     return total // num_workers
 
 
