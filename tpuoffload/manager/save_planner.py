@@ -112,8 +112,9 @@ class SavePlanner:
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
 
     def _claim_pools(self, packed: PackedHashes, pools: np.ndarray, step: int) -> Claim:
-        """``claim`` of each pool's candidates in turn (pool order), as one Claim: its chunks are
-        pool 0's claimed chunks then pool 1's, under consecutive save ids."""
+        """``claim`` of each pool's candidates in turn, as one Claim: its chunks are pool 0's
+        claimed chunks then pool 1's, under consecutive save ids. The KV pool claims first: a
+        state chunk serves a hit only with every attention chunk before it."""
         rows = np.frombuffer(packed.buf, np.uint8).reshape(len(packed), packed.width)
         claims, positions = [], []
         for pool in np.unique(pools).tolist():
