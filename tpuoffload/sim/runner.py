@@ -103,7 +103,7 @@ class RunnerStats:
     positions_verified: int = 0
     mismatches: int = 0
     mismatched_requests: set[str] = field(default_factory=set)
-    # The last step's wrong reads: block id (the engine's numbering, group 0) -> positions.
+    # The last step's wrong reads: block id (the engine's numbering, first served group) -> positions.
     step_mismatches: dict[int, int] = field(default_factory=dict)
 
 
@@ -134,6 +134,8 @@ class SyntheticRunner:
         self.serves = tuple(tuple(map(tuple, s)) for s in serves) if serves is not None else \
             tuple(((0, i),) for i in range(len(kv_caches)))
         self.windows = tuple(windows)
+        # Groups no array serves (a GDN model's state groups: gdn_runner) are neither checked nor counted.
+        self._served_groups = sorted({g for s in self.serves for g, _ in s})
         self._reqs: dict[str, _Req] = {}
         self.stats = RunnerStats()
         self._step_fn = _step_program(tuple(self._rests), tuple(self._dtypes),
@@ -234,26 +236,36 @@ class SyntheticRunner:
         n_w, n_r = len(w_off), len(r_off)
         self.stats.steps += 1
         self.stats.tokens_written += n_w
-        self.stats.positions_verified += sum(map(sum, r_ok)) if G > 1 else n_r
+        self.stats.positions_verified += sum(sum(r_ok[g]) for g in self._served_groups) if G > 1 else n_r
         pad_w = _bucket(n_w) - n_w
         pad_r = _bucket(n_r) - n_r
         caches, bad = self._step_fn(
-            tuple(self.kv_caches),
+            tuple(self._kv_arrays()),
             np.array([b + [self.num_blocks] * pad_w for b in w_blk], np.int32), np.array(w_off + [0] * pad_w, np.int32),
             np.array(w_hash + [0] * pad_w, np.uint32),
             np.array([b + [0] * pad_r for b in r_blk], np.int32), np.array([k + [False] * pad_r for k in r_ok], bool),
             np.array(r_off + [0] * pad_r, np.int32), np.array(r_hash + [0] * pad_r, np.uint32),
         )
-        self.kv_caches = list(caches)
+        self._store_kv_arrays(caches)
         self.stats.step_mismatches = {}
         if n_r:
             bad = np.asarray(bad)[:n_r]
             if bad.any():
                 self.stats.mismatches += int(bad.sum())
                 self.stats.mismatched_requests.update(r_req[i] for i in np.nonzero(bad)[0])
-                blocks, counts = np.unique(np.array(r_blk[0])[np.nonzero(bad)[0]], return_counts=True)
+                blocks, counts = np.unique(np.array(r_blk[self._served_groups[0]])[np.nonzero(bad)[0]],
+                                           return_counts=True)
                 self.stats.step_mismatches = dict(zip(blocks.tolist(), counts.tolist()))
         return sampled
+
+    def _kv_arrays(self) -> list[jax.Array]:
+        """The arrays the step writes and checks, in ``serves`` order (a subclass may hold them
+        inside a larger structure, as ``gdn_runner`` does)."""
+        return self.kv_caches
+
+    def _store_kv_arrays(self, arrays: Sequence[jax.Array]) -> None:
+        """Put back what the step returned for ``_kv_arrays()`` (its inputs were donated)."""
+        self.kv_caches = list(arrays)
 
     def expected_block(self, tokens: Sequence[int], block_index: int, array: int, kv_group: int = 0) -> np.ndarray:
         """What positions ``0..block_size-1`` of block ``block_index`` of a request with these token

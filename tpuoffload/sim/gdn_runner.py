@@ -1,0 +1,223 @@
+"""A synthetic runner for a GDN (Gated DeltaNet) hybrid's cache as tpu-inference 0.32 allocates it
+(``tpuoffload.sim.gdn_layout``): ``SyntheticRunner`` over the attention arrays plus a synthetic
+recurrent state in the (conv, ssm) arrays of every GDN layer.
+
+``kv_caches`` keeps tpu-inference's runner structure: a list whose GDN positions hold (conv, ssm)
+tuples of M-row arrays (the compact mamba pool) and whose attention positions hold KV arrays. The
+connector's worker half reads it and assigns the same structure back after a load.
+
+The state models what the GDN kernel does in vLLM's mamba cache mode "align"
+(layers/vllm/custom_ops/gdn_attention_op.py): a request's step reads its state from the row at mamba
+block-table column ``(num_computed - 1) // mamba_block_size`` and writes the state after the step to
+the row at column ``(seq_len - 1) // mamba_block_size`` (``gdn_layout.state_block_column``). Here the
+state after ``n`` tokens is, in every state array, a deterministic function of (array, element
+index, prefix hash of the first ``n`` tokens), exact in the array's dtype. Every step writes it for
+each scheduled request; a request's first step after (re)admission with ``num_computed > 0`` (a
+local prefix-cache hit, a connector load, a resumption) checks the row it reads, so a state that
+was never computed, was overwritten or was loaded wrong is counted in ``stats``.
+
+All mamba groups carry the same block ids (tpu-inference's hybrid coordinator mirrors the primary
+group's); the runner asserts it and uses the first mamba group's table.
+
+This module is simulation support: product code never imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tpuoffload.sim.runner import RunnerStats, SyntheticRunner, _bucket, kv_values, prefix_hashes
+
+#: A state array: (index in ``kv_caches``, 0 for conv / 1 for ssm).
+StateSlot = tuple[int, int]
+
+
+@dataclass
+class GdnRunnerStats(RunnerStats):
+    """``RunnerStats`` (the attention arrays) plus the state rows: one row is one state array of
+    one request."""
+
+    states_written: int = 0  # rows written (every state array, every scheduled request, every step)
+    states_verified: int = 0  # rows checked on (re)admission with num_computed > 0
+    state_mismatches: int = 0  # of those, rows not holding the state of the request's prefix
+    state_mismatched_requests: set[str] = field(default_factory=set)
+
+
+def state_salt(slot: StateSlot) -> int:
+    """The per-array term of the state value (distinct for every state array of the runner)."""
+    index, part = slot
+    return 2 * index + part
+
+
+@functools.lru_cache(maxsize=8)
+def _state_program(rests, dtypes, salts, shardings, mesh):
+    """Check, then write, one row of every state array per request, as the GDN kernel reads the
+    old state before it writes the new one (the two rows coincide inside an unaligned block).
+    ``r_row``/``r_hash``: rows to check and the prefix hash they must hold; ``w_row``/``w_hash``:
+    rows to write (out-of-range rows are padding and dropped). Returns the new arrays (the old are
+    donated) and ``bad[i, a]``: check ``i`` failed in array ``a``."""
+
+    def step(states, r_row, r_hash, w_row, w_hash):
+        out, bad = [], []
+        for arr, rest, dtype, salt in zip(states, rests, dtypes, salts):
+            got = arr[r_row].reshape(r_row.shape[0], -1)
+            want = kv_values(r_hash, salt, rest, dtype).reshape(r_row.shape[0], -1)
+            bad.append((got != want).any(axis=1))
+            out.append(arr.at[w_row].set(kv_values(w_hash, salt, rest, dtype), mode="drop"))
+        return tuple(out), jnp.stack(bad, axis=1)
+
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))
+
+
+@dataclass
+class _StatePlan:
+    """One step's state rows: checks (row, prefix hash, request) and writes (row, prefix hash)."""
+
+    r_row: list[int] = field(default_factory=list)
+    r_hash: list[int] = field(default_factory=list)
+    r_req: list[str] = field(default_factory=list)
+    w_row: list[int] = field(default_factory=list)
+    w_hash: list[int] = field(default_factory=list)
+
+
+class GdnRunner(SyntheticRunner):
+    """One host's runner for a GDN hybrid. ``kv_caches``: tpu-inference's structure (module doc),
+    replaced after every donating update."""
+
+    def __init__(self, kv_caches: Sequence, mesh: Mesh, *, kv_cache_config,
+                 layer_name_to_kvcache_index: dict[str, int], vocab: int = 32000) -> None:
+        """``kv_caches``: a (conv, ssm) tuple at every GDN layer's index, a KV array at every
+        attention layer's; ``kv_cache_config``: vLLM's (its groups say which layer, so which array,
+        is attention or state, and the block sizes); ``layer_name_to_kvcache_index``: the runner's
+        map from layer name to ``kv_caches`` index (the connector's worker half reads it too)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        self.mamba_groups = [g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, MambaSpec)]
+        assert self.mamba_groups, "no mamba group: use SyntheticRunner"
+        attention = [g for g in range(len(groups)) if g not in self.mamba_groups]
+        self.mamba_block_size = groups[self.mamba_groups[0]].kv_cache_spec.block_size
+        assert {groups[g].kv_cache_spec.block_size for g in self.mamba_groups} == {self.mamba_block_size}
+        index = layer_name_to_kvcache_index
+        # Attention arrays, each serving its group's layer (salt: its kv_caches index).
+        self._attn_index = [index[name] for g in attention for name in groups[g].layer_names]
+        serves = [((g, index[name]),) for g in attention for name in groups[g].layer_names]
+        windows = [getattr(grp.kv_cache_spec, "sliding_window", None) for grp in groups]
+        assert all(not isinstance(kv_caches[i], tuple) for i in self._attn_index)
+        super().__init__([kv_caches[i] for i in self._attn_index], mesh,
+                         block_size=groups[attention[0]].kv_cache_spec.block_size, vocab=vocab,
+                         serves=serves, windows=windows)
+        self.kv_caches: list = list(kv_caches)
+        self.layer_name_to_kvcache_index = dict(index)
+        self.state_slots: list[StateSlot] = [(i, part) for i, c in enumerate(kv_caches) if isinstance(c, tuple)
+                                             for part in range(len(c))]
+        assert {self._state_array(s).shape[0] for s in self.state_slots} == {self.num_state_rows}
+        self.stats = GdnRunnerStats()
+        arrays = [self._state_array(s) for s in self.state_slots]
+        self._state_fn = _state_program(tuple(tuple(a.shape[1:]) for a in arrays), tuple(a.dtype for a in arrays),
+                                        tuple(map(state_salt, self.state_slots)),
+                                        tuple(a.sharding for a in arrays), mesh)
+
+    @classmethod
+    def of(cls, layout, *, vocab: int = 32000) -> GdnRunner:
+        """A runner on zeroed arrays of ``layout``'s (a ``gdn_layout.GdnLayout``) shapes, dtypes and
+        shardings; the layout's own arrays are left alone (the runner donates its arrays)."""
+
+        def fresh(a: jax.Array) -> jax.Array:
+            return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
+
+        caches = [tuple(map(fresh, c)) if isinstance(c, tuple) else fresh(c) for c in layout.kv_caches]
+        return cls(caches, layout.mesh, kv_cache_config=layout.kv_cache_config,
+                   layer_name_to_kvcache_index=layout.layer_name_to_kvcache_index, vocab=vocab)
+
+    @property
+    def num_state_rows(self) -> int:
+        """M: rows of every state array (the compact mamba pool)."""
+        return self._state_array(self.state_slots[0]).shape[0]
+
+    def _state_array(self, slot: StateSlot) -> jax.Array:
+        index, part = slot
+        return self.kv_caches[index][part]
+
+    # ------------------------------------------------------------------ SyntheticRunner hooks
+    def _kv_arrays(self) -> list[jax.Array]:
+        return [self.kv_caches[i] for i in self._attn_index]
+
+    def _store_kv_arrays(self, arrays: Sequence[jax.Array]) -> None:
+        caches = list(self.kv_caches)
+        for i, a in zip(self._attn_index, arrays):
+            caches[i] = a
+        self.kv_caches = caches
+
+    def _forward(self, so) -> dict[str, int]:
+        plan = self._state_plan(so)  # before the attention step advances num_computed / verify_next
+        sampled = super()._forward(so)
+        self._run_states(plan)
+        return sampled
+
+    # ------------------------------------------------------------------ the state
+    def state_row(self, req_id: str, num_tokens: int) -> int:
+        """The row holding request ``req_id``'s state after ``num_tokens`` tokens, per the block
+        table this runner holds for it (the first mamba group's; the others carry the same ids)."""
+        tables = self._reqs[req_id].block_ids
+        primary = tables[self.mamba_groups[0]]
+        assert all(tables[g] == primary for g in self.mamba_groups), f"{req_id}: mamba groups differ"
+        return primary[max(num_tokens - 1, 0) // self.mamba_block_size]
+
+    def _state_plan(self, so) -> _StatePlan:
+        """The rows this step checks (first step after admission with num_computed > 0: the row the
+        kernel reads) and writes (every scheduled request: the row at the step's end column)."""
+        plan = _StatePlan()
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self._reqs[req_id]
+            start, end = req.num_computed, req.num_computed + n
+            assert end <= len(req.hashes), f"{req_id}: {end} tokens scheduled, {len(req.hashes)} known"
+            if req.verify_next and start:
+                plan.r_row.append(self.state_row(req_id, start))
+                plan.r_hash.append(req.hashes[start - 1])
+                plan.r_req.append(req_id)
+            row = self.state_row(req_id, end)
+            assert row != 0, f"{req_id}: the state after {end} tokens would go to the null block"
+            plan.w_row.append(row)
+            plan.w_hash.append(req.hashes[end - 1])
+        return plan
+
+    def _run_states(self, plan: _StatePlan) -> None:
+        n_r, n_w = len(plan.r_row), len(plan.w_row)
+        pad_r, pad_w = _bucket(n_r) - n_r, _bucket(n_w) - n_w
+        states, bad = self._state_fn(
+            tuple(self._state_array(s) for s in self.state_slots),
+            np.array(plan.r_row + [0] * pad_r, np.int32), np.array(plan.r_hash + [0] * pad_r, np.uint32),
+            np.array(plan.w_row + [self.num_state_rows] * pad_w, np.int32),
+            np.array(plan.w_hash + [0] * pad_w, np.uint32))
+        self._store_states(states)
+        self.stats.states_written += n_w * len(self.state_slots)
+        self.stats.states_verified += n_r * len(self.state_slots)
+        if n_r:
+            bad = np.asarray(bad)[:n_r]
+            self.stats.state_mismatches += int(bad.sum())
+            self.stats.state_mismatched_requests.update(plan.r_req[i] for i in np.nonzero(bad.any(axis=1))[0])
+
+    def _store_states(self, states: Sequence[jax.Array]) -> None:
+        """Rebuild ``kv_caches`` with new state arrays: tuples stay tuples, as tpu-inference holds them."""
+        caches = list(self.kv_caches)
+        for (index, part), a in zip(self.state_slots, states):
+            parts = list(caches[index])
+            parts[part] = a
+            caches[index] = tuple(parts)
+        self.kv_caches = caches
+
+    def expected_state(self, tokens: Sequence[int], num_tokens: int, array: StateSlot) -> np.ndarray:
+        """What state array ``array`` (``(kv_caches index, 0 conv / 1 ssm)``) must hold in a row
+        holding the state of a request with these token ids after its first ``num_tokens`` tokens:
+        the row's shape (the array's shape without axis 0)."""
+        a = self._state_array(array)
+        h = prefix_hashes(tokens[:num_tokens])[-1]
+        return np.asarray(kv_values(np.array([h], np.uint32), state_salt(array), tuple(a.shape[1:]), a.dtype))[0]
