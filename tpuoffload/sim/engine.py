@@ -1,5 +1,6 @@
 """An in-process engine: vLLM's real Scheduler (or AsyncScheduler), the connector, and one
-SyntheticRunner per simulated host, stepped the way vLLM's EngineCore steps them.
+SyntheticRunner per simulated host, stepped the way vLLM's EngineCore steps them (a GdnRunner, and
+tpu-inference's hybrid coordinator under the scheduler, for a GDN hybrid: ``EngineSpec.gdn``).
 
 Each host's cache is what tpu-inference's ``create_kv_caches`` allocates for ``EngineSpec.layout``
 on that host's own devices (a full copy of the mesh per host); the multi-process pod slice
@@ -9,6 +10,7 @@ config reports the page size a slice of ``num_hosts`` such hosts would.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
@@ -17,8 +19,12 @@ from typing import Any
 
 import jax
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
 from tpuoffload.connector import TPUOffloadConnector
 from tpuoffload.layout import CacheLayout
+from tpuoffload.sim import gdn_layout as gl
+from tpuoffload.sim.gdn_runner import GdnRunner
 from tpuoffload.sim.hybrid_layouts import HybridLayoutSpec, create_hybrid_cache, runner_roles
 from tpuoffload.sim.runner import SyntheticRunner
 from tpuoffload.sim.tpu_layouts import TpuLayoutSpec, create_caches, scheduler_kv_shape
@@ -46,6 +52,10 @@ class EngineSpec:
     # arrays and vLLM's KV cache config for ``kv_budget_bytes`` of KV memory per host.
     hybrid: HybridLayoutSpec | None = None
     kv_budget_bytes: int = 0
+    # A GDN (Qwen3.5-like) hybrid instead of ``layout``: every host's arrays, vLLM's config and its
+    # scheduler (tpu-inference's hybrid coordinator) as sim/gdn_layout.py builds them; the spec's
+    # own batch sizes apply.
+    gdn: gl.GdnLayoutSpec | None = None
     kv_events: dict[str, Any] | None = None  # vLLM's --kv-events-config (KVEventsConfig fields)
 
 
@@ -85,12 +95,55 @@ class InProcessEngine:
         layout = dataclasses.replace(spec.layout, num_blocks=spec.num_blocks or spec.layout.num_blocks,
                                      block_size=spec.block_size or spec.layout.block_size)
         devices = jax.devices()
-        per_host = spec.hybrid.num_devices if spec.hybrid is not None else layout.num_devices
+        per_host = spec.hybrid.num_devices if spec.hybrid is not None else \
+            spec.gdn.tp if spec.gdn is not None else layout.num_devices
         need = spec.num_hosts * per_host
         if len(devices) < need:
             raise ValueError(f"{spec.num_hosts} hosts x {per_host} devices need {need} devices; "
                              f"JAX has {len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
         host_devices = [devices[h * per_host:(h + 1) * per_host] for h in range(spec.num_hosts)]
+        faults = list(faults) if faults is not None else [None] * spec.num_hosts
+        if spec.gdn is not None:
+            self._init_gdn(spec, host_devices, faults)
+        else:
+            self._init_attention(spec, layout, host_devices, faults)
+        self.aggregator = (KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
+                           if spec.num_hosts > 1 else None)
+        self._queue: deque = deque()
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.steps = 0
+        self.stats = OffloadStats()  # everything vLLM's stats path delivered, merged
+        self.drop_report = None  # test hook: callable(step, host) -> bool, drops that host's worker report
+
+    def _init_gdn(self, spec: EngineSpec, host_devices, faults) -> None:
+        """Every host's GDN layout, one scheduler (tpu-inference's hybrid coordinator under vLLM's
+        real scheduler) with the connector configured, a GdnRunner and a worker connector per host."""
+        gdn = dataclasses.replace(spec.gdn, async_scheduling=spec.async_scheduling)
+        layouts = [gl.build(gdn, d) for d in host_devices]
+        self.gdn_layout = layouts[0]  # what requests are built from (gl.make_request)
+        extra = dict(spec.extra_config, **({"num_hosts": spec.num_hosts} if spec.num_hosts > 1 else {}))
+        vllm_config = gl.make_vllm_config(gdn, extra)
+        self.scheduler, _ = gl.make_scheduler(layouts[0], vllm_config=vllm_config)
+        self.runners, self.connectors = [], []
+        for host, layout in enumerate(layouts):
+            runner = GdnRunner.of(layout)
+            connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER,
+                                            copy.deepcopy(layout.worker_kv_cache_config))
+            self._attach(host, runner, connector, faults)
+
+    def _attach(self, host: int, runner, connector, faults) -> None:
+        """Give ``connector`` this host's worker (its host id and faults) and register ``runner``."""
+        connector.worker = OffloadWorker(connector.config, host_id=host, faults=faults[host],
+                                         deployment=connector.worker.deployment,
+                                         kv_cache_config=connector.worker.kv_cache_config)
+        connector.register_runner(runner)
+        self.runners.append(runner)
+        self.connectors.append(connector)
+
+    def _init_attention(self, spec: EngineSpec, layout: TpuLayoutSpec, host_devices, faults) -> None:
+        """Every host's attention cache (tpu-inference's create_kv_caches, or a hybrid layout's
+        arrays), vLLM's scheduler over it, a SyntheticRunner and a worker connector per host."""
         common = dict(kv_connector_extra_config=spec.extra_config, async_scheduling=spec.async_scheduling,
                       max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                       tensor_parallel_size=spec.num_hosts, kv_events=spec.kv_events, **spec.scheduler_kwargs)
@@ -110,7 +163,6 @@ class InProcessEngine:
                 num_blocks=layout.num_blocks, block_size=layout.block_size,
                 **scheduler_kv_shape(slot_bytes * spec.num_hosts, layout.block_size), **common)
             block_size = layout.block_size
-        faults = list(faults) if faults is not None else [None] * spec.num_hosts
         self.runners: list[SyntheticRunner] = []
         self.connectors = []
         for host, (caches, mesh) in enumerate(host_caches):
@@ -118,21 +170,7 @@ class InProcessEngine:
                                      windows=roles.get("windows", (None,)))
             if roles:
                 runner.layer_name_to_kvcache_index = roles["layer_name_to_kvcache_index"]
-            connector = make_worker_connector(self.scheduler)
-            connector.worker = OffloadWorker(connector.config, host_id=host, faults=faults[host],
-                                             deployment=connector.worker.deployment,
-                                             kv_cache_config=connector.worker.kv_cache_config)
-            connector.register_runner(runner)
-            self.runners.append(runner)
-            self.connectors.append(connector)
-        self.aggregator = (KVOutputAggregator.from_connector(self.scheduler.connector, spec.num_hosts)
-                           if spec.num_hosts > 1 else None)
-        self._queue: deque = deque()
-        self.outputs: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
-        self.steps = 0
-        self.stats = OffloadStats()  # everything vLLM's stats path delivered, merged
-        self.drop_report = None  # test hook: callable(step, host) -> bool, drops that host's worker report
+            self._attach(host, runner, make_worker_connector(self.scheduler), faults)
 
     @property
     def offload(self):
