@@ -27,6 +27,7 @@ import pytest
 from tpuoffload.manager.kv_groups import MIRROR, NULL_BLOCK, STATE_POOL, KVCacheGroups
 from tpuoffload.sim import gdn_layout as gl
 from tpuoffload.sim.engine import EngineSpec, InProcessEngine
+from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 SPEC = dataclasses.replace(gl.QWEN35_LIKE, max_num_seqs=4, max_num_batched_tokens=256)
 BS = SPEC.block_size
@@ -158,5 +159,51 @@ def test_a_state_load_that_is_skipped_is_caught():
         eng.settle()
         assert eng.runners[0].stats.state_mismatches >= 3
         assert eng.runners[0].stats.mismatches == 0  # the attention blocks did load
+    finally:
+        eng.close()
+
+
+class LoseStateRows(FaultInjector):
+    """A host loses the first state row of a step's loads (the first listed request's), ``times``
+    times: a step's state rows are checked in the second slot check of its load call (the state
+    pool's engine runs after the attention pool's: worker/pooled_engine.py)."""
+
+    def __init__(self, times: int):
+        self.times = times
+        self.calls = 0
+        self.lost = 0
+
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        if point is not FaultPoint.LOAD_SLOT_CHECK:
+            return set()
+        self.calls += 1
+        if self.calls % 2 or self.times <= 0:
+            return set()
+        self.times -= 1
+        self.lost += 1
+        return {0}
+
+
+@pytest.mark.parametrize("async_scheduling", VARIANTS)
+def test_a_lost_state_row_on_one_host_is_recomputed_on_every_host(async_scheduling):
+    """Two hosts; host 1 loses the state rows of the second wave's first load. vLLM takes the
+    failure by request (several KV cache groups): the request is recomputed on both hosts, every
+    read stays exact, nothing crashes or leaks, and the other requests still hit."""
+    fault = LoseStateRows(times=1)
+    extra = dict(EXTRA, num_cpu_chunks=64)
+    eng = _engine(async_scheduling, hosts=2, extra=extra, faults=[None, fault])
+    try:
+        loads = _loads(eng)
+        prefixes = _waves(eng)
+        t = eng.stats.reduce()
+        assert fault.lost == 1 and t["load_errors"] == 1 and t["failed_requests"] == 1, t
+        # Both hosts were handed the same three loads; the first request's failed (host 1) and was
+        # recomputed everywhere, the other two were served whole with their states.
+        assert [(h, ld.req_id) for h, ld, _ in loads] == [(h, f"1{i}") for h in (0, 1) for i in range(3)]
+        assert t["hit_tokens"] == sum(len(p) for p in prefixes), t  # admitted hits, the lost one included
+        a, b = (r.stats for r in eng.runners)
+        assert a.states_verified == b.states_verified == 2 * len(eng.runners[0].state_slots)  # 2 requests' rows
+        assert (a.steps, a.tokens_written, a.states_written) == (b.steps, b.tokens_written, b.states_written)
+        _check_clean(eng)
     finally:
         eng.close()
