@@ -235,7 +235,7 @@ class InProcessEngine:
             self._process(so, self._execute(so))
 
     def mismatches(self) -> int:
-        return sum(r.stats.mismatches for r in self.runners)
+        return sum(r.wrong_reads() for r in self.runners)
 
     def close(self) -> None:
         """Shut down as vLLM's engine core does: the workers (executor) first, then the scheduler

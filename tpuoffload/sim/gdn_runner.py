@@ -214,6 +214,10 @@ class GdnRunner(SyntheticRunner):
             caches[index] = tuple(parts)
         self.kv_caches = caches
 
+    def wrong_reads(self) -> int:
+        """Wrong attention positions and wrong state rows read so far."""
+        return self.stats.mismatches + self.stats.state_mismatches
+
     def expected_state(self, tokens: Sequence[int], num_tokens: int, array: StateSlot) -> np.ndarray:
         """What state array ``array`` (``(kv_caches index, 0 conv / 1 ssm)``) must hold in a row
         holding the state of a request with these token ids after its first ``num_tokens`` tokens:

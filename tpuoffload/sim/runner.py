@@ -267,6 +267,10 @@ class SyntheticRunner:
         """Put back what the step returned for ``_kv_arrays()`` (its inputs were donated)."""
         self.kv_caches = list(arrays)
 
+    def wrong_reads(self) -> int:
+        """Every read so far that did not hold what the synthetic model computed."""
+        return self.stats.mismatches
+
     def expected_block(self, tokens: Sequence[int], block_index: int, array: int, kv_group: int = 0) -> np.ndarray:
         """What positions ``0..block_size-1`` of block ``block_index`` of a request with these token
         ids must hold in ``array`` for KV cache group ``kv_group``: (block_size, *rest). None when
