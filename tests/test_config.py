@@ -34,7 +34,7 @@ def test_every_key_accepts_a_good_value():
         "save_decode_blocks": "yes", "load_wait_timeout_s": 2.5, "save_timeout_s": "30", "stats_dir": "/tmp/x",
         "stats_interval_s": 0, "transfer_buffer_bytes": 1 << 24, "num_hosts": 4,
         "persist_path": "/tmp/ckpt", "persist_interval_s": "600", "persist_timeout_s": 30,
-        "disk_path": "/nvme/kv-{host}", "disk_bytes_to_use": 1 << 30,
+        "disk_path": "/nvme/kv-{host}", "disk_bytes_to_use": 1 << 30, "state_ram_fraction": "0.4",
     }
     assert set(extra) == set(KNOWN_KEYS)  # this test covers every key there is
     cfg = parse(extra)
@@ -48,6 +48,7 @@ def test_every_key_accepts_a_good_value():
     assert cfg.persist_path == "/tmp/ckpt" and cfg.persist_interval_s == 600.0 and cfg.persist_timeout_s == 30.0
     assert cfg.stats_dir == "/tmp/x" and cfg.stats_interval_s == 0.0
     assert cfg.transfer_buffer_bytes == 1 << 24 and cfg.num_hosts == 4
+    assert cfg.state_ram_fraction == 0.4 and cfg.pool_bytes(4096, 2) == (123456789 - 49382715, 49382715)
 
 
 def test_chunks_instead_of_bytes():
@@ -148,6 +149,8 @@ BAD = [
     ("persist_path", ""), ("persist_path", 3), ("persist_interval_s", -1), ("persist_interval_s", "hourly"),
     ("persist_timeout_s", 0), ("persist_timeout_s", "long"),
     ("disk_path", ""), ("disk_path", 7), ("disk_bytes_to_use", 0), ("disk_bytes_to_use", "lots"),
+    ("state_ram_fraction", 0), ("state_ram_fraction", 1), ("state_ram_fraction", 1.5), ("state_ram_fraction", -0.1),
+    ("state_ram_fraction", "half"), ("state_ram_fraction", True),
 ]
 
 
