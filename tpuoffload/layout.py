@@ -174,6 +174,89 @@ class CacheLayout:
         return cls(tuple(groups), len(kv_caches))
 
 
+@dataclass(frozen=True)
+class CachePools:
+    """``runner.kv_caches`` split by block pool. tpu-inference allocates a GDN/mamba hybrid's
+    caches as one jax.Array per attention layer, whose blocks are the attention pool's, and one
+    ``(conv, ssm)`` tuple per GDN layer, whose rows are a separate compact state pool's: the same
+    block id names different storage in the two. Pool 0 is every plain array entry, pool 1 every
+    element of every tuple entry, each in runner order; ``CacheLayout.from_caches`` describes each
+    pool's flat list."""
+
+    #: Per runner entry: None for a plain array (pool 0), else the length of its tuple (pool 1).
+    widths: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, kv_caches: Sequence) -> "CachePools":
+        """The pools of ``runner.kv_caches``. Raises UnsupportedCache naming an entry that is
+        neither a jax.Array nor a non-empty tuple of them, or a model with state layers only."""
+        if not kv_caches:
+            raise ValueError("runner.kv_caches is empty: register the runner after the KV cache is allocated")
+        widths: list[int | None] = []
+        for i, c in enumerate(kv_caches):
+            if isinstance(c, tuple):
+                bad = [type(a).__name__ for a in c if not isinstance(a, jax.Array)]
+                if not c or bad:
+                    raise UnsupportedCache(f"kv_caches[{i}] is a tuple of {len(c)} entries (not arrays: {bad}): a "
+                                           "state layer must be a non-empty tuple of jax.Arrays")
+                widths.append(len(c))
+            elif isinstance(c, jax.Array):
+                widths.append(None)
+            else:
+                raise UnsupportedCache(f"kv_caches[{i}] is {type(c).__name__}, not a jax.Array or a tuple of them")
+        if all(w is not None for w in widths):
+            raise UnsupportedCache("kv_caches holds state tuples only: a model without attention layers has no KV "
+                                   "chunks for tpuoffload to key its state chunks by")
+        return cls(tuple(widths))
+
+    @property
+    def num(self) -> int:
+        """1 (attention arrays only) or 2 (with a state pool)."""
+        return 2 if any(w is not None for w in self.widths) else 1
+
+    def arrays(self, kv_caches: Sequence, pool: int) -> list[jax.Array]:
+        """Pool ``pool``'s arrays of ``kv_caches`` (laid out as at ``of``), flat, in runner order."""
+        self._check(kv_caches, pool)
+        if pool == 0:
+            return [c for c, w in zip(kv_caches, self.widths) if w is None]
+        return [a for c, w in zip(kv_caches, self.widths) if w is not None for a in c]
+
+    def put(self, kv_caches: Sequence, pool: int, arrays: Sequence[jax.Array]) -> list:
+        """A new runner list: ``kv_caches`` with pool ``pool``'s arrays replaced by ``arrays`` (in
+        ``arrays``' order), tuple entries rebuilt as tuples; the other pool's entries as they were."""
+        self._check(kv_caches, pool)
+        mine = [(w is None) == (pool == 0) for w in self.widths]
+        held = sum(w or 1 for w, m in zip(self.widths, mine) if m)
+        if len(arrays) != held:
+            raise ValueError(f"{len(arrays)} arrays for pool {pool}, which holds {held}")
+        out, at = [], 0
+        for c, w, m in zip(kv_caches, self.widths, mine):
+            if not m:
+                out.append(c)
+            elif w is None:
+                out.append(arrays[at])
+                at += 1
+            else:
+                out.append(tuple(arrays[at:at + w]))
+                at += w
+        return out
+
+    def describe(self) -> str:
+        """The pools in words (for logs and errors)."""
+        state = [i for i, w in enumerate(self.widths) if w is not None]
+        out = f"pool 0: {len(self.widths) - len(state)} attention arrays"
+        if state:
+            out += f"; pool 1: {sum(self.widths[i] for i in state)} state arrays of {len(state)} state layers {state}"
+        return out
+
+    def _check(self, kv_caches: Sequence, pool: int) -> None:
+        """``pool`` exists and ``kv_caches`` has the entries the pools were split from."""
+        if pool not in range(self.num):
+            raise ValueError(f"no pool {pool}: these caches have {self.num}")
+        if len(kv_caches) != len(self.widths):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the pools were split from {len(self.widths)}")
+
+
 def _group(layers: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding,
            offset: int) -> GroupLayout:
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
