@@ -61,10 +61,10 @@ class Harness:
         # (same_chunk=False: a test that misconfigures the number of reporting workers on purpose).
         # (A hybrid layout's hosts each hold the whole mesh, vLLM's config the mesh once: the
         # scheduler's share per host is 1/hosts of a host's slot, and num_cpu_chunks sets the slots.)
-        want = chunk_bytes() if hybrid is None else self.eng.connectors[0].worker.engine.backend.slot_bytes
+        want = chunk_bytes() if hybrid is None else self.eng.connectors[0].worker.engine.tables[0].slot_bytes
         if same_chunk:
             assert self.eng.offload.chunk_bytes * (hosts if hybrid is not None else 1) == want
-        assert all(c.worker.engine.backend.slot_bytes == want for c in self.eng.connectors)
+        assert all(c.worker.engine.tables[0].slot_bytes == want for c in self.eng.connectors)
         self.prompts: dict[str, list[int]] = {}
         self.requests: dict = {}  # req_id -> vllm Request
         self.outputs: list = []  # SchedulerOutputs, in schedule order

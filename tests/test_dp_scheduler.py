@@ -153,7 +153,7 @@ def test_ranks_with_the_same_local_blocks_and_slots_never_meet():
     runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
     worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 23}), host_id=0)
     worker.register_runner(runner)
-    per_rank_slots = worker.engine.backend.num_slots // 2
+    per_rank_slots = worker.engine.num_slots(0) // 2
     bpr = caches[0].shape[0] // 2  # blocks per rank
 
     save = [_rank_plan(r, bpr, 0, per_rank_slots, save=SaveBatch((3,), (0,), (0,))) for r in range(2)]
@@ -245,7 +245,7 @@ def _dp_worker(seed: int = 0):
     runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
     worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 23}), host_id=0)
     worker.register_runner(runner)
-    return worker, runner, original, worker.engine.backend.num_slots // 2, caches[0].shape[0] // 2
+    return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
 
 
 def _step(worker: OffloadWorker, plans: list[StepPlan]) -> set[int]:
@@ -299,7 +299,7 @@ def test_a_slot_reused_by_its_rank_in_the_step_another_rank_loads_it_is_never_ga
     for check in ((True, False) if when == "flush" else (True,)):
         worker, runner, original, per_rank, bpr = _dp_worker(seed=1)
         if not check:
-            monkeypatch.setattr(worker.engine, "_unusable", lambda *a: set())
+            monkeypatch.setattr(worker.engine.engines[0], "_unusable", lambda *a: set())
         assert _step(worker, [_rank_plan(0, bpr, 0, per_rank, save=SaveBatch((3,), (0,), (0,)))]) == set()
         s, i = _cross(0, 0, owner=0, planner=1, per_rank_slots=per_rank)
         reuse = SaveBatch((5,), (0,), (1,))  # rank 0's new chunk (block 5) in the same slot

@@ -138,7 +138,7 @@ def test_table_matches_engine_counters(real_run, capsys):
         assert float(row["loaded_GiB"]) == pytest.approx(totals["bytes_loaded"] / GiB, abs=6e-4)
         assert int(row["failed"]) == 0 and int(row["inflight"]) == 0
         assert int(row["step"]) == last.step and row["digest"] == last.digest[:8]
-        backend = real_run.eng.connectors[h].worker.engine.backend
+        backend = real_run.eng.connectors[h].worker.engine.tables[0]
         assert row["slots"] == f"{backend.num_used()}/{backend.num_slots}"
         assert backend.num_used() == EXPECT_SAVED_PER_HOST
     sched = real_run.eng.offload.totals

@@ -40,7 +40,7 @@ def test_continue_decode_hook_order_loads_exact_saves_skipped_no_crash():
     original = [np.asarray(c) for c in runner.kv_caches]
 
     # Step 0: a normal step saves blocks 3 and 4 into slots 0 and 1.
-    worker.bind(OffloadMetadata([StepPlan(step=0, num_slots=worker.engine.backend.num_slots,
+    worker.bind(OffloadMetadata([StepPlan(step=0, num_slots=worker.engine.num_slots(0),
                                 save=SaveBatch((3, 4), (0, 1), (100, 101)))]))
     worker.start_load()
     worker.wait_for_save()
@@ -49,7 +49,7 @@ def test_continue_decode_hook_order_loads_exact_saves_skipped_no_crash():
     assert worker.build_report() == OffloadWorkerReport.from_host(0, saved_ids=[100, 101])
 
     # Step 1, continue-decode: loads of slots 0, 1 into blocks 10, 11 and a save of block 5.
-    meta = OffloadMetadata([StepPlan(step=1, num_slots=worker.engine.backend.num_slots,
+    meta = OffloadMetadata([StepPlan(step=1, num_slots=worker.engine.num_slots(0),
                            save=SaveBatch((5,), (2,), (102,)),
                            loads=(LoadRequest("r", (10, 11), (0, 1), (100, 101)),))])
     worker.bind(meta)  # the loads are dispatched here, before the loop reads runner.kv_caches
@@ -79,7 +79,7 @@ def test_load_failure_in_dispatch_is_counted_and_reported():
     worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 22}), host_id=0)
     worker.register_runner(runner)
     # Slots never written: every block of the load fails on this host.
-    worker.bind(OffloadMetadata([StepPlan(step=0, num_slots=worker.engine.backend.num_slots,
+    worker.bind(OffloadMetadata([StepPlan(step=0, num_slots=worker.engine.num_slots(0),
                                 loads=(LoadRequest("r", (1, 2, 3), (0, 1, 2), (7, 8, 9), (4,)),))]))
     worker.wait_for_save()
     errors = worker.take_load_errors()

@@ -98,7 +98,7 @@ class InProcSlice(PodSlice):
             if chaos.broken:
                 from tpuoffload.sim.broken import break_engine
 
-                break_engine(connector.worker.engine, chaos.broken, rank)
+                break_engine(connector.worker.engine.engines[0], chaos.broken, rank)
             stall = self._stall[1] if self._stall is not None and self._stall[0] == rank else None
             self.hosts.append(_Host(rank, runner, connector, injector, random.Random(chaos.seed * 7 + rank), stall))
         self.start_state = self.worker_state()
@@ -124,7 +124,8 @@ class InProcSlice(PodSlice):
                      "mismatched_requests": sorted(runner.stats.mismatched_requests),
                      "positions_verified": runner.stats.positions_verified,
                      "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
-                     "backend_bytes": engine.backend.nbytes, "backend_slots_used": engine.backend.num_used(),
+                     "backend_bytes": sum(t.nbytes for t in engine.tables),
+                     "backend_slots_used": sum(t.num_used() for t in engine.tables),
                      "steps": runner.stats.steps, "faults_injected": dict(host.injector.hits),
                      "idle_report": connector.worker.idle_report()}
             return state

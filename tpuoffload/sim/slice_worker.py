@@ -87,7 +87,7 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
         if chaos.broken:
             from tpuoffload.sim.broken import break_engine
 
-            break_engine(connector.worker.engine, chaos.broken, rank)
+            break_engine(connector.worker.engine.engines[0], chaos.broken, rank)
     except Exception:
         send_frame(stdout, ("error", traceback.format_exc()))
         os._exit(1)
@@ -115,8 +115,8 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
                                "mismatched_requests": sorted(runner.stats.mismatched_requests),
                                "positions_verified": runner.stats.positions_verified,
                                "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
-                               "backend_bytes": eng.backend.nbytes,
-                               "backend_slots_used": eng.backend.num_used(),
+                               "backend_bytes": sum(t.nbytes for t in eng.tables),
+                               "backend_slots_used": sum(t.num_used() for t in eng.tables),
                                "steps": runner.stats.steps})
             else:
                 raise ValueError(f"unknown message {msg[0]!r}")

@@ -19,6 +19,10 @@ tpu-inference's continue-decode loop, donates them inside the connector context 
 ones only after it exits, so a load issued later would read deleted arrays or be overwritten. A
 save after a forward that donated the caches without handing them back (continue-decode) cannot
 gather; every host sees the same, so every host skips it and reports those chunks failed.
+
+A GDN/mamba hybrid's caches hold two block pools (layout.py:CachePools): the engine keeps a store
+per pool (worker/pooled_engine.py), and each plan names a slot of either through one numbering
+(``StepPlan.state_slots``). Its state chunks are not kept by the tiers beside host RAM yet.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 
 from tpuoffload import counters as C
 from tpuoffload.config import OffloadConfig, check_fits_in_ram
-from tpuoffload.layout import CacheLayout, KVGroupMap
+from tpuoffload.layout import CacheLayout, CachePools, KVGroupMap
 from tpuoffload.messages import (
     RANK_SAVE_ID_SHIFT,
     ChunkNews,
@@ -54,7 +58,7 @@ from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.tier import WorkerTier
-from tpuoffload.worker.transfer_engine import TransferEngine
+from tpuoffload.worker.pooled_engine import PooledEngine
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class CachesDonated(RuntimeError):
 class CacheOwner(Protocol):
     """What tpu-inference's runner offers: the per-layer caches, replaced by functions that donate them."""
 
-    kv_caches: list[jax.Array]
+    kv_caches: list  # a jax.Array per attention layer, a (conv, ssm) tuple per GDN layer
 
 
 class OffloadWorker:
@@ -80,7 +84,9 @@ class OffloadWorker:
         self.host_id = jax.process_index() if host_id is None else host_id
         self._faults = faults
         self._runner: CacheOwner | None = None
-        self.engine: TransferEngine | None = None
+        self.engine: PooledEngine | None = None
+        self._pools: CachePools | None = None
+        self._boundary = 0  # the step's first state slot (StepPlan.state_slots)
         self._meta: OffloadMetadata | None = None
         self._placed: list[_Placed] = []  # the step's plans in the engine's numbering
         self._sources: dict[int, int] = {}  # DP rank -> the source of its scheduler half
@@ -108,30 +114,31 @@ class OffloadWorker:
 
     # ------------------------------------------------------------------ setup
     def register_runner(self, runner: CacheOwner) -> None:
+        """Describe the runner's caches (UnsupportedCache names what cannot be offloaded), size the
+        host stores (one per block pool, layout.py:CachePools) and start the tiers."""
         caches = list(runner.kv_caches)
-        layout = CacheLayout.from_caches(caches)  # UnsupportedCache names what cannot be offloaded
-        groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) > 1:
-            # Refuses arrays tpu-inference did not share between the groups; nothing else needs it:
-            # a chunk (one block of every array) serves every group alike.
-            group_map = KVGroupMap.of(self.kv_cache_config, getattr(runner, "layer_name_to_kvcache_index", {}),
-                                      len(caches))
-            logger.info("tpuoffload worker %d: %d KV cache groups; %s", self.host_id, len(groups),
-                        group_map.describe())
-        host_bytes = self.config.host_bytes(layout.device_bytes_per_chunk)
-        check_fits_in_ram(host_bytes)
+        pools = CachePools.of(caches)
+        layouts = [CacheLayout.from_caches(pools.arrays(caches, p)) for p in range(pools.num)]
+        if pools.num > 1 and (self.config.disk_path or self.config.persist_path):
+            raise ValueError("tpuoffload: disk_path and persist_path cannot be used with GDN/mamba state layers yet "
+                             f"(runner.kv_caches: {pools.describe()})")
+        self._check_kv_groups(runner, pools, len(caches))
+        pool_bytes = self.config.pool_bytes(layouts[0].device_bytes_per_chunk, pools.num)
+        check_fits_in_ram(sum(pool_bytes))
         self._runner = runner
-        self.engine = TransferEngine(
+        self._pools = pools
+        self.engine = PooledEngine(
+            pools,
             caches,
-            host_bytes,
+            pool_bytes,
+            layouts,
             host_memory_kind=self.config.host_memory_kind,
             save_threads=self.config.save_threads,
             load_wait_timeout_s=self.config.load_wait_timeout_s,
             faults=self._faults,
-            layout=layout,
             transfer_buffer_bytes=self.config.transfer_buffer_bytes,
         )
-        deployment = fingerprint(layout, self.deployment, jax.process_count())
+        deployment = fingerprint(layouts[0], self.deployment, jax.process_count())
         if self.config.persist_path:
             self.tiers.append(self._start_persistence(deployment))
         if self.config.disk_path:
@@ -141,11 +148,27 @@ class OffloadWorker:
             # on this thread, or under the engine's and the backend's locks.
             self._snapshot = SnapshotWriter(self.config.stats_dir, f"host-{self.host_id}.json",
                                             self.config.stats_interval_s, self.snapshot, build_when_idle=True)
-        logger.info("tpuoffload worker %d: %d host slots of %d bytes (%d bytes of host RAM); accelerator "
-                    "transfer buffer <= %d bytes (%d chunks per transfer, transfer_buffer_bytes=%d); cache: %s",
-                    self.host_id, self.engine.backend.num_slots, self.engine.backend.slot_bytes,
-                    self.engine.backend.nbytes, self.engine.max_chunks_per_transfer * layout.device_bytes_per_chunk,
-                    self.engine.max_chunks_per_transfer, self.config.transfer_buffer_bytes, layout.describe())
+        for p, (engine, layout) in enumerate(zip(self.engine.engines, layouts)):
+            table = engine.backend
+            logger.info("tpuoffload worker %d, pool %d: %d host slots of %d bytes (%d bytes of host RAM); accelerator "
+                        "transfer buffer <= %d bytes (%d chunks per transfer, transfer_buffer_bytes=%d); cache: %s",
+                        self.host_id, p, table.num_slots, table.slot_bytes, table.nbytes,
+                        engine.max_chunks_per_transfer * layout.device_bytes_per_chunk,
+                        engine.max_chunks_per_transfer, self.config.transfer_buffer_bytes, layout.describe())
+
+    def _check_kv_groups(self, runner: CacheOwner, pools: CachePools, num_arrays: int) -> None:
+        """With several KV cache groups and one pool, refuse arrays tpu-inference did not share
+        between the groups (KVGroupMap.of); nothing else needs the map: a chunk (one block of every
+        array) serves every group alike. With a state pool the attention arrays are one per layer,
+        not shared: each pool's chunk serves its own groups (the scheduler half keys them)."""
+        groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or ()
+        if pools.num > 1:
+            logger.info("tpuoffload worker %d: %d KV cache groups; %s", self.host_id, len(groups), pools.describe())
+        elif len(groups) > 1:
+            group_map = KVGroupMap.of(self.kv_cache_config, getattr(runner, "layer_name_to_kvcache_index", {}),
+                                      num_arrays)
+            logger.info("tpuoffload worker %d: %d KV cache groups; %s", self.host_id, len(groups),
+                        group_map.describe())
 
     def tier(self, name: str) -> WorkerTier | None:
         """The tier of that name, if configured."""
@@ -156,7 +179,7 @@ class OffloadWorker:
         if self.host_id != jax.process_index():
             raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
                              f"process {jax.process_index()})")
-        persistence = HostPersistence(self.config.persist_path, self.engine, deployment,
+        persistence = HostPersistence(self.config.persist_path, self.engine.engines[0], deployment,
                                       self.host_id, self.config.persist_timeout_s, self._persist_faults)
         persistence.restore()
         return persistence
@@ -165,7 +188,7 @@ class OffloadWorker:
         """The disk tier; with warm restart it keeps the chunk files of the same deployment, and the
         manager indexes those that every host kept alike (manager/disk_index.py)."""
         keep = json.dumps(deployment.to_json(), sort_keys=True) if self.config.persist_path else None
-        return DiskStage(self.engine, self.config.disk_path.replace("{host}", str(self.host_id)),
+        return DiskStage(self.engine.engines[0], self.config.disk_path.replace("{host}", str(self.host_id)),
                          self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults,
                          deployment=keep, before_donate=self._before_donate)
 
@@ -193,6 +216,7 @@ class OffloadWorker:
             if p.plan.news:
                 self._news[p.rank, p.plan.step] = p.plan.news
         plan = plans[0]
+        self._boundary = plan.num_slots - plan.state_slots  # one pool: unused (every slot is pool 0's)
         self.engine.log.record("step", n=plan.step)
         self._act_tiers(plans)
         self._save(_concat_saves([p.flush for p in placed]))
@@ -211,45 +235,74 @@ class OffloadWorker:
             t.act(plans[0].step, plans[0].tiers.get(t.name))
 
     def _check_slots(self, placed: list["_Placed"]) -> None:
-        have, shards = self.engine.backend.num_slots, self.engine.backend.shards
+        """Each plan's slots fit this host's stores: pool 0 takes ``num_slots - state_slots`` of
+        them, the state pool ``state_slots`` (module doc of worker/pooled_engine.py)."""
+        have, shards = self.engine.num_slots(0), self.engine.tables[0].shards
         if shards > 1 and not placed[0].plan.num_blocks:
             raise ValueError(f"this cache splits its blocks over {shards} batch shards (data parallelism), whose "
                              "chunks tpuoffload keeps per shard: it needs tpu-inference's DPScheduler (one scheduler "
                              "per DP rank), not one scheduler for the whole engine")
+        self._check_state_slots(placed)
         for p in placed:
-            need = p.slot_offset + p.plan.num_slots
+            need = p.slot_offset + p.plan.num_slots - p.plan.state_slots
             if need > have:
                 raise ValueError(
                     f"the scheduler plans host slots up to {need} but this host (host {self.host_id}) has {have}: "
                     f"the scheduler and workers disagree on the chunk size (this host stores "
-                    f"{self.engine.backend.slot_bytes} bytes per chunk, replicas included). Set "
+                    f"{self.engine.tables[0].slot_bytes} bytes per chunk, replicas included). Set "
                     f"num_cpu_chunks={have} in kv_connector_extra_config instead of cpu_bytes_to_use")
         plan = placed[0].plan
-        if plan.step == 0 and len(placed) == 1 and plan.num_slots < have:
+        if plan.step == 0 and len(placed) == 1 and plan.num_slots - plan.state_slots < have:
             logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d slots; the chunk sizes "
-                           "the two halves computed differ", self.host_id, plan.num_slots, have)
+                           "the two halves computed differ", self.host_id, plan.num_slots - plan.state_slots, have)
+
+    def _check_state_slots(self, placed: list["_Placed"]) -> None:
+        """The state pool's part of ``_check_slots``: state slots planned iff the runner has state
+        layers, by one scheduler, fitting this host's state store."""
+        if self._pools.num == 1:
+            if any(p.plan.state_slots for p in placed):
+                raise ValueError("the scheduler plans state slots (GDN/mamba state layers) but the runner's caches "
+                                 "hold none: the two halves disagree on the cache's pools")
+            return
+        if len(placed) > 1 or placed[0].plan.num_blocks:
+            raise ValueError("tpuoffload: GDN/mamba state layers are not supported with data parallelism "
+                             "(DPScheduler) yet")
+        plan, have = placed[0].plan, self.engine.num_slots(1)
+        if not plan.state_slots and (plan.flush or plan.save or plan.loads):
+            raise ValueError(f"the runner's caches hold GDN/mamba state layers ({self._pools.describe()}) but the "
+                             "scheduler plans no state slots: the two halves disagree on the cache's pools")
+        if plan.state_slots > have:
+            raise ValueError(f"the scheduler plans {plan.state_slots} state slots but this host (host {self.host_id}) "
+                             f"has {have}: the two halves disagree on the state chunk's size (this host stores "
+                             f"{self.engine.tables[1].slot_bytes} bytes per state chunk)")
+        if plan.step == 0 and plan.state_slots < have:
+            logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d state slots; the state chunk "
+                           "sizes the two halves computed differ", self.host_id, plan.state_slots, have)
 
     def start_load(self) -> None:
         """Nothing to do: this step's loads were dispatched in ``bind`` (see the module doc)."""
 
     def _load(self, placed: list["_Placed"]) -> None:
-        """Every plan's loads in one engine call; load errors go back in each plan's own block ids."""
+        """Every plan's loads in one engine call; a load fails where any of its rows failed (by
+        block, in each plan's own ids, with one KV cache group; by request with several)."""
         if not any(p.loads for p in placed):
             return
         blocks, slots, save_ids, sources = _concat_loads(placed)
         try:
-            caches, failed = self.engine.load(self._live_caches(), blocks, slots, save_ids, sources)
+            caches, failed = self.engine.load(self._live_caches(), blocks, slots, save_ids, sources, self._boundary)
             self._runner.kv_caches = caches
         except Exception:
             logger.exception("tpuoffload: load dispatch failed on host %d", self.host_id)
-            failed = blocks
+            failed = set(range(len(blocks)))
             self._count(C.LOAD_ERRORS, len(blocks))
-        failed = set(failed)
         unavailable = []  # the engine's numbering
+        start = 0  # the position of each load's first row in the engine call
         for p in placed:
             by_request = p.plan.failures_by_request
             for load in p.loads:
-                missed = bool(load.unavailable_block_ids) or bool(failed) and not failed.isdisjoint(load.block_ids)
+                rows = range(start, start + len(load.block_ids))
+                start = rows.stop
+                missed = bool(load.unavailable_block_ids) or bool(failed) and not failed.isdisjoint(rows)
                 if missed:
                     unavailable.extend(b + p.block_offset for b in load.unavailable_block_ids)
                     if p.plan.sync_loads:
@@ -258,16 +311,16 @@ class OffloadWorker:
                     if missed:
                         self._failed_recving.add(load.req_id)
                 elif missed:  # (the usual step has none: no per-block work on the main thread then)
-                    self._load_errors.update(b - p.block_offset for b in load.block_ids if b in failed)
+                    self._load_errors.update(blocks[i] - p.block_offset for i in rows if i in failed)
                     self._load_errors.update(load.unavailable_block_ids)
                 if not p.plan.sync_loads:
                     self._finished_recving.add(load.req_id)
         if failed or unavailable:
-            self.step_load_failures = frozenset(failed.union(unavailable))
+            self.step_load_failures = frozenset({blocks[i] for i in failed}.union(unavailable))
 
-    def _live_caches(self) -> list[jax.Array]:
+    def _live_caches(self) -> list:
         caches = list(self._runner.kv_caches)
-        if any(c.is_deleted() for c in caches):
+        if any(a.is_deleted() for p in range(self._pools.num) for a in self._pools.arrays(caches, p)):
             raise CachesDonated("runner.kv_caches were donated and not yet handed back (continue-decode)")
         return caches
 
@@ -293,7 +346,7 @@ class OffloadWorker:
             for t in self.tiers:
                 t.before_donate()
                 t.saving(batch)
-            self.engine.save(self._live_caches(), batch.block_ids, batch.slots, batch.save_ids)
+            self.engine.save(self._live_caches(), batch.block_ids, batch.slots, batch.save_ids, self._boundary)
         except CachesDonated as exc:
             logger.warning("tpuoffload: %d saves skipped on host %d: %s", len(batch), self.host_id, exc)
             self._report_failures.extend(batch.save_ids)
@@ -396,9 +449,9 @@ class OffloadWorker:
             "digest": last.digest if last else "",
             "recent_digests": [[d.step, d.digest] for d in list(self.digests)[-16:]],
             "totals": dict(self.totals),
-            "slots_total": self.engine.backend.num_slots,
-            "slots_used": self.engine.backend.num_used(),
-            "backend_bytes": self.engine.backend.nbytes,
+            "slots_total": sum(t.num_slots for t in self.engine.tables),
+            "slots_used": sum(t.num_used() for t in self.engine.tables),
+            "backend_bytes": sum(t.nbytes for t in self.engine.tables),
             "staging_bytes": staging,
             "inflight_chunks": chunks,
             "oldest_inflight_age_s": (time.monotonic() - oldest) if oldest is not None else 0.0,
