@@ -1,7 +1,8 @@
 """Issue 21, GDN (Gated DeltaNet / mamba) hybrids: the runtime facts of a Qwen3.5-like model (3 GDN
 layers to 1 full-attention layer, 8 layers) under tpu-inference 0.32 with prefix caching (mamba cache
 mode "align") and HMA on, measured from tpu-inference's and vLLM's installed code
-(``tpuoffload.sim.gdn_layout``), and tpuoffload's refusal of that layout on both halves."""
+(``tpuoffload.sim.gdn_layout``), and the worker half's two slot pools for it (the scheduler half's:
+tests/test_state_pool_scheduler.py; both: tests/test_state_pool_worker.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import pytest
 import torch
 
 from tpuoffload.layout import CacheLayout, UnsupportedCache
-from tpuoffload.manager.kv_groups import KVCacheGroups
 from tpuoffload.sim import gdn_layout as gl
 
 SPEC = gl.QWEN35_LIKE
@@ -206,11 +206,7 @@ def test_mamba_ids_are_rows_of_the_compact_pool(layout, hooks):
         assert mamba_max >= layout.mamba_num_blocks
 
 
-# ------------------------------------------------------------------ tpuoffload refuses it
-REFUSED_GROUP = (r"KV cache group 0 \(MambaSpec, layers \['model.layers.0.linear_attn'.*"
-                 r"cannot be offloaded by tpuoffload")
-
-
+# ------------------------------------------------------------------ tpuoffload's worker half
 @pytest.fixture(scope="module")
 def connector_config(layout):
     vc = gl.make_vllm_config(SPEC, {"num_cpu_chunks": 16})
@@ -218,35 +214,27 @@ def connector_config(layout):
     return vc
 
 
-def test_scheduler_half_refuses(layout, connector_config):
+def test_worker_half_accepts_the_state_pool(layout, connector_config):
+    """The worker half keeps the state tuples in a second slot pool (worker/pooled_engine.py,
+    tests/test_state_pool_worker.py); CacheLayout alone still describes one pool only."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from tpuoffload.connector import TPUOffloadConnector
 
-    with pytest.raises(ValueError, match=REFUSED_GROUP):
-        KVCacheGroups.of(layout.kv_cache_config, BS)
-    with pytest.raises(ValueError, match=REFUSED_GROUP):
-        TPUOffloadConnector(connector_config, KVConnectorRole.SCHEDULER, copy.deepcopy(layout.kv_cache_config))
-    # vLLM's scheduler, as the engine builds it on TPU, builds the connector and stops there.
-    with pytest.raises(ValueError, match=REFUSED_GROUP):
-        gl.make_scheduler(layout, vllm_config=connector_config)
-
-
-def test_worker_half_refuses(layout, connector_config):
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from tpuoffload.connector import TPUOffloadConnector
-
-    tuple_msg = r"kv_caches\[0\] is a tuple of 2 arrays: mamba/SSM state layers"
-    with pytest.raises(UnsupportedCache, match=tuple_msg):
+    with pytest.raises(UnsupportedCache, match=r"kv_caches\[0\] is a tuple of 2 arrays: mamba/SSM state layers"):
         CacheLayout.from_caches(layout.kv_caches)
-    worker = TPUOffloadConnector(connector_config, KVConnectorRole.WORKER,
-                                 copy.deepcopy(layout.worker_kv_cache_config))
-    with pytest.raises(UnsupportedCache, match=tuple_msg):
-        worker.register_runner(layout.runner)
-    # The attention arrays alone are an ordinary layout: the refusal is the state tuples.
-    attn_only = CacheLayout.from_caches(layout.kv_caches[6:])
-    assert attn_only.num_layers == 2 and [g.shape for g in attn_only.groups] == [(362, BS, 4, 2, 128)]
+    conn = TPUOffloadConnector(connector_config, KVConnectorRole.WORKER, copy.deepcopy(layout.worker_kv_cache_config))
+    conn.register_runner(layout.runner)
+    try:
+        engine = conn.worker.engine
+        attn, state = (e.layout for e in engine.engines)
+        assert [g.shape for g in attn.groups] == [(362, BS, 4, 2, 128)] and attn.num_layers == 2
+        assert [g.shape for g in state.groups] == [(65, *CONV_SHAPE), (65, *SSM_SHAPE)] and state.num_layers == 12
+        assert (attn.slot_bytes, state.slot_bytes) == (2 * ATTN_PAGE, 6 * MAMBA_PAGE)
+        # num_cpu_chunks = 16 KV chunks of host RAM, state_ram_fraction (0.25) of them for state chunks.
+        assert [t.num_slots for t in engine.tables] == [12, 4 * attn.slot_bytes // state.slot_bytes] == [12, 1]
+    finally:
+        conn.shutdown()
 
 
 # ------------------------------------------------------------------ an external (KV connector) prefix hit
