@@ -16,6 +16,7 @@ The SyntheticRunner checks every context position a request reads on its first s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import OffloadMetadata, StepPlan
+from tpuoffload.sim import gdn_layout as gl
 from tpuoffload.sim.engine import SIM_LAYOUT, EngineSpec, InProcessEngine
 from tpuoffload.sim.tpu_layouts import create_caches
 from tpuoffload.sim.vllm_setup import assert_scheduler_empty, make_request
@@ -39,6 +41,14 @@ def chunk_bytes() -> int:
     return CacheLayout.from_caches(create_caches(SIM_LAYOUT, jax.devices()[:SIM_LAYOUT.num_devices])[0]).slot_bytes
 
 
+def zeroed(kv_caches) -> list:
+    """Zeroed copies of a runner's caches, same shardings (a GDN layer's state tuple stays a tuple)."""
+    def zero(c):
+        return jax.device_put(jnp.zeros(c.shape, c.dtype), c.sharding)
+
+    return [tuple(map(zero, c)) if isinstance(c, tuple) else zero(c) for c in kv_caches]
+
+
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 30000) for _ in range(n)]
 
@@ -46,25 +56,32 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
 class Harness:
     def __init__(self, hosts=1, async_scheduling=False, num_blocks=64, extra=None, faults=None,
                  max_num_batched_tokens=256, max_num_seqs=16, scheduler_kwargs=None, same_chunk=True,
-                 hybrid=None, kv_budget_bytes=0):
+                 hybrid=None, kv_budget_bytes=0, gdn=None):
         """``hybrid``: a ``HybridLayoutSpec`` (vLLM's hybrid KV cache manager on, tpu-inference's
-        arrays for ``kv_budget_bytes`` of KV memory) instead of the default one-group layout."""
+        arrays for ``kv_budget_bytes`` of KV memory) instead of the default one-group layout;
+        ``gdn``: a ``GdnLayoutSpec`` (a GDN hybrid, its state checked by the GdnRunner; loads are
+        not snapshotted, the runner reads every loaded state row and attention position back)."""
         extra = {"cpu_bytes_to_use": 1 << 22} if extra is None else extra
+        if gdn is not None:
+            gdn = dataclasses.replace(gdn, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.eng = InProcessEngine(
             EngineSpec(num_hosts=hosts, num_blocks=num_blocks, async_scheduling=async_scheduling,
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                        extra_config=extra, scheduler_kwargs=dict(scheduler_kwargs or {}),
-                       hybrid=hybrid, kv_budget_bytes=kv_budget_bytes),
+                       hybrid=hybrid, kv_budget_bytes=kv_budget_bytes, gdn=gdn),
             faults=faults,
         )
-        # The scheduler plans in units of one host slot: both halves must agree on its size
-        # (same_chunk=False: a test that misconfigures the number of reporting workers on purpose).
-        # (A hybrid layout's hosts each hold the whole mesh, vLLM's config the mesh once: the
-        # scheduler's share per host is 1/hosts of a host's slot, and num_cpu_chunks sets the slots.)
-        want = chunk_bytes() if hybrid is None else self.eng.connectors[0].worker.engine.tables[0].slot_bytes
-        if same_chunk:
-            assert self.eng.offload.chunk_bytes * (hosts if hybrid is not None else 1) == want
-        assert all(c.worker.engine.tables[0].slot_bytes == want for c in self.eng.connectors)
+        self.gdn = gdn
+        if gdn is None:
+            # The scheduler plans in units of one host slot: both halves must agree on its size
+            # (same_chunk=False: a test that misconfigures the number of reporting workers on
+            # purpose). (A hybrid layout's hosts each hold the whole mesh, vLLM's config the mesh
+            # once: the scheduler's share per host is 1/hosts of a host's slot, and num_cpu_chunks
+            # sets the slots.)
+            want = chunk_bytes() if hybrid is None else self.eng.connectors[0].worker.engine.tables[0].slot_bytes
+            if same_chunk:
+                assert self.eng.offload.chunk_bytes * (hosts if hybrid is not None else 1) == want
+            assert all(c.worker.engine.tables[0].slot_bytes == want for c in self.eng.connectors)
         self.prompts: dict[str, list[int]] = {}
         self.requests: dict = {}  # req_id -> vllm Request
         self.outputs: list = []  # SchedulerOutputs, in schedule order
@@ -99,7 +116,8 @@ class Harness:
 
         off.request_finished_all_groups = request_finished_all_groups
         for host, (runner, conn) in enumerate(zip(self.eng.runners, self.eng.connectors)):
-            self._wrap_execute(host, runner)
+            if gdn is None:
+                self._wrap_execute(host, runner)
             self._wrap_bind(conn)
 
     def _wrap_bind(self, conn):
@@ -143,7 +161,8 @@ class Harness:
     # ---- driving
     def add(self, req_id, tokens, max_tokens=4):
         self.prompts[req_id] = list(tokens)
-        self.requests[req_id] = make_request(req_id, tokens, max_tokens=max_tokens, block_size=BS)
+        self.requests[req_id] = (make_request(req_id, tokens, max_tokens=max_tokens, block_size=BS) if self.gdn is None
+                                 else gl.make_request(self.eng.gdn_layout, req_id, tokens, max_tokens=max_tokens))
         self.eng.add_request(self.requests[req_id])
 
     def run(self, **kw):
@@ -162,7 +181,7 @@ class Harness:
         """Zero every host's KV cache, so a block that holds the right bytes after a load can only
         have come from host RAM (vLLM may hand the same physical blocks out again)."""
         for runner in self.eng.runners:
-            runner.kv_caches = [jax.device_put(jnp.zeros(c.shape, c.dtype), c.sharding) for c in runner.kv_caches]
+            runner.kv_caches = zeroed(runner.kv_caches)
 
     def new_wave(self, wipe=True):
         """Forget vLLM's prefix cache (and the device bytes) so the next requests must hit host RAM."""

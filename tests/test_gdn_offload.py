@@ -19,10 +19,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from offload_harness import zeroed
 
 from tpuoffload.manager.kv_groups import MIRROR, NULL_BLOCK, STATE_POOL, KVCacheGroups
 from tpuoffload.sim import gdn_layout as gl
@@ -45,15 +44,11 @@ def _engine(async_scheduling=False, hosts=1, extra=EXTRA, faults=None, spec=SPEC
                                       extra_config=dict(extra)), faults)
 
 
-def _zeros(a):
-    return jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
-
-
 def _wipe(eng: InProcessEngine) -> None:
     """Zero every host's arrays, states included: after a reset of vLLM's prefix cache a row that
     holds a prefix's state can only have been loaded from host RAM."""
     for r in eng.runners:
-        r.kv_caches = [tuple(map(_zeros, c)) if isinstance(c, tuple) else _zeros(c) for c in r.kv_caches]
+        r.kv_caches = zeroed(r.kv_caches)
 
 
 def _waves(eng: InProcessEngine, prefix_blocks=(9, 5, 2), seed=0, tail=(7, 11)):
