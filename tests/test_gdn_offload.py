@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from offload_harness import zeroed
 
-from tpuoffload.manager.kv_groups import MIRROR, NULL_BLOCK, STATE_POOL, KVCacheGroups
+from tpuoffload.manager.kv_groups import MIRROR, NULL_BLOCK, STATE_POOL
 from tpuoffload.sim import gdn_layout as gl
 from tpuoffload.sim.engine import EngineSpec, InProcessEngine
 from tpuoffload.worker.faults import FaultInjector, FaultPoint

@@ -8,18 +8,14 @@ untouched and the sharding preserved.
 
 from __future__ import annotations
 
-import types
-
 import jax
 import numpy as np
 import pytest
 
-from tpuoffload.layout import CacheLayout, UnsupportedCache
+from tpuoffload.layout import CacheLayout
 from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
-from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches, tpu_inference
-from tpuoffload.worker.offload_worker import OffloadWorker
+from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
 from tpuoffload.worker.transfer_engine import TransferEngine
-from tpuoffload.config import parse_config
 
 
 def _random_bytes_like(caches, seed):
@@ -96,21 +92,6 @@ def test_layouts_cover_issue_list():
     assert adp.num_shards == 4
     mixed = CacheLayout.from_caches(create_caches(LAYOUTS["bf16-mixed-hd256-512-tp4"])[0])
     assert len(mixed.groups) == 2  # layers of two shapes, grouped
-
-
-def test_mamba_state_is_refused_by_name():
-    """A hybrid model's mamba layer is a tuple of state arrays: refused at register_runner, naming it."""
-    ti = tpu_inference()
-    caches, mesh = create_caches(LAYOUTS["bf16-8kv-tp4"])
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    conv = ti.kv_cache.create_mamba_cache((caches[0].shape[0], 4, 64), jax.numpy.bfloat16,
-                                          NamedSharding(mesh, PartitionSpec()))
-    runner = types.SimpleNamespace(kv_caches=[caches[0], (conv, conv)], mesh=mesh)
-    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 24}), host_id=0)
-    with pytest.raises(UnsupportedCache, match="mamba"):
-        worker.register_runner(runner)
-    assert worker.engine is None
 
 
 def test_layout_describes_per_host_part():
