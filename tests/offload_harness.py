@@ -190,6 +190,23 @@ class Harness:
         if wipe:
             self.wipe_device_caches()
 
+    def two_waves(self, prefix_blocks, seed: int, one_at_a_time: bool = False) -> list[list[int]]:
+        """Prefixes of ``prefix_blocks`` blocks each, asked for twice: ``a<i>`` (prefix + 7 tokens),
+        then, after ``new_wave`` (vLLM forgets, the device bytes are wiped), ``b<i>`` (prefix + 11
+        tokens; ``one_at_a_time``: each run to the end before the next). Returns the prefixes."""
+        rng = random.Random(seed)
+        prefixes = [rand_tokens(rng, n * BS) for n in prefix_blocks]
+        for i, p in enumerate(prefixes):
+            self.add(f"a{i}", p + rand_tokens(rng, 7))
+        self.run()
+        self.new_wave()
+        for i, p in enumerate(prefixes):
+            self.add(f"b{i}", p + rand_tokens(rng, 11))
+            if one_at_a_time:
+                self.run()
+        self.run()
+        return prefixes
+
     # ---- checks
     def check_loaded_bytes(self, min_blocks=1):
         """Every block snapshotted right after a load equals what the synthetic model computes."""

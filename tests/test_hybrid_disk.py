@@ -11,10 +11,9 @@ reloaded block is compared byte for byte with what the synthetic model computes.
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
-from offload_harness import Harness, rand_tokens
+from offload_harness import Harness
 
 from tpuoffload import counters as C
 from tpuoffload.manager.kv_groups import KVCacheGroups
@@ -33,17 +32,8 @@ def _run(tmp_path, hosts: int, disk: bool) -> tuple[Harness, list[list[int]]]:
         extra.update(disk_path=str(tmp_path / "disk-{host}"), disk_bytes_to_use=32 << 20)
     # 128 tokens a step: at most 16 chunks saving at once, so no save is skipped for want of room.
     h = Harness(hosts=hosts, hybrid=SPEC, kv_budget_bytes=BUDGET, extra=extra, max_num_batched_tokens=128)
-    rng = random.Random(5)
-    prefixes = [rand_tokens(rng, n * BS) for n in PREFIX_BLOCKS]
-    for i, p in enumerate(prefixes):
-        h.add(f"a{i}", p + rand_tokens(rng, 7))
-    h.run()
-    h.new_wave()
     # One request at a time: each second-wave prefix (at most 20 + 8 chunks) fits host RAM whole.
-    for i, p in enumerate(prefixes):
-        h.add(f"b{i}", p + rand_tokens(rng, 11))
-        h.run()
-    return h, prefixes
+    return h, h.two_waves(PREFIX_BLOCKS, seed=5, one_at_a_time=True)
 
 
 @pytest.mark.parametrize("hosts", [1, 2])

@@ -11,10 +11,9 @@ checked by the runner (a sliding-window layer reads its window only).
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
-from offload_harness import Harness, rand_tokens
+from offload_harness import BS, Harness
 
 from tpuoffload.manager import kv_groups
 from tpuoffload.manager.kv_groups import NULL_BLOCK, KVCacheGroups
@@ -30,20 +29,11 @@ VARIANTS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncSch
 
 def run_repeated_prefixes(name, async_scheduling, hosts=1, seed=0):
     spec, budget = LAYOUTS[name]
-    bs = spec.block_size
+    assert spec.block_size == BS
     h = Harness(hosts=hosts, async_scheduling=async_scheduling, hybrid=spec, kv_budget_bytes=budget,
                 extra={"num_cpu_chunks": 512})
-    rng = random.Random(seed)
     # Prefixes longer and shorter than the windows: a hit needs each window's tail.
-    prefixes = [rand_tokens(rng, n * bs) for n in (20, 13, 5, 2)]
-    for i, p in enumerate(prefixes):
-        h.add(f"a{i}", p + rand_tokens(rng, 7))
-    h.run()
-    h.new_wave()
-    for i, p in enumerate(prefixes):
-        h.add(f"b{i}", p + rand_tokens(rng, 11))
-    h.run()
-    return h, prefixes
+    return h, h.two_waves((20, 13, 5, 2), seed)
 
 
 @pytest.mark.parametrize("async_scheduling", VARIANTS)
