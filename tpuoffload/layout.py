@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import jax
 import numpy as np
@@ -209,7 +210,7 @@ class CachePools:
                                    "chunks for tpuoffload to key its state chunks by")
         return cls(tuple(widths))
 
-    @property
+    @cached_property
     def num(self) -> int:
         """1 (attention arrays only) or 2 (with a state pool)."""
         return 2 if any(w is not None for w in self.widths) else 1
@@ -217,6 +218,8 @@ class CachePools:
     def arrays(self, kv_caches: Sequence, pool: int) -> list[jax.Array]:
         """Pool ``pool``'s arrays of ``kv_caches`` (laid out as at ``of``), flat, in runner order."""
         self._check(kv_caches, pool)
+        if self.num == 1:  # every entry is an array (every model step: no per-layer work)
+            return list(kv_caches)
         if pool == 0:
             return [c for c, w in zip(kv_caches, self.widths) if w is None]
         return [a for c, w in zip(kv_caches, self.widths) if w is not None for a in c]
@@ -225,6 +228,10 @@ class CachePools:
         """A new runner list: ``kv_caches`` with pool ``pool``'s arrays replaced by ``arrays`` (in
         ``arrays``' order), tuple entries rebuilt as tuples; the other pool's entries as they were."""
         self._check(kv_caches, pool)
+        if self.num == 1:
+            if len(arrays) != len(kv_caches):
+                raise ValueError(f"{len(arrays)} arrays for pool 0, which holds {len(kv_caches)}")
+            return list(arrays)
         mine = [(w is None) == (pool == 0) for w in self.widths]
         held = sum(w or 1 for w, m in zip(self.widths, mine) if m)
         if len(arrays) != held:

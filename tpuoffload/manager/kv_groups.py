@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -131,7 +132,7 @@ class KVCacheGroups:
         """Slot pools the chunks need: 2 with a GDN/mamba state group, else 1."""
         return 1 + (STATE_POOL in self.pools)
 
-    @property
+    @cached_property
     def state_group(self) -> int | None:
         """The mamba group whose ids name the state rows (the others mirror it), if any."""
         return next((g for g, p in enumerate(self.pools) if p == STATE_POOL and self.windows[g] != MIRROR), None)
@@ -193,12 +194,12 @@ class KVCacheGroups:
         if state is None:
             return block_ids
         out = list(block_ids)
+        nulls = [NULL_BLOCK] * full  # shared by the groups that save nothing (read, never written)
         for g, p in enumerate(self.pools):
             if p == STATE_POOL:
-                ids = [NULL_BLOCK] * full
-                if g == state and exact and full:
-                    ids[full - 1] = block_ids[g][full - 1]
-                out[g] = ids
+                out[g] = nulls
+        if exact and full:
+            out[state] = nulls[:-1] + [block_ids[state][full - 1]]
         return out
 
     # ------------------------------------------------------------------ saves

@@ -381,7 +381,7 @@ class OffloadScheduler:
             self.index.drop(res.dropped_slots, res.dropped_ids)
         for t in self.tiers:
             t.on_resolved(res)
-        self.staging.release(self.saves.staged_bytes(np.concatenate((res.ready_slots, res.dropped_slots))))
+        self.staging.release(self.saves.staged_bytes(res.ready_slots) + self.saves.staged_bytes(res.dropped_slots))
 
     # ------------------------------------------------------------------ reset
     def reset_cache(self) -> bool:

@@ -70,7 +70,7 @@ class SavePlanner:
         self.staging = staging
         self.chunk_bytes = chunk_bytes
         # Bytes of one chunk of each slot pool (KV, GDN state): what a save takes of staging.
-        self.pool_chunk_bytes = np.array((chunk_bytes, state_chunk_bytes)[:len(index.pool_sizes)], np.int64)
+        self.pool_chunk_bytes = (chunk_bytes, state_chunk_bytes)[:len(index.pool_sizes)]
         self.save_timeout_s = save_timeout_s
         self.clock = clock
         self.counters = counters
@@ -134,7 +134,7 @@ class SavePlanner:
         """Staging bytes the saves into ``slots`` took (each its pool's chunk size)."""
         if len(self.pool_chunk_bytes) == 1:
             return len(slots) * self.chunk_bytes
-        return int(self.pool_chunk_bytes[self.index.pool_of(slots)].sum())
+        return int(np.asarray(self.pool_chunk_bytes)[self.index.pool_of(slots)].sum())
 
     def claim(self, packed: PackedHashes, step: int, pool: int = 0) -> Claim:
         """Host-RAM slots for the new chunks among ``packed``, as many as the staging budget and
@@ -147,7 +147,7 @@ class SavePlanner:
         # saved is an index duplicate (in flight included). Deduplication and the free slots'
         # naming are one call (the usual case); kept keys beyond what free slots covered are
         # named below, on slots of evicted chunks.
-        unit = int(self.pool_chunk_bytes[pool])
+        unit = self.pool_chunk_bytes[pool]
         limit = self.staging.room(unit)  # chunks the staging budget takes now
         first = self.ledger.next_save_id
         keys, keep, n_dup, n_held, slots, run_step = self.index.select_and_name(packed, limit, first, pool)
