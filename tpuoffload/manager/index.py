@@ -1,8 +1,8 @@
-"""Which host slot holds which chunk: the content-hash index of host RAM, with LRU eviction.
+"""Which host slot holds which chunk: the content-hash index of host RAM, with eviction by extent.
 
 Lifecycle of a slot::
 
-    FREE --allocate + add_saving--> SAVING --mark_ready (every host confirmed)--> READY --evict (LRU)--> FREE
+    FREE --allocate + add_saving--> SAVING --mark_ready (every host confirmed)--> READY --evict (LRU extent)--> FREE
                                        \\--drop (a host failed / expired)--> FREE        \\--discard--> FREE
     revoke_all (connector reset): READY -> FREE (or REVOKED while pinned), SAVING -> REVOKED;
     REVOKED --(its save resolves / its last pin goes)--> FREE, never READY.
@@ -17,11 +17,20 @@ READY chunks with no pin can be evicted, so a chunk being saved or being loaded 
 A REVOKED slot keeps its slot until nothing can be writing or reading it, but no hash names it, so
 nothing saved before a reset is ever offered again.
 
+The store keeps a step's chunks in long runs of consecutive slots (extents), so that the workers
+move a step's saves, and a prefix's loads, in few wide copies however long the store has churned:
+each pool's slots form aligned extents of ``extent_slots(pool size)`` slots, the LRU order is kept
+per extent (``ExtentLru``: a touch of any chunk makes its extent recently used), and eviction takes
+the least recently used extent's evictable chunks in slot order, then the next extent's. A fresh
+store hands out its free slots in one ascending run (``SlotPool``), and so does a store after a
+reset. Which chunks go is decided per extent, not per chunk: tools/replay_hit_rates.py measures
+what that costs in hit rate against per-chunk LRU on vLLM's real scheduler (docs/performance.md).
+
 Per-slot fields live in one array of 32-byte records (state, save id, pins, the hash's second key
-word, its table cell); hashes map to slots through a ``HashTable``; the LRU order is a
-``RecencyLog``. Every operation takes or returns slot arrays and costs one call of a compiled loop
-(kernels.py) or a fixed number of numpy calls per batch, not Python work per chunk, so its cost does
-not grow with the number of chunks held.
+word, its table cell); hashes map to slots through a ``HashTable``; the LRU order is an
+``ExtentLru`` per pool (a ``RecencyLog`` over extents). Every operation takes or returns slot
+arrays and costs one call of a compiled loop (kernels.py) or a fixed number of numpy calls per
+batch, not Python work per chunk, so its cost does not grow with the number of chunks held.
 """
 
 from __future__ import annotations
@@ -37,11 +46,24 @@ from tpuoffload.messages import compact_ints
 from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
 from tpuoffload.manager.hash_table import HashKeys, HashTable, PackedHashes, _i64, _u64
 from tpuoffload.manager.kernels import kernels
-from tpuoffload.manager.recency import RecencyLog
+from tpuoffload.manager.recency import ExtentLru
 from tpuoffload.manager.slot_pool import SlotPool
 
 ChunkHash = bytes
 FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
+# Extents: the KV pool's slots are evicted and reused EXTENT_SLOTS at a time, in pools of at least
+# MIN_EXTENTS extents (a smaller pool takes smaller extents, down to one slot: per-chunk LRU).
+# Values: docs/performance.md (hit rates against per-chunk LRU, and copies per step).
+EXTENT_SLOTS = 32
+MIN_EXTENTS = 64
+
+
+def extent_slots(num_slots: int, cap: int | None = None) -> int:
+    """The extent of a pool of ``num_slots`` slots: the largest power of two up to ``cap``
+    (default ``EXTENT_SLOTS``) that leaves the pool at least ``MIN_EXTENTS`` extents; at least 1."""
+    cap = EXTENT_SLOTS if cap is None else cap
+    most = max(1, min(cap, num_slots // MIN_EXTENTS))
+    return 1 << (most.bit_length() - 1)
 _EMPTY = np.zeros(0, dtype=np.int64)  # shared: empty, so nothing can be written into it
 _SLOT = np.dtype([("key2", np.uint64), ("cell", np.int64), ("save_id", np.int64), ("pins", np.int32),
                   ("state", np.uint8)], align=True)  # 32 bytes
@@ -82,7 +104,10 @@ class ChunkIndex:
             raise ValueError(f"slot pools {pools} do not split {num_slots} slots")
         starts = np.cumsum((0,) + pools[:-1])
         self._pools = [SlotPool(n, int(first)) for n, first in zip(pools, starts)]
-        self._lrus = [RecencyLog(num_slots) for _ in pools]
+        # Eviction order per pool. The KV pool (the first) evicts by extent; a GDN state pool
+        # (the others) per chunk: a state chunk is read alone, one per hit, so runs buy it nothing.
+        self._lrus = [ExtentLru(int(first), n, extent_slots(n) if i == 0 else 1)
+                      for i, (n, first) in enumerate(zip(pools, starts))]
         self._starts = starts[1:]  # first slot of each pool but the first
         self._table = HashTable(num_slots)  # k1 of a hash -> slot, for SAVING and READY chunks
         # Per-slot fields side by side in one record of 32 bytes (the views below are its
@@ -199,9 +224,18 @@ class ChunkIndex:
         return HashKeys(self._table.k1_at(self._cell[slots]), self._key2[slots].copy())
 
     def lru_order(self) -> list[int]:
-        """Slots of the eviction candidates, least recently used first. O(num_slots): for reports
-        and tests. (A pinned chunk may still be listed; it is skipped when met.)"""
-        return [s for lru in self._lrus for s in lru.order().tolist()]
+        """Slots of the READY chunks in eviction order, least recently used extent first, each
+        extent's in slot order. O(num_slots): for reports and tests. (A pinned chunk may still be
+        listed; it is skipped when met.)"""
+        out = []
+        for lru in self._lrus:
+            s = lru.order()
+            out += s[self._state_np[s] == READY].tolist()
+        return out
+
+    def extent_of_pool(self, pool: int = 0) -> int:
+        """Slots per extent of ``pool`` (1: per-chunk LRU)."""
+        return self._lrus[pool].extent
 
     def ready_prefix(self, hashes: Sequence[ChunkHash], start: int = 0, stop: int | None = None) -> list[int]:
         """Slots of the leading hashes of ``hashes[start:stop]`` that are READY (stops at the
@@ -238,22 +272,22 @@ class ChunkIndex:
 
     # ------------------------------------------------------------------ saves
     def allocate(self, n: int, pool: int = 0) -> np.ndarray:
-        """Up to ``n`` slots of ``pool`` for new saves: free slots first, then slots of the pool's
-        LRU READY unpinned chunks, evicted here (counted in ``evicted``). Invariant 10: host RAM is a fixed number of
-        slots, never exceeded; a chunk being saved, loaded (pinned) or revoked is never evicted. Fewer only when host RAM is full of chunks
-        that are saving, pinned or revoked. The slots stay FREE until ``add_saving``.
+        """Up to ``n`` slots of ``pool`` for new saves: free slots first, then slots of READY
+        unpinned chunks of the pool's least recently used extents, evicted here (counted in
+        ``evicted``). Invariant 10: host RAM is a fixed number of slots, never exceeded; a chunk
+        being saved, loaded (pinned) or revoked is never evicted. Fewer only when host RAM is full
+        of chunks that are saving, pinned or revoked. The slots stay FREE until ``add_saving``.
 
-        The victims are handed out sorted ascending by slot (which chunks are evicted is the LRU's
-        choice alone; only which new chunk gets which of their slots changes): a step's saves
-        then name runs of consecutive slots where the evicted chunks' slots adjoin, so the
-        worker moves them in a few wide copies (worker/programs.py) however the store churned."""
+        The victims come extent by extent, each extent's in slot order, handed out sorted
+        ascending: a step's saves name runs of consecutive slots, extent after extent, so the
+        worker moves them in a few wide copies (worker/programs.py) however the store churned;
+        an extent not emptied is where the next eviction continues (``ExtentLru``)."""
         slots = self._pools[pool].take(n)
         short = n - len(slots)
         if short > 0:
-            pins = self._pins
-            victims = self._lrus[pool].pop_oldest(short, lambda s: pins[s] == 0)
+            state, pins = self._state_np, self._pins
+            victims = self._lrus[pool].victims(short, lambda s: (state[s] == READY) & (pins[s] == 0))
             if len(victims):
-                victims = np.sort(victims)
                 self._evict(victims)
                 # The pool stays out of it: the victims go straight from their old chunk to the new.
                 slots = np.concatenate((slots, victims)) if len(slots) else victims
@@ -280,9 +314,10 @@ class ChunkIndex:
 
     def mark_ready(self, slots: np.ndarray, save_ids: np.ndarray) -> int:
         """Every host confirmed these saves: SAVING chunks become READY and most recently used
-        (the last listed most of all); REVOKED ones are freed. The only way a chunk becomes
-        loadable (invariant 7; the ledger calls for it once every reporting host confirmed). Slots whose save id no longer
-        matches are ignored. Returns how many became READY."""
+        (the last listed most of all); REVOKED ones are freed. The way a saved chunk becomes
+        loadable (invariant 7: the ledger calls for it once every reporting host confirmed); the
+        one other way in is ``adopt`` (warm restart, rows every host restored alike). Slots whose
+        save id no longer matches are ignored. Returns how many became READY."""
         slots = _i64(slots)
         if not len(slots):
             return 0
@@ -366,9 +401,9 @@ class ChunkIndex:
 
     def unpin(self, slots: np.ndarray) -> None:
         """Release one pin per listed slot. ``slots`` lists each load's chunks in prefix order; the
-        released chunks become most recently used in reverse, so each prefix's first chunk ends the
-        most recently used: LRU eviction then eats prefixes from the tail and what remains of a
-        prefix stays loadable. A revoked or discarded chunk's slot is freed at its last unpin."""
+        released chunks become most recently used in reverse, so each prefix's first chunk (and
+        its extent) ends the most recently used: eviction then eats prefixes from the tail, extent
+        by extent, and what remains of a prefix stays loadable. A revoked or discarded chunk's slot is freed at its last unpin."""
         if not len(slots):
             return
         released = np.empty(len(slots), dtype=np.int64)
@@ -396,7 +431,6 @@ class ChunkIndex:
         one = np.array([slot], dtype=np.int64)
         self.events.removed(one)
         self._unname(one)
-        self._forget(one)
         if self._pins[slot]:
             self._set_state(one, READY, REVOKED)
         else:
@@ -414,7 +448,8 @@ class ChunkIndex:
         state = self._state_np
         ready = np.flatnonzero(state == READY)
         self.events.removed(ready)
-        self._forget(ready)
+        for lru in self._lrus:
+            lru.forget_all()
         pinned = ready[self._pins[ready] > 0]
         if len(pinned):
             self._set_state(pinned, READY, REVOKED)
@@ -463,8 +498,8 @@ class ChunkIndex:
                 self.events.concat([p[3] for p in parts]))
 
     def _evict(self, victims: np.ndarray) -> None:
-        """LRU victims (READY, unpinned, already out of the LRU order) lose their chunk; their
-        slots stay allocated for the caller."""
+        """Victims (READY, unpinned, from ``ExtentLru.victims``) lose their chunk; their slots stay
+        allocated for the caller."""
         self.events.removed(victims)
         if self._evicted is not None:
             keys = HashKeys(self._table.k1_at(self._cell[victims]), self._key2[victims].copy())
@@ -499,10 +534,6 @@ class ChunkIndex:
         """Make ``slots`` the most recently used of their pools (the last listed most of all)."""
         for pool, part in self._by_pool(slots):
             self._lrus[pool].touch(part)
-
-    def _forget(self, slots: np.ndarray) -> None:
-        for pool, part in self._by_pool(slots):
-            self._lrus[pool].forget(part)
 
     def _set_state(self, slots: np.ndarray, old: int, new: int) -> None:
         self._state_np[slots] = new
