@@ -27,3 +27,20 @@ if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.fi
   .venv/bin/pip install -q --no-deps "qwix==0.1.2" "tokamax==0.0.12" "einshape==1.0" "jaxtyping==0.3.11" \
     "wadler_lindig==0.1.8" "typeguard==2.13.3" "immutabledict==4.3.1" "tensorboardX==2.6.5"
 fi
+# The shared KV tier (issue 37): the `redis` client for its Valkey/Redis backend, and Debian's
+# redis-server, which its tests start on a free port. No silent fallback: without apt the install
+# fails loudly, naming what to install.
+if ! .venv/bin/python -c "import redis" 2>/dev/null; then
+  .venv/bin/pip install -q "redis==8.1.0"
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: redis-server is missing and apt-get is not available: install Debian's redis-server (or valkey-server as redis-server) and rerun" >&2
+    exit 1
+  fi
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO="sudo -n"; fi
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
+  command -v redis-server >/dev/null 2>&1 || { echo "setup.sh: installing redis-server failed" >&2; exit 1; }
+fi
