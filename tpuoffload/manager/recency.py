@@ -120,3 +120,90 @@ class RecencyLog:
         self._head = 0
         self._logged = int(live.sum())
         self._compact_at = max(2 * self.num_slots + 4096, 2 * self._logged)
+
+
+class ExtentLru:
+    """Least-recently-used order of a slot pool's *extents*, and eviction by extent: the order the
+    host store evicts in (manager/index.py).
+
+    An extent is ``extent`` consecutive slots of the pool, aligned to the pool's first slot
+    (extent ``e`` holds slots ``first + e * extent ..``, the last one possibly shorter). A touch of
+    a slot makes its extent the most recently used (a ``RecencyLog`` over extents); eviction
+    takes the least recently used extent and hands out its evictable slots in slot order, then
+    the next one's, so a step's new chunks land in runs of consecutive slots, extent after extent,
+    whatever the store's history. An extent taken for eviction stays *open* while it still holds
+    evictable slots: the next eviction continues in it (nothing is evicted that a caller did not
+    ask for), unless a touch made it recently used again.
+
+    Contract of ``victims(need, evictable)``: up to ``need`` slots for which the vectorized
+    predicate ``evictable`` holds, ascending, fewer only when no extent in the order or open holds
+    more. An extent met holding none leaves the order (``RecencyLog.pop_oldest``): whoever made its
+    slots unevictable touches them when they are evictable again (a save's confirmation, an
+    unpin). Single-threaded (the scheduler thread).
+    """
+
+    def __init__(self, first: int, num_slots: int, extent: int) -> None:
+        if extent < 1:
+            raise ValueError(f"extent must be >= 1, got {extent}")
+        self.first, self.num_slots, self.extent = first, num_slots, extent
+        self.num_extents = -(-num_slots // extent)
+        self._log = RecencyLog(self.num_extents)
+        self._open = _EMPTY  # extents taken from the order, possibly not emptied yet, oldest first
+        self._span = np.arange(extent, dtype=np.int64)
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Make the extents of ``slots`` the most recently used, the last listed most of all."""
+        if not len(slots):
+            return
+        ext = (_i64(slots) - self.first) // self.extent if self.extent > 1 else _i64(slots) - self.first
+        if self.extent > 1 and len(ext) > 1:  # a repeat in a row changes nothing: one touch each
+            ext = ext[np.concatenate(([True], ext[1:] != ext[:-1]))]
+        self._log.touch(ext)
+
+    def forget_all(self) -> None:
+        """Nothing is evictable any more (a reset freed or revoked every chunk)."""
+        self._log.forget(np.arange(self.num_extents, dtype=np.int64))
+        self._open = _EMPTY
+
+    def _slots(self, ext: np.ndarray) -> np.ndarray:
+        """The slots of extents ``ext``, extent by extent, in slot order; past the pool's end -1."""
+        s = (self.first + ext[:, None] * self.extent + self._span).ravel()
+        return np.where(s < self.first + self.num_slots, s, -1) if self.num_slots % self.extent else s
+
+    def victims(self, need: int, evictable: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        out: list[np.ndarray] = []
+        e = self.extent
+
+        def usable(ext: np.ndarray) -> np.ndarray:
+            s = self._slots(ext)
+            ok = evictable(np.maximum(s, 0)) & (s >= 0)
+            return ok.reshape(len(ext), e).any(axis=1) if e > 1 else ok
+
+        while need > 0:
+            if len(self._open):
+                stale = self._log.contains(self._open)  # touched since: recently used again
+                if stale.any():
+                    self._open = self._open[~stale]
+            if not len(self._open):
+                self._open = self._log.pop_oldest(-(-need // e), usable)
+                if not len(self._open):
+                    break
+            s = self._slots(self._open)
+            ok = evictable(np.maximum(s, 0)) & (s >= 0)
+            pos = np.flatnonzero(ok)[:need]
+            out.append(s[pos])
+            need -= len(pos)
+            # The extent of the last slot taken may hold more: it stays open; those before it are empty.
+            self._open = self._open[int(pos[-1]) // e:] if need == 0 and len(pos) else _EMPTY
+        if not out:
+            return _EMPTY
+        v = np.concatenate(out) if len(out) > 1 else out[0]
+        return np.sort(v)
+
+    def order(self) -> np.ndarray:
+        """Slots of the open extents, then of the extents in the order, least recently used first
+        (every slot of each: the caller keeps those it can evict). For reports and tests."""
+        still_open = self._open[~self._log.contains(self._open)]  # those touched since are in the order
+        ext = np.concatenate((still_open, self._log.order()))
+        s = self._slots(ext)
+        return s[s >= 0]
