@@ -2,7 +2,7 @@
 cache tpu-inference 0.32 allocates for a Qwen3.5-like model, driven by vLLM's real scheduler with
 tpu-inference's hybrid coordinator (``tpuoffload.sim.gdn_layout``): its state rows land where the
 GDN kernel writes them, a local prefix-cache hit reads a verified state, and a corrupted state row
-is caught."""
+is caught and spreads: what the step that read it writes and samples is wrong too."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def _admit_b_after_a(layout, seed: int):
     prompt_a = _tokens(rng, PROMPT)
     sched.add_request(gl.make_request(layout, "a", prompt_a, max_tokens=3))
     _drain(sched, runner)
-    assert runner.stats.states_written > 0 and runner.stats.states_verified == 0
+    st = runner.stats
+    assert st.states_written > 0 and st.states_verified > 0 and (st.state_mismatches, st.mismatches) == (0, 0)
     prompt_b = prompt_a[:5 * BS] + _tokens(rng, 9)
     sched.add_request(gl.make_request(layout, "b", prompt_b, max_tokens=2))
     return sched, runner, sched.schedule(), prompt_b
@@ -75,12 +76,14 @@ def test_local_prefix_hit_reads_a_verified_state(layout):
     print(f"B's local prefix-cache hit: {hit} tokens")
     # Align mode: the hit ends where A's state was kept, the end of A's first (5-block) chunk.
     assert hit == 5 * BS
-    _step(sched, runner, so)
-    _drain(sched, runner)
     st = runner.stats
-    assert (st.states_verified, st.state_mismatches, st.state_mismatched_requests) == (len(runner.state_slots), 0, set())
+    rows, positions = st.states_verified, st.positions_verified
+    _step(sched, runner, so)
+    # B's first step read its hit row in every state array and the attention group's 5 blocks.
+    assert (st.states_verified - rows, st.positions_verified - positions) == (len(runner.state_slots), hit)
     assert len(runner.state_slots) == 12  # conv and ssm of 6 GDN layers
-    assert (st.positions_verified, st.mismatches) == (hit, 0)  # the attention group's 5 blocks
+    _drain(sched, runner)
+    assert (st.state_mismatches, st.state_mismatched_requests, st.mismatches, st.poisoned_steps) == (0, set(), 0, 0)
     # tpu-inference's structure survives the donating steps: tuples stay tuples, shardings as allocated.
     for fresh, now in zip(layout.kv_caches, runner.kv_caches):
         assert isinstance(now, tuple) == isinstance(fresh, tuple)
@@ -88,9 +91,11 @@ def test_local_prefix_hit_reads_a_verified_state(layout):
             assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
 
 
-def test_corrupted_state_row_is_caught(layout):
+def test_corrupted_state_row_is_caught_and_spreads(layout):
     """Negative control: B's hit row loses its state in two arrays (one zeroed, one holding the
-    state one token short) before B's first step; the attention blocks stay intact."""
+    state one token short) before B's first step; the attention blocks stay intact. The model sees
+    what it read: B's first step reads 2 wrong rows, and everything B computes afterwards is
+    wrong (its next state rows, its attention KV, its tokens), so later checks catch it too."""
     sched, runner, so, prompt_b = _admit_b_after_a(layout, seed=6)
     (new,) = so.scheduled_new_reqs
     hit = new.num_computed_tokens
@@ -101,11 +106,12 @@ def test_corrupted_state_row_is_caught(layout):
                                   runner.expected_state(prompt_b, hit, first))  # intact until now
     _set_row(runner, first, row, np.zeros_like(runner.expected_state(prompt_b, hit, first)))
     _set_row(runner, last, row, runner.expected_state(prompt_b, hit - 1, last))
-    _step(sched, runner, so)
-    _drain(sched, runner)
     st = runner.stats
-    assert (st.states_verified, st.state_mismatches, st.state_mismatched_requests) == (12, 2, {"b"})
-    assert (st.positions_verified, st.mismatches) == (hit, 0)
+    _step(sched, runner, so)
+    assert (st.state_mismatches, st.state_mismatched_requests, st.mismatches) == (2, {"b"}, 0)
+    _drain(sched, runner)
+    # The spread: B's later steps read the state and KV its first step wrote from a wrong state.
+    assert st.state_mismatches > 2 and st.mismatches > 0 and st.mismatched_requests == {"b"}, st
 
 
 def test_state_lands_at_the_gdn_write_column_every_chunk(layout):
@@ -140,8 +146,11 @@ def test_state_lands_at_the_gdn_write_column_every_chunk(layout):
     # A step holds the row it reads and the row it writes; the older one is freed at the next
     # schedule() (vLLM's MambaManager.remove_skipped_blocks), so at most two non-null columns.
     assert held == [[1], [1, 3], [3, 4], [4, 5], [5], [5]]
-    assert runner.stats.states_written == len(ends) * len(runner.state_slots)
-    assert (runner.stats.states_verified, runner.stats.mismatches) == (0, 0)
+    st = runner.stats
+    assert st.states_written == len(ends) * len(runner.state_slots)
+    # Every step after the first read the row the step before wrote: all right.
+    assert st.states_verified == (len(ends) - 1) * len(runner.state_slots)
+    assert (st.state_mismatches, st.mismatches, st.poisoned_steps) == (0, 0, 0)
 
 
 def _assert_state(runner: GdnRunner, row: int, tokens: list[int], num_tokens: int) -> None:

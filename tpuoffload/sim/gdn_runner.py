@@ -11,10 +11,11 @@ The state models what the GDN kernel does in vLLM's mamba cache mode "align"
 block-table column ``(num_computed - 1) // mamba_block_size`` and writes the state after the step to
 the row at column ``(seq_len - 1) // mamba_block_size`` (``gdn_layout.state_block_column``). Here the
 state after ``n`` tokens is, in every state array, a deterministic function of (array, element
-index, prefix hash of the first ``n`` tokens), exact in the array's dtype. Every step writes it for
-each scheduled request; a request's first step after (re)admission with ``num_computed > 0`` (a
-local prefix-cache hit, a connector load, a resumption) checks the row it reads, so a state that
-was never computed, was overwritten or was loaded wrong is counted in ``stats``.
+index, prefix hash of the first ``n`` tokens), exact in the array's dtype. Every step reads, for
+each scheduled request with ``num_computed > 0``, the row the kernel reads and checks it (a state
+that was never computed, was overwritten or was loaded wrong is counted in ``stats``), then writes
+the state after the step; as in the attention layers (runner.py), what a step read wrong poisons
+the state it writes, the attention KV it writes and the token it samples.
 
 All mamba groups carry the same block ids (tpu-inference's hybrid coordinator mirrors the primary
 group's); the runner asserts it and uses the first mamba group's table.
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tpuoffload.sim.runner import RunnerStats, SyntheticRunner, _bucket, kv_values, prefix_hashes
+from tpuoffload.sim.runner import RunnerStats, SyntheticRunner, _bucket, _words, kv_values, poisoned, prefix_hashes
 
 #: A state array: (index in ``kv_caches``, 0 for conv / 1 for ssm).
 StateSlot = tuple[int, int]
@@ -45,7 +46,7 @@ class GdnRunnerStats(RunnerStats):
     one request."""
 
     states_written: int = 0  # rows written (every state array, every scheduled request, every step)
-    states_verified: int = 0  # rows checked on (re)admission with num_computed > 0
+    states_verified: int = 0  # rows checked (every step of a request with num_computed > 0)
     state_mismatches: int = 0  # of those, rows not holding the state of the request's prefix
     state_mismatched_requests: set[str] = field(default_factory=set)
 
@@ -58,31 +59,41 @@ def state_salt(slot: StateSlot) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _state_program(rests, dtypes, salts, shardings, mesh):
-    """Check, then write, one row of every state array per request, as the GDN kernel reads the
-    old state before it writes the new one (the two rows coincide inside an unaligned block).
-    ``r_row``/``r_hash``: rows to check and the prefix hash they must hold; ``w_row``/``w_hash``:
-    rows to write (out-of-range rows are padding and dropped). Returns the new arrays (the old are
-    donated) and ``bad[i, a]``: check ``i`` failed in array ``a``."""
+    """Read, then write, one row of every state array per request, as the GDN kernel reads the old
+    state before it writes the new one (the two rows coincide inside an unaligned block). Entry
+    ``k`` of every argument is one scheduled request: ``r_row``/``r_ok``/``r_hash``: the row it
+    reads, whether it reads one, the prefix hash the row must hold; ``w_row``/``w_hash``: the row
+    it writes and the hash of the state after the step (out-of-range rows are padding, dropped).
+    Returns the new arrays (the old are donated), ``bad[k, a]`` (request ``k`` read array ``a``
+    wrong) and each request's digest of what it read wrong (the written state is poisoned by it)."""
 
-    def step(states, r_row, r_hash, w_row, w_hash):
-        out, bad = [], []
+    def step(states, r_row, r_ok, r_hash, w_row, w_hash):
+        rows = r_row.shape[0]
+        bad, digest = [], jnp.zeros(rows, jnp.uint32)
         for arr, rest, dtype, salt in zip(states, rests, dtypes, salts):
-            got = arr[r_row].reshape(r_row.shape[0], -1)
-            want = kv_values(r_hash, salt, rest, dtype).reshape(r_row.shape[0], -1)
-            bad.append((got != want).any(axis=1))
-            out.append(arr.at[w_row].set(kv_values(w_hash, salt, rest, dtype), mode="drop"))
-        return tuple(out), jnp.stack(bad, axis=1)
+            got = arr[r_row]
+            want = kv_values(r_hash, salt, rest, dtype)
+            wrong = r_ok & (got.reshape(rows, -1) != want.reshape(rows, -1)).any(axis=1)
+            bad.append(wrong)
+            digest = digest + jnp.where(r_ok, _words(got, rows) - _words(want, rows), jnp.uint32(0))
+            digest = digest | wrong.astype(jnp.uint32)
+        out = [arr.at[w_row].set(kv_values(poisoned(w_hash, digest), salt, rest, dtype), mode="drop")
+               for arr, rest, dtype, salt in zip(states, rests, dtypes, salts)]
+        return tuple(out), jnp.stack(bad, axis=1), digest
 
-    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated, replicated))
 
 
 @dataclass
 class _StatePlan:
-    """One step's state rows: checks (row, prefix hash, request) and writes (row, prefix hash)."""
+    """One step's state rows, one entry per scheduled request: the row it reads (``r_ok``: it reads
+    one) and the prefix hash that row must hold, the row it writes and the hash written."""
 
+    req: list[str] = field(default_factory=list)
     r_row: list[int] = field(default_factory=list)
+    r_ok: list[bool] = field(default_factory=list)
     r_hash: list[int] = field(default_factory=list)
-    r_req: list[str] = field(default_factory=list)
     w_row: list[int] = field(default_factory=list)
     w_hash: list[int] = field(default_factory=list)
 
@@ -156,11 +167,10 @@ class GdnRunner(SyntheticRunner):
             caches[i] = a
         self.kv_caches = caches
 
-    def _forward(self, so) -> dict[str, int]:
-        plan = self._state_plan(so)  # before the attention step advances num_computed / verify_next
-        sampled = super()._forward(so)
-        self._run_states(plan)
-        return sampled
+    def _forward(self, so, digests: dict[str, int] | None = None) -> dict[str, int]:
+        # The state layers first (before the attention step advances num_computed): what they
+        # read wrong poisons what the attention layers write and the sampled tokens.
+        return super()._forward(so, self._run_states(self._state_plan(so)))
 
     # ------------------------------------------------------------------ the state
     def state_row(self, req_id: str, num_tokens: int) -> int:
@@ -172,38 +182,41 @@ class GdnRunner(SyntheticRunner):
         return primary[max(num_tokens - 1, 0) // self.mamba_block_size]
 
     def _state_plan(self, so) -> _StatePlan:
-        """The rows this step checks (first step after admission with num_computed > 0: the row the
-        kernel reads) and writes (every scheduled request: the row at the step's end column)."""
+        """The rows this step reads (every request with num_computed > 0: the row the kernel reads)
+        and writes (every scheduled request: the row at the step's end column)."""
         plan = _StatePlan()
         for req_id, n in so.num_scheduled_tokens.items():
             req = self._reqs[req_id]
             start, end = req.num_computed, req.num_computed + n
             assert end <= len(req.hashes), f"{req_id}: {end} tokens scheduled, {len(req.hashes)} known"
-            if req.verify_next and start:
-                plan.r_row.append(self.state_row(req_id, start))
-                plan.r_hash.append(req.hashes[start - 1])
-                plan.r_req.append(req_id)
+            plan.req.append(req_id)
+            plan.r_ok.append(start > 0)
+            plan.r_row.append(self.state_row(req_id, start) if start else 0)
+            plan.r_hash.append(req.hashes[start - 1] if start else 0)
             row = self.state_row(req_id, end)
             assert row != 0, f"{req_id}: the state after {end} tokens would go to the null block"
             plan.w_row.append(row)
             plan.w_hash.append(req.hashes[end - 1])
         return plan
 
-    def _run_states(self, plan: _StatePlan) -> None:
-        n_r, n_w = len(plan.r_row), len(plan.w_row)
-        pad_r, pad_w = _bucket(n_r) - n_r, _bucket(n_w) - n_w
-        states, bad = self._state_fn(
+    def _run_states(self, plan: _StatePlan) -> dict[str, int]:
+        """Run the step's state reads and writes; returns the digest each request's reads left."""
+        n = len(plan.req)
+        pad = _bucket(n) - n
+        states, bad, digest = self._state_fn(
             tuple(self._state_array(s) for s in self.state_slots),
-            np.array(plan.r_row + [0] * pad_r, np.int32), np.array(plan.r_hash + [0] * pad_r, np.uint32),
-            np.array(plan.w_row + [self.num_state_rows] * pad_w, np.int32),
-            np.array(plan.w_hash + [0] * pad_w, np.uint32))
+            np.array(plan.r_row + [0] * pad, np.int32), np.array(plan.r_ok + [False] * pad, bool),
+            np.array(plan.r_hash + [0] * pad, np.uint32),
+            np.array(plan.w_row + [self.num_state_rows] * pad, np.int32),
+            np.array(plan.w_hash + [0] * pad, np.uint32))
         self._store_states(states)
-        self.stats.states_written += n_w * len(self.state_slots)
-        self.stats.states_verified += n_r * len(self.state_slots)
-        if n_r:
-            bad = np.asarray(bad)[:n_r]
+        self.stats.states_written += n * len(self.state_slots)
+        self.stats.states_verified += sum(plan.r_ok) * len(self.state_slots)
+        bad, digest = np.asarray(bad)[:n], np.asarray(digest)[:n]
+        if bad.any():
             self.stats.state_mismatches += int(bad.sum())
-            self.stats.state_mismatched_requests.update(plan.r_req[i] for i in np.nonzero(bad.any(axis=1))[0])
+            self.stats.state_mismatched_requests.update(plan.req[i] for i in np.nonzero(bad.any(axis=1))[0])
+        return {req_id: int(d) for req_id, d in zip(plan.req, digest) if d}
 
     def _store_states(self, states: Sequence[jax.Array]) -> None:
         """Rebuild ``kv_caches`` with new state arrays: tuples stay tuples, as tpu-inference holds them."""

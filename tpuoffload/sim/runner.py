@@ -1,12 +1,19 @@
 """A synthetic model runner: a real sharded JAX KV cache and a jitted step, no model weights.
 
 It stands in for tpu-inference's runner in tests and in the demo, on caches tpu-inference's own
-``create_kv_caches`` allocated (``tpuoffload.sim.tpu_layouts``). For every scheduled token it writes
-into each layer a value determined by (layer, position in the token's slice of the block, hash of
-the token ids up to that position), exact in the cache's dtype, so any block, whether computed, taken from vLLM's prefix cache or loaded from host
-RAM, can be checked exactly: on a request's first step after (re)admission the jitted step also
-reads its whole context back and counts every position whose KV is not what that prefix implies.
-The sampled token is a deterministic function of the prefix, so every host samples the same.
+``create_kv_caches`` allocated (``tpuoffload.sim.tpu_layouts``).
+
+The model sees the KV it reads, as a transformer does. Every step, for every scheduled request, each
+layer reads the request's whole context (every position before the step's first token) and folds
+what it read into a per-request digest (``_step_program``); the next layers write KV that depends
+on that digest, and the sampled token does too. With the right context the digest is neutral and
+every value is a deterministic function of (layer, position in the token's slice of the block, hash
+of the token ids up to that position), exact in the cache's dtype, so any block, whether computed,
+taken from vLLM's prefix cache or loaded from host RAM, can be checked exactly. A wrong read
+changes the digest: what that request writes afterwards and every token it samples are wrong, so
+a wrong read spreads to every later check (another request reading those blocks from HBM or host
+RAM, the request's own later steps, its output tokens) instead of staying where it happened.
+``stats.mismatches`` counts every wrong position read, every step.
 
 It drives the connector's worker half in the order vLLM's KVConnectorModelRunnerMixin does.
 """
@@ -62,29 +69,63 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _words(values, rows: int):
+    """One uint32 word per row of ``values`` (rows, ...): a position-weighted sum of the values'
+    float32 bits (exact for every cache dtype), so any change of a value changes it."""
+    bits = jax.lax.bitcast_convert_type(values.reshape(rows, -1).astype(jnp.float32), jnp.uint32)
+    weights = jnp.arange(bits.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(40503)
+    return jnp.sum(bits * weights[None, :], axis=1, dtype=jnp.uint32)
+
+
+_POISON = 0x9E3779B1
+
+
+def poisoned(hashes, digest):
+    """The hash a value is computed from once a request's reads left ``digest`` (0: all reads
+    were right, the hash is unchanged): uint32 arrays in the jitted step, Python ints on the host."""
+    if isinstance(hashes, int):
+        return hashes ^ ((digest * _POISON) & 0xFFFFFFFF)
+    return hashes ^ (digest * jnp.uint32(_POISON))
+
+
 @functools.lru_cache(maxsize=8)
 def _step_program(rests, dtypes, shardings, mesh, serves):
     """The runner's jitted step for one cache layout, shared by every runner with that layout
     (simulated hosts and soak runs compile it once). ``serves[i]``: the (KV cache group, layer)
-    pairs array i holds, each reached through its group's row of the block arrays."""
+    pairs array i holds, each reached through its group's row of the block arrays.
 
-    def step(caches, w_blk, w_off, w_hash, r_blk, r_ok, r_off, r_hash):
+    Layer by layer, as a transformer's forward: a layer writes the step's new KV (values of the
+    tokens' hashes, poisoned by the digest its request's reads left in the layers before), then
+    reads every scheduled request's context and folds into the request's digest how what it read
+    differs from what that context's KV is (a function of the token ids only). Returns the new
+    caches (the old are donated), which positions read wrong, and each request's final digest
+    (its sampled token depends on it)."""
+
+    def step(caches, digest, w_blk, w_off, w_hash, w_req, r_blk, r_ok, r_off, r_hash, r_req):
         bad = jnp.zeros(r_blk.shape[1], jnp.bool_)
+        rows = r_blk.shape[1]
         out = []
         for i, cache in enumerate(caches):
             rest, dtype = rests[i], dtypes[i]
             # Write, then read: as in a real forward, where each layer's new KV is in the cache
             # before attention reads it, so a request may read blocks another computes this step.
             for group, layer in serves[i]:
-                cache = cache.at[w_blk[group], w_off].set(kv_values(w_hash, layer, rest, dtype), mode="drop")
+                values = kv_values(poisoned(w_hash, digest[w_req]), layer, rest, dtype)
+                cache = cache.at[w_blk[group], w_off].set(values, mode="drop")
             for group, layer in serves[i]:
-                got = cache[r_blk[group], r_off].reshape(r_blk.shape[1], -1)
-                want = kv_values(r_hash, layer, rest, dtype).reshape(r_blk.shape[1], -1)
-                bad = bad | (r_ok[group] & jnp.any(got != want, axis=1))
+                got = cache[r_blk[group], r_off]
+                want = kv_values(r_hash, layer, rest, dtype)
+                wrong = r_ok[group] & jnp.any(got.reshape(rows, -1) != want.reshape(rows, -1), axis=1)
+                bad = bad | wrong
+                diff = jnp.where(r_ok[group], _words(got, rows) - _words(want, rows), jnp.uint32(0))
+                # ``| wrong``: a digest never cancels out to 0 by accident.
+                digest = digest + jax.ops.segment_sum(diff | wrong.astype(jnp.uint32), r_req,
+                                                      num_segments=digest.shape[0])
             out.append(cache)
-        return tuple(out), bad
+        return tuple(out), bad, digest
 
-    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated, replicated))
 
 
 @dataclass
@@ -92,7 +133,7 @@ class _Req:
     tokens: list[int]
     hashes: list[int]
     block_ids: list[list[int]]  # per KV cache group
-    verify_next: bool = True
+    num_prompt: int
     num_computed: int = 0
 
 
@@ -103,8 +144,7 @@ class RunnerStats:
     positions_verified: int = 0
     mismatches: int = 0
     mismatched_requests: set[str] = field(default_factory=set)
-    # The last step's wrong reads: block id (the engine's numbering, first served group) -> positions.
-    step_mismatches: dict[int, int] = field(default_factory=dict)
+    poisoned_steps: int = 0  # (request, step) pairs whose reads left a digest: what they computed is wrong
 
 
 class SyntheticRunner:
@@ -185,7 +225,7 @@ class SyntheticRunner:
         for new in so.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids)
             self._reqs[new.req_id] = _Req(tokens, prefix_hashes(tokens), placed(new.req_id, new.block_ids),
-                                          num_computed=new.num_computed_tokens)
+                                          len(tokens), num_computed=new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self._reqs[req_id] if req_id in self._reqs else None
@@ -194,22 +234,31 @@ class SyntheticRunner:
                 tokens = list(cached.all_token_ids[req_id]) if req_id in cached.all_token_ids else req.tokens
                 req = self._reqs[req_id] = _Req(tokens, prefix_hashes(tokens),
                                                 placed(req_id, new_blocks) if new_blocks else
-                                                [[] for _ in self.windows])
+                                                [[] for _ in self.windows], req.num_prompt)
             elif new_blocks is not None:
                 for mine, more in zip(req.block_ids, placed(req_id, new_blocks)):
                     mine.extend(more)
+            # Output tokens vLLM discarded (it dropped a step's result for the request), as vLLM's
+            # own runner does: the request goes on from the tokens vLLM kept.
+            keep = req.num_prompt + cached.num_output_tokens[i]
+            if keep < len(req.tokens):
+                del req.tokens[keep:], req.hashes[keep:]
             req.num_computed = cached.num_computed_tokens[i]
 
-    def _forward(self, so) -> dict[str, int]:
+    def _forward(self, so, digests: dict[str, int] | None = None) -> dict[str, int]:
+        """One forward over the scheduled tokens: every request's whole context is read (and
+        checked), its new tokens written, and a token sampled where a request's prompt is done.
+        ``digests``: what earlier parts of the forward already read wrong, per request (a
+        subclass's state layers); the written KV and the sampled tokens depend on them."""
         bs = self.block_size
         G = len(self.windows)
-        w_blk, w_off, w_hash = [[] for _ in range(G)], [], []
+        scheduled = list(so.num_scheduled_tokens.items())
+        w_blk, w_off, w_hash, w_req = [[] for _ in range(G)], [], [], []
         r_blk, r_ok, r_off, r_hash, r_req = [[] for _ in range(G)], [[] for _ in range(G)], [], [], []
-        sampled: dict[str, int] = {}
-        for req_id, n in so.num_scheduled_tokens.items():
+        for k, (req_id, n) in enumerate(scheduled):
             req = self._reqs[req_id]
             start = req.num_computed
-            if req.verify_next and start:
+            if start:
                 positions = range(start)
                 for g, window in enumerate(self.windows):
                     # A sliding-window layer reads only the window of the next token.
@@ -219,43 +268,44 @@ class SyntheticRunner:
                     r_ok[g] += [p >= first for p in positions]
                 r_off += [p % bs for p in positions]
                 r_hash += req.hashes[:start]
-                r_req += [req_id] * start
-            req.verify_next = False
-            end = start + n
-            for p in range(start, min(end, len(req.tokens))):
+                r_req += [k] * start
+            for p in range(start, min(start + n, len(req.tokens))):
                 for g in range(G):
                     w_blk[g].append(req.block_ids[g][p // bs])
                 w_off.append(p % bs)
                 w_hash.append(req.hashes[p])
-            req.num_computed = end
-            if end >= len(req.tokens):  # prefill done: sample the next token from the whole prefix
-                tok = sample(req.hashes[-1], self.vocab)
-                req.tokens.append(tok)
-                req.hashes.append((req.hashes[-1] * 1000003 + tok + 1) & _MASK)
-                sampled[req_id] = tok
-        n_w, n_r = len(w_off), len(r_off)
+                w_req.append(k)
+        n_w, n_r, n_q = len(w_off), len(r_off), len(scheduled)
         self.stats.steps += 1
         self.stats.tokens_written += n_w
         self.stats.positions_verified += sum(sum(r_ok[g]) for g in self._served_groups) if G > 1 else n_r
-        pad_w = _bucket(n_w) - n_w
-        pad_r = _bucket(n_r) - n_r
-        caches, bad = self._step_fn(
-            tuple(self._kv_arrays()),
+        pad_w, pad_r, pad_q = _bucket(n_w) - n_w, _bucket(n_r) - n_r, _bucket(n_q + 1) - n_q
+        start_digest = [(digests or {}).get(req_id, 0) for req_id, _ in scheduled]
+        caches, bad, digest = self._step_fn(
+            tuple(self._kv_arrays()), np.array(start_digest + [0] * pad_q, np.uint32),
             np.array([b + [self.num_blocks] * pad_w for b in w_blk], np.int32), np.array(w_off + [0] * pad_w, np.int32),
-            np.array(w_hash + [0] * pad_w, np.uint32),
+            np.array(w_hash + [0] * pad_w, np.uint32), np.array(w_req + [n_q] * pad_w, np.int32),
             np.array([b + [0] * pad_r for b in r_blk], np.int32), np.array([k + [False] * pad_r for k in r_ok], bool),
             np.array(r_off + [0] * pad_r, np.int32), np.array(r_hash + [0] * pad_r, np.uint32),
+            np.array(r_req + [n_q] * pad_r, np.int32),
         )
         self._store_kv_arrays(caches)
-        self.stats.step_mismatches = {}
+        digest = np.asarray(digest)[:n_q]
+        self.stats.poisoned_steps += int(np.count_nonzero(digest))
         if n_r:
             bad = np.asarray(bad)[:n_r]
             if bad.any():
                 self.stats.mismatches += int(bad.sum())
-                self.stats.mismatched_requests.update(r_req[i] for i in np.nonzero(bad)[0])
-                blocks, counts = np.unique(np.array(r_blk[self._served_groups[0]])[np.nonzero(bad)[0]],
-                                           return_counts=True)
-                self.stats.step_mismatches = dict(zip(blocks.tolist(), counts.tolist()))
+                self.stats.mismatched_requests.update(scheduled[r_req[i]][0] for i in np.nonzero(bad)[0])
+        sampled: dict[str, int] = {}
+        for k, (req_id, n) in enumerate(scheduled):
+            req = self._reqs[req_id]
+            req.num_computed += n
+            if req.num_computed >= len(req.tokens):  # prefill done: sample from the whole prefix and what it read
+                tok = sample(poisoned(req.hashes[-1], int(digest[k])), self.vocab)
+                req.tokens.append(tok)
+                req.hashes.append((req.hashes[-1] * 1000003 + tok + 1) & _MASK)
+                sampled[req_id] = tok
         return sampled
 
     def _kv_arrays(self) -> list[jax.Array]:
