@@ -119,9 +119,9 @@ def test_dp_chaos_failures_stay_with_their_rank_and_recompute_everywhere(make_sl
     """DP 2 x TP 4 through DPScheduler under the chaos storm: failed device-to-host copies on host 0,
     slots lost on host 1 (load errors: vLLM recomputes on every host), dropped and doubled reports,
     aborts, a tiny block pool (preemptions). No rank crashes on another rank's completions, no wrong
-    token, no wrong KV position but reads of blocks whose load failed in that step (synchronous
-    loads: the forward reads them, vLLM drops that step's result and recomputes), identical
-    digests, nothing leaked on any rank. Two requests per prefix per wave: loads of another rank's
+    token, no wrong KV position (loads are asynchronous: no forward reads a block whose load
+    failed, and the model's outputs depend on every read), identical digests, nothing leaked on
+    any rank. Two requests per prefix per wave: loads of another rank's
     chunks run too, and a slot lost on host 1 fails them whichever host holds the source rows."""
     # Host 1 loses a slot at most loads: the few load steps of this workload must see some.
     chaos = dataclasses.replace(Chaos.storm(2, seed=7), lose_slot_rate=0.8)
@@ -134,10 +134,67 @@ def test_dp_chaos_failures_stay_with_their_rank_and_recompute_everywhere(make_sl
     _assert_clean_end(pod)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("cache_at_allocation", [False, True], ids=["vllm", "negative-control"])
+def test_a_failed_load_never_stays_in_the_prefix_cache_of_its_rank(make_slice, monkeypatch, cache_at_allocation):
+    """Issue 35's reproduction, through tpu-inference's DPScheduler on 2 hosts (DP 2 x TP 4): host
+    0 loses a row of every load. Request A's prefix is in host RAM only (HBM reset); A's load fails
+    on host 0 and A is aborted right after (a client disconnect); B, with the same 6-block prefix,
+    arrives next. B must read the right KV on every host, compute the right tokens, and nothing
+    wrong may become loadable.
+
+    The mechanism: loads are asynchronous, so vLLM caches the loaded blocks in its prefix cache
+    only once every host loaded them, and a failed load's blocks never (the blocks go back free,
+    unhashed). When loads were synchronous, vLLM cached the blocks when it allocated them, before
+    the load ran; under ``recompute`` it left them cached for the request to overwrite, and an
+    abort first left them there for B (16 wrong positions per host). Negative control: vLLM made
+    to cache at allocation, as it does for a synchronous load (``delay_cache_blocks=False``):
+    B's first step reads the block host 0 never got."""
+    if cache_at_allocation:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        allocate = KVCacheManager.allocate_slots
+
+        def caching_at_allocation(self, *args, **kwargs):
+            kwargs["delay_cache_blocks"] = False
+            return allocate(self, *args, **kwargs)
+
+        # Before the slice forks DPScheduler's rank processes, so every rank's vLLM has it.
+        monkeypatch.setattr(KVCacheManager, "allocate_slots", caching_at_allocation)
+    from tpuoffload.sim.vllm_setup import make_request
+    from tpuoffload.sim.workload import expected_output
+
+    chaos = Chaos(seed=3, lose_slot_host=0, lose_slot_rate=1.0)
+    pod = make_slice(_spec("bf16-dp2-tp4", save_timeout_s=30.0), chaos)
+    rng = np.random.default_rng(35)
+    prefix = rng.integers(3, 30000, 6 * 16).tolist()
+    prompts = {name: prefix + rng.integers(3, 30000, 5).tolist() for name in ("p", "a", "b")}
+    pod.add_request(make_request("p", prompts["p"], max_tokens=3))
+    pod.run()
+    assert pod.settle(60.0)
+    assert pod.stats.totals()["chunks_saved"] >= 6 * 2, pod.stats.totals()  # every host saved the prefix
+    assert pod.scheduler.reset_prefix_cache()  # HBM forgets: the prefix is in host RAM only
+    pod.add_request(make_request("a", prompts["a"], max_tokens=3))
+    pod.step()  # A is admitted and its load planned, dispatched and failed on host 0
+    assert pod.stats.totals()["load_errors"] >= 1, pod.stats.totals()
+    assert pod.abort(["a"]) == ["a"]
+    pod.add_request(make_request("b", prompts["b"], max_tokens=3))
+    pod.run()
+    wrong = pod.mismatches
+    if cache_at_allocation:
+        assert sum(wrong) > 0, "the negative control must read the block host 0 never loaded"
+        return
+    assert wrong == [0, 0], (wrong, pod.first_mismatch_step)
+    assert pod.outputs["b"] == expected_output(prompts["b"], 3, 32000)
+    assert pod.settle(60.0)
+    _assert_clean_end(pod)
+
+
 def _rank_plan(rank: int, blocks_per_rank: int, step: int, num_slots: int, **fields) -> StepPlan:
     """A DP rank's plan after DPScheduler's merge: its local_block_ids entry translated by the rank's
     block offset, as ``_combine_scheduler_outputs`` does."""
-    return StepPlan(step, num_slots, source=1000 + rank, num_blocks=blocks_per_rank, sync_loads=True,
+    return StepPlan(step, num_slots, source=1000 + rank, num_blocks=blocks_per_rank, failures_by_request=True,
                     local_block_ids=[rank * blocks_per_rank], **fields)
 
 
@@ -145,7 +202,7 @@ def test_ranks_with_the_same_local_blocks_and_slots_never_meet():
     """Two ranks plan the same local block ids, slots and save ids in one step (they plan
     independently). The workers place each in its own blocks and its own share of the slots: both
     load back their own bytes, and each rank's save outcomes come back under its own source, its
-    load errors in its own block ids. (Without the placement both chunks land in slot 0.)"""
+    load failures by request. (Without the placement both chunks land in slot 0.)"""
     caches, mesh = create_caches(LAYOUTS["bf16-dp2-tp4"])
     rng = np.random.default_rng(0)
     caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
@@ -172,10 +229,12 @@ def test_ranks_with_the_same_local_blocks_and_slots_never_meet():
     worker.bind(OffloadMetadata(load))
     worker.wait_for_save()
     sending, recving = worker.get_finished()
-    errors = worker.take_load_errors()
+    failed, errors = worker.take_failed_recving(), worker.take_load_errors()
     worker.clear()
-    assert sending is None and recving is None  # synchronous loads: no completion ids for vLLM
-    assert errors == {8}  # rank 1's local block id
+    # Asynchronous loads: every load is reported finished (each rank's half keeps its own ids);
+    # a failure goes by request id, never by a rank-local block id that another rank would misread.
+    assert sending is None and recving == {"a", "b"}
+    assert failed == {"b"} and errors == set()
     for layer, c in enumerate(runner.kv_caches):
         got = np.asarray(c)
         assert np.array_equal(got[7], original[layer][3]), f"layer {layer}: rank 0's chunk"
@@ -193,7 +252,7 @@ def test_dp_rank_comes_from_tpu_inference_config_and_refuses_what_it_cannot_do()
 
     kv = types.SimpleNamespace(num_blocks=48)
     rank = DPRank.of(config(2, DPScheduler), kv)
-    assert (rank.ranks, rank.num_blocks, rank.source, rank.sync_loads) == (2, 48, os.getpid(), True)
+    assert (rank.ranks, rank.num_blocks, rank.source, rank.failures_by_request) == (2, 48, os.getpid(), True)
     assert DPRank.of(config(1, Scheduler), kv) == DPRank()  # no DP: one scheduler for the whole engine
     assert DPRank.of(config(2, Scheduler), kv) == DPRank()  # DP layout under vLLM's scheduler
     for key, value in (("lazy_offload", True), ("persist_path", "/tmp/x"), ("disk_path", "/tmp/d")):
@@ -218,7 +277,7 @@ def test_every_rank_plan_survives_dpscheduler_merge_whole():
 
     bpr = 48
     plans = [StepPlan(3, 16, save=SaveBatch((5, 6), range(2, 4), range(10, 12)), loads=(LoadRequest("r", (9,), (1,), (4,)),),
-                      source=100 + r, num_blocks=bpr, sync_loads=True) for r in range(2)]
+                      source=100 + r, num_blocks=bpr, failures_by_request=True) for r in range(2)]
     outputs = [types.SimpleNamespace(
         scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={},
         total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
@@ -248,15 +307,16 @@ def _dp_worker(seed: int = 0):
     return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
 
 
-def _step(worker: OffloadWorker, plans: list[StepPlan]) -> set[int]:
-    """One step of the worker; returns its load errors."""
+def _step(worker: OffloadWorker, plans: list[StepPlan]) -> set[str]:
+    """One step of the worker; returns the requests whose load failed (DP: failures by request)."""
     worker.bind(OffloadMetadata(plans))
     worker.wait_for_save()
     worker.get_finished()
-    errors = worker.take_load_errors()
+    assert worker.take_load_errors() == set()
+    failed = worker.take_failed_recving()
     worker.clear()
     assert worker.engine.wait_idle(30)
-    return errors
+    return failed
 
 
 def _cross(slot: int, save_id: int, owner: int, planner: int, per_rank_slots: int) -> tuple[int, int]:
@@ -315,13 +375,12 @@ def test_a_slot_reused_by_its_rank_in_the_step_another_rank_loads_it_is_never_ga
             worker.close()
             continue
         if when == "flush":
-            assert errors == {9}, errors  # rank 1's block: recomputed
+            assert errors == {"b"}, errors  # rank 1's request: recomputed
             assert all(not g.any() for g in got), "a stale load scatters zeros, never another chunk's bytes"
             assert worker.engine.take_counters()["cross_rank_load_errors"] == 1
-            # The forward of that step read the placeholder: rank 1's saves of the step never
-            # become loadable (this host reports them failed), rank 0's are unaffected.
-            assert rank1_saves == [(0, (), ((0, 1),))], rank1_saves
-            assert worker.take_stats().reduce()["saves_tainted"] == 1
+            # The load is asynchronous: no forward read the placeholder (vLLM schedules "b" only
+            # after the load, and recomputes it), so rank 1's save of the step stands.
+            assert rank1_saves == [(0, ((0, 1),), ())], rank1_saves
         else:
             assert errors == set()
             assert all(np.array_equal(g, o[3]) for g, o in zip(got, original)), "the old chunk, whole"

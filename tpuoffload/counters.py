@@ -42,7 +42,6 @@ LOAD_ERRORS = "load_errors"
 LOAD_SECONDS = "load_seconds"
 CROSS_RANK_CHUNKS_LOADED = "cross_rank_chunks_loaded"
 CROSS_RANK_LOAD_ERRORS = "cross_rank_load_errors"
-SAVES_TAINTED = "saves_tainted"
 
 # ---- worker half: warm restart (each host its own part of a checkpoint) ----
 PERSIST_SAVED_CHUNKS = "persist_saved_chunks"
@@ -126,8 +125,6 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(CROSS_RANK_CHUNKS_LOADED, _W, "DPScheduler: chunks one DP rank saved loaded into another rank's blocks"),
     CounterInfo(CROSS_RANK_LOAD_ERRORS, _W, "DPScheduler: loads of another rank's chunk that failed on a host "
                 "(the slot was reused meanwhile: recomputed)"),
-    CounterInfo(SAVES_TAINTED, _W, "DPScheduler: saves of a step whose synchronous load failed on this host, "
-                "reported failed (the forward read placeholders)"),
     CounterInfo(PERSIST_SAVED_CHUNKS, _W, "Chunks this host wrote into committed checkpoints"),
     CounterInfo(PERSIST_SAVED_BYTES, _W, "Bytes this host wrote into committed checkpoints"),
     CounterInfo(PERSIST_SAVE_FAILED, _W, "Checkpoints that failed on this host (never restored)"),

@@ -148,11 +148,9 @@ class StepPlan:
     source: int = 0
     # Blocks of the planning scheduler's KV cache (0: the engine's whole cache).
     num_blocks: int = 0
-    # Loads complete within the step (DP mode: vLLM is told they are synchronous, so no
-    # finished_recving, which DPScheduler would hand to every rank, is ever reported).
-    sync_loads: bool = False
-    # Several KV cache groups (vLLM's hybrid KV cache manager): block ids are unique only within a
-    # group, so vLLM takes load failures only by request (``failed_recving``), never by block.
+    # Load failures go to vLLM by request (``failed_recving``), never by block id: with several KV
+    # cache groups block ids are unique only within a group, and under DPScheduler they are
+    # rank-local while every rank's scheduler reads every failure (topology.DPRank).
     failures_by_request: bool = False
     # DPScheduler's merge adds ``rank * num_blocks`` to every entry of a plan's
     # ``local_block_ids``: this one entry, 0 when planned, tells the workers where the rank's

@@ -138,17 +138,14 @@ class RequestLifecycle:
             self._forget(req_id)
         return delay
 
-    def released(self, req_ids: Iterable[str]) -> int:
+    def released(self, req_ids: Iterable[str]) -> set[str]:
         """The workers dispatched the flushes of these finished requests (finished_sending).
-        Returns how many were not awaited."""
-        unknown = 0
-        for req_id in req_ids:
-            if req_id in self._awaiting_release:
-                self._awaiting_release.discard(req_id)
-                self._forget(req_id)
-            else:
-                unknown += 1
-        return unknown
+        Returns those this half awaited (the rest are another DP rank's, or unknown)."""
+        mine = {req_id for req_id in req_ids if req_id in self._awaiting_release}
+        for req_id in mine:
+            self._awaiting_release.discard(req_id)
+            self._forget(req_id)
+        return mine
 
     def _forget(self, req_id: str) -> None:
         self._records.pop(req_id, None)

@@ -202,27 +202,19 @@ class LoadTracker:
         return tuple(loads), (np.concatenate(slots) if slots else _EMPTY)
 
     # ------------------------------------------------------------------ reports
-    def finished(self, req_ids: Iterable[str]) -> int:
-        """The workers reported these loads done. Returns how many were not in flight."""
-        unknown = 0
-        for req_id in req_ids:
-            if self._in_flight.pop(req_id, None) is None:
-                unknown += 1
-        return unknown
-
-    def finished_sync(self) -> None:
-        """Synchronous loads (``DPRank.sync_loads``) are done once the output of a step after their
-        emission arrives; vLLM gets no completion for them. (With async scheduling a load emitted one
-        step later is dropped here too: its failures then recompute without discarding the chunk.)"""
-        self._in_flight.clear()
+    def finished(self, req_ids: Iterable[str]) -> set[str]:
+        """The workers reported these loads done. Returns those that were this half's loads in
+        flight (the rest are another DP rank's, or unknown)."""
+        return {req_id for req_id in req_ids if self._in_flight.pop(req_id, None) is not None}
 
     def failed_requests(self, req_ids: Iterable[str]) -> list[tuple[int, int]]:
-        """(slot, save_id) of every chunk the in-flight loads of these requests read (several KV
-        cache groups: failures come by request, so each such load's chunks are all suspect)."""
+        """(slot, save_id) of every chunk the in-flight loads of these requests read (failures by
+        request: each such load's chunks are all suspect); counts this half's failed requests."""
         out = []
         for req_id in req_ids:
             load = self._in_flight.get(req_id)
-            if load is not None:
+            if load is not None:  # (another DP rank's request is not)
+                self.counters[C.FAILED_REQUESTS] += 1
                 out += zip(load.slots, load.save_ids)
         return out
 

@@ -89,6 +89,10 @@ class OffloadScheduler:
         # vLLM's KV cache groups (HMA): a chunk is keyed by content hash and group (kv_groups.py).
         self.kv_groups = kv_groups
         check_kv_groups_config(config, kv_groups, self.dp.ranks)
+        # vLLM takes load failures by block id (``invalid_block_ids``) or by request
+        # (``failed_recving``): by request when block ids do not say whose (several KV cache
+        # groups; rank-local ids under DPScheduler).
+        self._failures_by_request = kv_groups.several or self.dp.failures_by_request
         pools = self._pool_sizes(chunk_bytes, state_chunk_bytes)
         num_slots = sum(pools)
         #: The scheduler's monotonic clock (save deadlines); replaceable, e.g. by tests.
@@ -207,12 +211,13 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ admission
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond the local hit that host RAM can supply, and whether they load
-        asynchronously (always, when there are any). No side effect: vLLM asks again every step
-        until it admits the request."""
+        asynchronously (always, when there are any: vLLM then caches the loaded blocks in its
+        prefix cache only once every host loaded them, and never a failed load's). No side
+        effect: vLLM asks again every step until it admits the request."""
         hits = self.loads.lookup(request, num_computed_tokens)
         if self.tiers and any(t.wants(request, num_computed_tokens // self.block_size, hits) for t in self.tiers):
             return None, False  # e.g. its prefix continues on disk: ask again once it is back in host RAM
-        return hits * self.block_size, hits > 0 and not self.dp.sync_loads
+        return hits * self.block_size, hits > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks | None",
                                  num_external_tokens: int) -> None:
@@ -247,11 +252,7 @@ class OffloadScheduler:
         # Reconcile vLLM's view first: preemptions since the last plan (a reset may have preempted
         # a request that this same schedule() already admitted again).
         self.requests.preempted(scheduler_output.preempted_req_ids or ())
-        if self.dp.sync_loads:  # loaded before this step's forward, in the step that admits the request
-            scheduled = scheduler_output.num_scheduled_tokens
-            loads, load_slots = self.loads.emit(lambda request: request.request_id in scheduled)
-        else:
-            loads, load_slots = self.loads.emit(waits_for_load)
+        loads, load_slots = self.loads.emit(waits_for_load)
         # A newly scheduled request's block ids are in the output already (vLLM built them for the
         # workers); the others come from the KV cache manager.
         group = slice(None) if self.kv_groups.several else 0
@@ -294,7 +295,7 @@ class OffloadScheduler:
         self._apply_resolved()  # early reports replayed by the new batches
         plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
                         tiers=parts, source=self.dp.source, num_blocks=self.dp.num_blocks,
-                        sync_loads=self.dp.sync_loads, failures_by_request=self.kv_groups.several,
+                        failures_by_request=self._failures_by_request,
                         news=self.index.events.take_news(self.view.epoch), state_slots=self._state_slots)
         self._step += 1
         if self._snapshot is not None:
@@ -312,7 +313,7 @@ class OffloadScheduler:
         dispatched yet (lazy mode): every save already in a plan is dispatched by the workers
         before any later step can reuse the blocks."""
         req_id = request.request_id
-        load_in_flight = self.loads.forget(req_id) and not self.dp.sync_loads  # a sync load is done
+        load_in_flight = self.loads.forget(req_id)
         for t in self.tiers:
             t.forget(req_id)
         return self.requests.finish(request, block_ids, load_in_flight), None
@@ -327,8 +328,14 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ reports from workers
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The workers' merged outputs: save outcomes into the ledger (invariants 7, 8), load
-        errors discard their chunks (invariant 11), completions of unknown requests are counted
-        (invariant 8)."""
+        errors discard their chunks (invariant 11), completions of requests this half does not
+        own are taken out of ``output`` and counted (invariant 8).
+
+        vLLM calls this before it walks ``finished_recving`` / ``finished_sending``, asserting that
+        each id is one of its requests. Under DPScheduler every rank's scheduler gets its own copy
+        of the whole output, every rank's completions included: each rank's half leaves in it only
+        the loads it has in flight and the releases it awaits, so a rank's vLLM scheduler sees its
+        own ids only (with one scheduler the same rule drops only ids nobody expects)."""
         report = getattr(output, "kv_connector_worker_meta", None)
         # The exact type first: isinstance against vLLM's abstract base class takes the slow path
         # of abc (tens of microseconds when abc's caches were invalidated meanwhile).
@@ -347,20 +354,21 @@ class OffloadScheduler:
                 t.on_report(report.tiers.get(t.name, {}))
             self._apply_resolved()
         # A chunk that failed to load on some host is not offered again (vLLM recomputes it).
-        # Several KV cache groups: failures come by request, and every chunk its load read goes.
+        # Failures by request (several KV cache groups, DPScheduler): every chunk its load read goes.
         failed_recving = getattr(output, "failed_recving", None)
         if failed_recving:
-            self.counters[C.FAILED_REQUESTS] += len(failed_recving)
             self._discard(self.loads.failed_requests(failed_recving))
         if output.invalid_block_ids:
             self._discard(self.loads.failed_blocks(output.invalid_block_ids))
-        if self.dp.sync_loads:  # synchronous loads were done in the step whose output this is
-            self.loads.finished_sync()
         unknown = 0
         if output.finished_recving:
-            unknown += self.loads.finished(output.finished_recving)
+            mine = self.loads.finished(output.finished_recving)
+            unknown += len(output.finished_recving) - len(mine)
+            output.finished_recving = mine
         if output.finished_sending:
-            unknown += self.requests.released(output.finished_sending)
+            mine = self.requests.released(output.finished_sending)
+            unknown += len(output.finished_sending) - len(mine)
+            output.finished_sending = mine
         if unknown:
             self.counters[C.UNKNOWN_REQUEST] += unknown
 

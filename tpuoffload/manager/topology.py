@@ -132,10 +132,14 @@ class DPRank:
       (``StepPlan.placement``): no two halves hand out the same slot, and none wastes host RAM;
     * ``source``: its reports come back under this id (the rank process's pid: unique among the
       ranks of one engine), since every rank's scheduler receives every worker report;
-    * ``sync_loads``: DPScheduler hands the workers' ``finished_recving`` to every rank's vLLM
-      scheduler, which asserts that each id is its own request, so no load may be asynchronous:
-      a hit is loaded before the forward of the step that admits it, and reported to vLLM only
-      through ``invalid_block_ids`` when it fails.
+    * ``failures_by_request``: DPScheduler hands the whole worker output to every rank's vLLM
+      scheduler, and ``invalid_block_ids`` are rank-local block ids, so a rank would truncate its
+      own requests at another rank's failed blocks. Load failures go by request id instead
+      (``failed_recving``, which vLLM ignores for ids it does not know), so only the owning rank
+      recomputes. Loads are asynchronous, as with one scheduler: vLLM caches loaded blocks in its
+      prefix cache only once every host loaded them (a failed load is never cached), and each
+      rank's half keeps only its own requests' completions
+      (``OffloadScheduler.update_connector_output``).
 
     The default is one vLLM scheduler for the whole engine.
     """
@@ -145,7 +149,7 @@ class DPRank:
     source: int = 0
 
     @property
-    def sync_loads(self) -> bool:
+    def failures_by_request(self) -> bool:
         return self.ranks > 1
 
     def num_slots(self, rows: int) -> int:

@@ -112,8 +112,7 @@ class InProcSlice(PodSlice):
             if host.stall_at_step is not None and runner.stats.steps >= host.stall_at_step:
                 threading.Event().wait()  # negative control: a host that never answers
             out = runner.execute(msg[1], connector)
-            return (out, connector.worker.digests[-1], runner.stats.mismatches, runner.stats.step_mismatches,
-                    connector.worker.step_load_failures)
+            return out, connector.worker.digests[-1], runner.wrong_reads()
         engine = connector.worker.engine
         if msg[0] == "idle":
             return engine.wait_idle(msg[1])

@@ -166,8 +166,8 @@ class PodSlice:
     After every step: ``steps``, ``digests`` (per step, per host), ``outputs``/``finished`` (per
     request), ``aborted`` (requests aborted by chaos or ``abort``), ``stats`` (an OffloadStats: the
     union of every stats report that reached vLLM's stats path, scheduler and all hosts),
-    ``mismatches`` (per host: context positions whose KV was wrong, so far, less ``excused`` reads of
-    blocks whose synchronous load failed in that step), ``preemptions``.
+    ``mismatches`` (per host: context positions whose KV was wrong, so far: every wrong read counts,
+    since no forward ever reads a block whose load failed), ``preemptions``.
     """
 
     def __init__(self, spec: SliceSpec, chaos: Chaos | None = None, log_dir: str | None = None, *,
@@ -221,7 +221,6 @@ class PodSlice:
         self.aborted: set[str] = set()
         self.stats = OffloadStats()
         self.mismatches: list[int] = [0] * spec.num_hosts
-        self.excused: list[int] = [0] * spec.num_hosts  # wrong reads of blocks whose sync load failed
         self.first_mismatch_step: int | None = None
         self.preemptions = 0  # requests vLLM preempted (SchedulerOutput.preempted_req_ids), all steps
         self.final: list[dict] = []
@@ -487,14 +486,9 @@ class PodSlice:
                     f"  host {rank}: {dict(zip(out.req_ids, out.sampled_token_ids))}")
 
     def _note_mismatches(self, replies) -> None:
-        """Wrong context reads so far, per host, less those vLLM discards: with synchronous loads
-        (DPScheduler) the forward of a step reads the blocks loaded in it, and a block whose load
-        failed on any host is reported by that host, so vLLM recomputes the request and drops the
-        step's result for it (``excused``: reads of blocks whose load failed somewhere that step)."""
-        failed = frozenset().union(*(r[4] for r in replies))
-        for host, r in enumerate(replies):
-            self.excused[host] += sum(n for block, n in r[3].items() if block in failed)
-        counts = [r[2] - e for r, e in zip(replies, self.excused)]
+        """Wrong context reads so far, per host (the runner's count; loads are asynchronous, so a
+        forward never reads a block whose load failed: every wrong read is a mismatch)."""
+        counts = [r[2] for r in replies]
         if counts != self.mismatches and self.first_mismatch_step is None:
             self.first_mismatch_step = self.steps
         self.mismatches = counts

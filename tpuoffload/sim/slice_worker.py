@@ -100,8 +100,7 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
                 if chaos.step_delay_s:
                     time.sleep(rng.uniform(0, chaos.step_delay_s))
                 out = runner.execute(msg[1], connector)
-                send_frame(stdout, (out, connector.worker.digests[-1], runner.stats.mismatches,
-                                    runner.stats.step_mismatches, connector.worker.step_load_failures))
+                send_frame(stdout, (out, connector.worker.digests[-1], runner.wrong_reads()))
             elif msg[0] == "shutdown":  # vLLM's clean shutdown of a worker: the connector's last word
                 connector.shutdown()
                 send_frame(stdout, dict(connector.worker.totals))

@@ -93,16 +93,9 @@ class OffloadWorker:
         self._news: dict[tuple[int, int], ChunkNews] = {}  # (rank, step) -> the plan's news, to echo
         self._saved = False
         self._finished_recving: set[str] = set()
-        self._failed_recving: set[str] = set()  # several KV cache groups: failed loads, by request
+        self._failed_recving: set[str] = set()  # failed loads, by request (StepPlan.failures_by_request)
         self._load_errors: set[int] = set()
         self._report_failures: list[int] = []
-        # Synchronous loads (DPScheduler): a plan whose load failed on this host, in this step
-        # (``_load``), and the save ids its eager saves of that step get, reported failed by this
-        # host whatever their program did (``build_report``): the forward read placeholders.
-        self._tainted: set[int] = set()  # ranks
-        #: Blocks (the engine's numbering) whose load failed on this host in the current step.
-        self.step_load_failures: frozenset[int] = frozenset()
-        self._poisoned: set[int] = set()  # engine save ids
         self._stats_seq = 0
         self.totals: Counter[str] = Counter()  # since start, for snapshots
         self._unreported: Counter[str] = Counter()  # since the last take_stats
@@ -210,7 +203,6 @@ class OffloadWorker:
         self._meta = meta
         self._placed = placed
         self._saved = False
-        self.step_load_failures = frozenset()
         for p in placed:
             self._sources[p.rank] = p.plan.source
             if p.plan.news:
@@ -284,7 +276,9 @@ class OffloadWorker:
 
     def _load(self, placed: list["_Placed"]) -> None:
         """Every plan's loads in one engine call; a load fails where any of its rows failed (by
-        block, in each plan's own ids, with one KV cache group; by request with several)."""
+        block, in each plan's own ids, or by request: ``StepPlan.failures_by_request``). Every
+        load is reported finished in this step's ``get_finished``: vLLM schedules the request's
+        forward in a later step, which the runtime orders after this load."""
         if not any(p.loads for p in placed):
             return
         blocks, slots, save_ids, sources = _concat_loads(placed)
@@ -295,7 +289,6 @@ class OffloadWorker:
             logger.exception("tpuoffload: load dispatch failed on host %d", self.host_id)
             failed = set(range(len(blocks)))
             self._count(C.LOAD_ERRORS, len(blocks))
-        unavailable = []  # the engine's numbering
         start = 0  # the position of each load's first row in the engine call
         for p in placed:
             by_request = p.plan.failures_by_request
@@ -303,20 +296,13 @@ class OffloadWorker:
                 rows = range(start, start + len(load.block_ids))
                 start = rows.stop
                 missed = bool(load.unavailable_block_ids) or bool(failed) and not failed.isdisjoint(rows)
-                if missed:
-                    unavailable.extend(b + p.block_offset for b in load.unavailable_block_ids)
-                    if p.plan.sync_loads:
-                        self._tainted.add(p.rank)
-                if by_request:  # several KV cache groups: vLLM takes failures by request only
+                if by_request:
                     if missed:
                         self._failed_recving.add(load.req_id)
                 elif missed:  # (the usual step has none: no per-block work on the main thread then)
                     self._load_errors.update(blocks[i] - p.block_offset for i in rows if i in failed)
                     self._load_errors.update(load.unavailable_block_ids)
-                if not p.plan.sync_loads:
-                    self._finished_recving.add(load.req_id)
-        if failed or unavailable:
-            self.step_load_failures = frozenset({blocks[i] for i in failed}.union(unavailable))
+                self._finished_recving.add(load.req_id)
 
     def _live_caches(self) -> list:
         caches = list(self._runner.kv_caches)
@@ -329,15 +315,6 @@ class OffloadWorker:
             return
         self._saved = True
         self._save(_concat_saves([p.save for p in self._placed]))
-        if self._tainted:
-            # This step's forward read blocks whose synchronous load failed here (placeholders, or
-            # another rank's chunk whose slot was reused): vLLM recomputes those requests, and
-            # what the forward wrote beyond them may be wrong, so the plan's eager saves of this
-            # step must never become loadable. Every failed row is seen by some host, and a save
-            # is loadable only once every host confirmed it.
-            for p in self._placed:
-                if p.rank in self._tainted:
-                    self._poisoned.update(p.save.save_ids)
 
     def _save(self, batch: SaveBatch) -> None:
         if not batch:
@@ -360,8 +337,8 @@ class OffloadWorker:
         return sending or None, recving or None
 
     def take_failed_recving(self) -> set[str]:
-        """Requests whose load failed on this host (several KV cache groups); each is also in this
-        step's ``get_finished`` loads, as vLLM requires."""
+        """Requests whose load failed on this host (``StepPlan.failures_by_request``); each is also
+        in this step's ``get_finished`` loads, as vLLM requires."""
         out, self._failed_recving = self._failed_recving, set()
         return out
 
@@ -373,13 +350,6 @@ class OffloadWorker:
         results = self.engine.drain_results() if self.engine is not None else []
         saved = [r.save_id for r in results if r.ok]
         failed = [r.save_id for r in results if not r.ok] + self._report_failures
-        if self._poisoned:
-            poisoned = self._poisoned.intersection(saved)
-            if poisoned:
-                saved = [i for i in saved if i not in poisoned]
-                failed += poisoned
-                self._count(C.SAVES_TAINTED, len(poisoned))
-            self._poisoned.difference_update(failed)
         self._count(C.SAVE_FAILURES, len(self._report_failures))
         self._report_failures = []
         report = self._save_report(saved, failed)
@@ -430,7 +400,6 @@ class OffloadWorker:
             return None
         self._meta = None
         self._placed = []
-        self._tainted.clear()
         digest = self.engine.finish_step()
         self.digests.append(digest)
         if self._snapshot is not None:
