@@ -86,9 +86,18 @@ def _text_only(vllm_model) -> None:
                                   "torchvision, which has no build for this CPU torch")
 
 
-def install() -> list[str]:
+#: The shims a negative control may leave out (``install(without=...)``), by name.
+DEVICE_PUT_COPY = "device_put_copy"
+OPTIONAL = (DEVICE_PUT_COPY,)
+
+
+def install(without: tuple[str, ...] = ()) -> list[str]:
+    """Install every shim but those named in ``without`` (only the ``OPTIONAL`` ones: the copy
+    shim's negative control leaves it out)."""
     if INSTALLED:
         return INSTALLED
+    if set(without) - set(OPTIONAL):
+        raise ValueError(f"only {OPTIONAL} may be left out, not {sorted(set(without) - set(OPTIONAL))}")
     if "vllm.platforms" in sys.modules and sys.modules["vllm.platforms"]._current_platform is not None:
         raise RuntimeError("engine_shims.install() must run before vLLM resolves its platform")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -183,7 +192,90 @@ def install() -> list[str]:
     unquantized.t2j = lambda tensor, use_dlpack=True: torchax_t2j(tensor.clone(), use_dlpack=use_dlpack)
     INSTALLED.append("tpu_inference unquantized linear loading: t2j of a copy (a float32 weight's storage, viewed "
                      "by numpy, cannot be freed with resize_(0); bf16 weights are copied by t2j anyway)")
+
+    # (10) host inputs: tpu-inference's device put (tpu_inference.utils.device_array -> general_device_put) of a
+    # copy of each numpy leaf. The runner rewrites its host buffers (positions_cpu, the DeviceBuffer metadata blob)
+    # every step and puts views of them; a TPU put always copies host memory into HBM, but CPU JAX aliases a view
+    # that starts on a 64-byte boundary, so with async scheduling (batch queue of 2) a step still queued on the
+    # device reads the next step's positions and metadata.
+    if DEVICE_PUT_COPY not in without:
+        import jax
+        import numpy as np
+
+        tpu_utils = importlib.import_module("tpu_inference.utils")
+        aliasing_put = tpu_utils.general_device_put
+
+        def copying_put(tensor, *args, **kwargs):
+            owned = jax.tree_util.tree_map(lambda t: np.array(t, copy=True) if isinstance(t, np.ndarray) else t,
+                                           tensor)
+            return aliasing_put(owned, *args, **kwargs)
+
+        tpu_utils.general_device_put = copying_put
+        INSTALLED.append("tpu_inference.utils.general_device_put (the runner's device_array): puts a copy of each "
+                         "numpy input (a TPU put always copies to HBM; CPU JAX aliases a 64-byte-aligned view, "
+                         "which the runner rewrites for the next step while this one is still queued)")
+
+    # (11) hosts of a slice (TPU_MULTIHOST_BACKEND=ray, one Ray actor per host): on a TPU slice libtpu joins the
+    # hosts by itself, jax.devices() is exactly the slice's chips and jax.devices("cpu") each host's own CPU.
+    # Here, before tpu-inference's TPUWorker.init_device first touches JAX: jax.distributed across the hosts (CPU
+    # devices, gloo collectives; coordinator and host count from the launcher, this host's index from its
+    # TPU_WORKER_ID, as on a TPU VM); the worker's devices are every host's devices but its last (the attention
+    # stand-in's scratch device, shim 8); the weight loader's one-device CPU mesh is this host's.
+    # The launcher's variables reach a Ray worker after this runs (the executor's update_environment_variables,
+    # before init_device), so they are read at the call; without them (one host) init_device runs as is.
+    from tpu_inference.worker.tpu_worker import TPUWorker
+
+    init_device = TPUWorker.init_device
+
+    def init_device_on_cpu_hosts(self, *args, **kwargs):
+        if os.environ.get(SLICE_COORDINATOR_ENV):
+            _join_cpu_hosts()
+            if not self.devices:
+                self.devices = slice_devices()[:self.vllm_config.sharding_config.total_devices]
+        return init_device(self, *args, **kwargs)
+
+    TPUWorker.init_device = init_device_on_cpu_hosts
+    # CPU devices have no TPU coordinates: the host's topology order (P/D KV mapping only) is its process index.
+    tpu_worker_module = importlib.import_module("tpu_inference.worker.tpu_worker")
+    tpu_worker_module.get_device_topology_order_id = lambda local_devices, global_devices: local_devices[0].process_index
+    INSTALLED.append("tpu_inference TPUWorker.init_device on several hosts (the launcher's coordinator set): first "
+                     "jax.distributed over the CPU hosts (libtpu joins a TPU slice's hosts itself), the slice's "
+                     "devices without each host's scratch device, this host's CPU for the weight loader's CPU mesh, the "
+                     "host's process index as its topology order (CPU devices have no TPU coordinates)")
     return INSTALLED
+
+
+#: Set by the serving launcher (tpuoffload.sim.serve_stack) for the Ray workers: the jax.distributed
+#: coordinator (host:port), the number of hosts; each host's index is its TPU_WORKER_ID.
+SLICE_COORDINATOR_ENV = "TPUOFFLOAD_SIM_JAX_COORDINATOR"
+SLICE_HOSTS_ENV = "TPUOFFLOAD_SIM_HOSTS"
+
+
+def _join_cpu_hosts() -> None:
+    """jax.distributed.initialize over the launcher's hosts (once per process)."""
+    import jax
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(os.environ[SLICE_COORDINATOR_ENV], int(os.environ[SLICE_HOSTS_ENV]),
+                               int(os.environ["TPU_WORKER_ID"]), initialization_timeout=120,
+                               heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+    from jax.sharding import Mesh
+    from tpu_inference.layers.common import utils as layer_utils
+
+    layer_utils._cpu_mesh = Mesh(jax.local_devices()[:1], ("cpu",))
+
+
+def slice_devices() -> list:
+    """Every host's devices but its last (the attention stand-in's scratch device), in JAX's order."""
+    import jax
+
+    last = {}
+    for d in jax.devices():
+        last[d.process_index] = d
+    return [d for d in jax.devices() if d is not last[d.process_index]]
 
 
 def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
@@ -192,8 +284,9 @@ def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, 
                                       k_scale=None, v_scale=None, out_dtype=None, **_kernel_tuning):
     """Same signature and results as the v3 kernel's ``ragged_paged_attention`` (the kernel's tuning
     arguments are ignored); the computation is ``ref_ragged_paged_attention`` from the same module,
-    called on concrete arrays from inside the jitted step, on the last CPU device, which must be
-    outside the runner's mesh (``real_engine`` gives JAX one device more than it uses)."""
+    called on concrete arrays from inside the jitted step, on this host's last CPU device, which must
+    be outside the runner's mesh (``real_engine`` gives JAX one device more than it uses; on several
+    hosts, shim 11 leaves each host's last device out of the mesh)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -215,7 +308,7 @@ def _reference_ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, 
             return full, cache
         # The reference's eager ops run on a CPU device outside the runner's mesh: queued behind the
         # step program on a mesh device (which waits for this callback), they would never run.
-        scratch = jax.devices()[-1]
+        scratch = jax.local_devices()[-1]
         with jax.default_device(scratch):
             out, new_cache = kernel.ref_ragged_paged_attention(
                 jnp.array(q), jnp.array(k), jnp.array(v), jnp.array(cache), jnp.array(lens),

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import subprocess
-import warnings
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpuoffload.sim.byte_audit import ByteAudit
+from tpuoffload.sim.engine_shims import OPTIONAL as OPTIONAL_SHIMS
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 160  # KV cache blocks (num_gpu_blocks_override): small, so the CPU attention stays cheap
@@ -157,11 +157,14 @@ def kv_transfer_config(cpu_bytes: int = CPU_BYTES, **extra: Any) -> dict[str, An
 
 
 # ---------------------------------------------------------------- engines, in this process
-def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: int = 0) -> dict[str, Any]:
-    """Build vLLM's LLM on tpu-inference (shims installed first), run the four passes, shut it down."""
+def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: int = 0,
+               hazard: bool = False, without_shims: tuple[str, ...] = (), num_passes: int = 4) -> dict[str, Any]:
+    """Build vLLM's LLM on tpu-inference (shims installed first, but ``without_shims``), run the four
+    passes, shut it down. ``hazard``: the runner's host input buffers forced onto 64-byte boundaries
+    and its device queue held (``_force_aliasing_hazard``)."""
     from tpuoffload.sim import engine_shims
 
-    shims = list(engine_shims.install())
+    shims = list(engine_shims.install(without=without_shims))
     import jax
     from vllm import LLM, SamplingParams
 
@@ -190,6 +193,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
         halves = _connector_halves(llm, dp, stats_dir) if connector else None
         audit = ByteAudit(halves["worker"]) if connector else None
         runner = _check_real_path(llm, halves, dp)
+        hazard_counts = _force_aliasing_hazard(runner) if hazard else None
         trace = _trace_steps(llm) if dp == 1 else []
         allocated = _kv_cache_report(runner, halves)  # before the first step replaces the arrays
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
@@ -197,7 +201,7 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
         passes = []
         resets = {2: "reset_prefix_cache()", 3: "reset_prefix_cache(reset_connector=True)",
                   4: "reset_prefix_cache()"}
-        for n in (1, 2, 3, 4):
+        for n in range(1, num_passes + 1):
             before = _totals(halves) if connector else None
             if n in resets:
                 assert llm.reset_prefix_cache(reset_connector=(n == 3)), f"vLLM refused {resets[n]} before pass {n}"
@@ -217,6 +221,8 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
                   "devices": [str(d) for d in runner.devices], "mesh": dict(runner.mesh.shape), **allocated,
                   "prompts": prompts, "passes": passes, "shims": shims,
                   "platform": type(_current_platform()).__module__ + "." + type(_current_platform()).__name__}
+        if hazard_counts is not None:
+            result["hazard"] = dict(hazard_counts)
         if connector:
             result["worker_idle"] = halves["worker"].idle_report()
             result["moves"] = audit.steps
@@ -226,6 +232,75 @@ def run_engine(model_dir: str, connector: bool, tp: int = 1, dp: int = 1, seed: 
     if connector:  # after the shutdown: DP ranks' halves write their last snapshot as they close
         result["scheduler_leaks"] = _scheduler_leaks(halves)
     return result
+
+
+#: How long a held step waits for the next step's inputs before it runs anyway (the last step of a
+#: pass has no successor).
+HOLD_S = 1.0
+
+
+def _aligned_like(array, align: int = 64):
+    """A copy of ``array`` whose data starts on an ``align``-byte boundary."""
+    import numpy as np
+
+    raw = np.zeros(array.nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def _force_aliasing_hazard(runner) -> dict[str, int]:
+    """Test harness for the copy shim (engine_shims.py, 10): make the hazard it removes happen on
+    every step that has a successor. (1) The runner's reused host input buffers (``positions_cpu``,
+    the ``DeviceBuffer`` blob) start on a 64-byte boundary, where CPU JAX's put aliases them
+    instead of copying. (2) The device queue is held: before each step, the runner's KV caches are
+    tied (a donated no-op update) to a gate, a host callback behind a slow computation (so that
+    both run asynchronously) that opens only once the runner has prepared the next step's inputs
+    (or after ``HOLD_S``). The step's program takes the caches, so it runs after the gate, and
+    reads its inputs after the runner rewrote them: what async scheduling's batch queue does by
+    chance when the device is behind. Returns live counts: steps ``released_by_next_step`` (the
+    hazard was set up) and ``released_by_timeout``."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if len(runner.devices) != 1:
+        raise NotImplementedError("the aliasing hazard harness holds one device")
+    device = runner.devices[0]
+    runner.positions_cpu = _aligned_like(runner.positions_cpu)
+    runner.device_buffer.buffer = _aligned_like(runner.device_buffer.buffer)  # sized for every step: never regrown
+
+    gates: dict[int, threading.Event] = {}  # step -> its gate (the engine thread adds, callbacks read)
+    counts = {"released_by_next_step": 0, "released_by_timeout": 0}
+
+    def wait(step, _):
+        if not gates[int(step)].wait(HOLD_S):
+            counts["released_by_timeout"] += 1
+        return np.asarray(step)
+
+    slow = jax.jit(lambda x: jnp.sum(x @ x @ x))  # long enough that the gate behind it is queued
+    x = jax.device_put(np.ones((400, 400), np.float32), device)
+    gate = jax.jit(lambda step, busy: jax.pure_callback(wait, jax.ShapeDtypeStruct((), np.int32), step, busy))
+    tie = jax.jit(lambda caches, token: [c.at[(0,) * c.ndim].add((token * 0).astype(c.dtype)) for c in caches],
+                  donate_argnums=0)
+    prepare = runner._prepare_inputs
+
+    def prepare_held(scheduler_output):
+        step = len(gates)
+        gates[step] = threading.Event()
+        token = gate(jax.device_put(np.int32(step), device), slow(x))
+        runner.kv_caches = tie(runner.kv_caches, token)
+        out = prepare(scheduler_output)
+        if step and not gates[step - 1].is_set():  # the previous step's inputs are rewritten now: let it run
+            counts["released_by_next_step"] += 1
+            gates[step - 1].set()
+        return out
+
+    runner._prepare_inputs = prepare_held
+    return counts
 
 
 def _trace_steps(llm) -> list:
@@ -374,7 +449,8 @@ def engine_shapes(tps: tuple[int, ...], dps: tuple[int, ...]) -> list[tuple[int,
     return [(1, tp) for tp in tps] + [(dp, 1) for dp in dps]
 
 
-#: What the attention stand-in says when a batch's sequence has no query (see ``run_child``).
+#: What the attention stand-in says when a batch's sequence has no query (what a step that reads
+#: the next step's metadata gives: see ``_force_aliasing_hazard``).
 STAND_IN_REFUSAL = "Require 0 < q_len=Array(0"
 
 
@@ -394,7 +470,8 @@ def _run_logged(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> t
 
 
 def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.0,
-              dps: tuple[int, ...] = (), model: TinyModel = QWEN3) -> dict[str, Any]:
+              dps: tuple[int, ...] = (), model: TinyModel = QWEN3,
+              extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """One child process (``python -m tpuoffload.sim.real_engine``) under an outside timeout (its
     process group is killed when it runs past it) runs, one after another, the engine without and
     with the connector for each tensor-parallel size, then each data-parallel size, all on one tiny
@@ -412,16 +489,7 @@ def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.
     env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
     cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model", model.name, "--model-dir", model_dir,
            "--json", out_json, "--tp", *map(str, tps), "--dp", *map(str, dps)]
-    rc, log = _run_logged(cmd, env, timeout_s, log_path)
-    if rc != 0 and STAND_IN_REFUSAL in log:
-        # The attention stand-in (engine_shims.py, 8) intermittently receives a batch whose first
-        # sequence has no query and no KV (the hybrid model, once in three full suites, never run
-        # alone): scheduler metadata, not KV bytes, and not understood. One fresh run, said out loud.
-        first = os.path.join(workdir, "engine-first.log")
-        os.replace(log_path, first)
-        warnings.warn(f"real engine: the attention stand-in refused its input ({STAND_IN_REFUSAL}...); "
-                      f"ran the child again (first log: {first})")
-        rc, log = _run_logged(cmd, env, timeout_s, log_path)
+    rc, log = _run_logged(cmd + list(extra_args), env, timeout_s, log_path)
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {rc}; log {log_path}:\n{log[-6000:]}")
     with open(out_json) as f:
@@ -452,13 +520,6 @@ def summarize(conn: dict[str, Any], base: dict[str, Any] | None = None) -> dict[
         out["tokens_equal"] = {n: p[n]["tokens"] == b[n]["tokens"] for n in p}
         out["baseline_passes_agree"] = all(b[n]["tokens"] == b[1]["tokens"] for n in b)
     return out
-
-
-def has_baseline(dp: int, tp: int) -> bool:
-    """Engines on one device run without the connector too, for token equality. On several CPU
-    devices greedy tokens vary from run to run without the connector as well (seen at TP 2 and
-    DP 2), so those engines are checked by the byte audit instead, and their baseline is not run."""
-    return dp * tp == 1
 
 
 def demo(argv: list[str] | None = None) -> int:
@@ -532,17 +593,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default=QWEN3.name, help="the tiny model")
     ap.add_argument("--model-dir", default=None, help="where the tiny model is (written there if absent)")
     ap.add_argument("--json", default=None, help="write the report here (default: stdout)")
+    ap.add_argument("--hazard", action="store_true", help="force the host-input aliasing hazard (64-byte "
+                    "aligned input buffers, device queue held until the next step's inputs are written)")
+    ap.add_argument("--without-shim", action="append", default=[], choices=OPTIONAL_SHIMS,
+                    help="leave this shim out (the copy shim's negative control)")
+    ap.add_argument("--passes", type=int, default=4, choices=(1, 2, 3, 4), help="run the first N passes")
+    ap.add_argument("--baseline-runs", type=int, default=1, help="run each baseline engine this many times "
+                    "(its determinism, shown)")
     args = ap.parse_args(argv)
     model_dir = args.model_dir or os.path.join(tempfile.mkdtemp(prefix="tpuoffload-engine-"), "model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         write_tiny_model(model_dir, MODELS[args.model])
     t0 = time.monotonic()
     report: dict[str, Any] = {"model": args.model, "runs": {}}
+    report["hazard"], report["without_shims"] = args.hazard, args.without_shim
     for dp, tp in engine_shapes(tuple(args.tp), tuple(args.dp)):
-        for connector in (False, True) if has_baseline(dp, tp) else (True,):
+        for connector in (False, True):
             if args.only and args.only != ("connector" if connector else "baseline"):
                 continue
-            report["runs"][config_name(tp, connector, dp)] = run_engine(model_dir, connector, tp, dp)
+            for run in range(1 if connector else args.baseline_runs):
+                name = config_name(tp, connector, dp) + (f"-run{run + 1}" if run else "")
+                report["runs"][name] = run_engine(model_dir, connector, tp, dp, hazard=args.hazard,
+                                                  without_shims=tuple(args.without_shim), num_passes=args.passes)
     report["seconds"] = round(time.monotonic() - t0, 1)
     text = json.dumps(report, indent=1)
     if args.json:
