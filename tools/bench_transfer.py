@@ -162,9 +162,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "scheduler's slots in steady state after LRU churn: tools/churn_slots.py), scattered "
                         "(random distinct slots)")
     p.add_argument("--pool-steps", type=int, default=8, help="host slots = this many steps' chunks")
-    p.add_argument("--churn-file", metavar="PATH", default=None,
+    p.add_argument("--churn-file", metavar="[NAME=]PATH", nargs="+", default=None,
                    help="churned slot patterns written by tools/churn_slots.py (else simulated here, which "
-                        "needs the scheduler's dependencies: numba, vLLM)")
+                        "needs the scheduler's dependencies: numba, vLLM); several NAME=PATH files measure "
+                        "each store's churned slots side by side in one run, as patterns churned-NAME")
     p.add_argument("--churn-seed", type=int, default=0)
     p.add_argument("--structure-steps", type=int, default=0, metavar="K",
                    help="also replay K steady-state churned steps (saves and loads, from --churn-file or "
@@ -227,10 +228,15 @@ def main(argv=None) -> int:
         configs.append((f"{args.layout}-{args.layers}x{args.kv_heads}kv", shape, args.dtype, args.layers,
                         args.layout == "4d"))
 
-    churn_data = {}
-    if "churned" in args.patterns and args.churn_file and os.path.exists(args.churn_file):
-        with open(args.churn_file) as f:
-            churn_data = json.load(f)
+    churn_data = {}  # pattern name (churned, churned-NAME) -> the churn file's patterns
+    if "churned" in args.patterns:
+        for spec in args.churn_file or [""]:
+            name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+            data = {}
+            if path and os.path.exists(path):
+                with open(path) as f:
+                    data = json.load(f)
+            churn_data[f"churned-{name}" if name else "churned"] = data
 
     results = []
     failures = []
@@ -436,12 +442,13 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
             sl = rng.choice(num_slots, n, replace=False).astype(np.int32)
             patterns[pat] = (sl, sl)
         elif pat == "churned":
-            r = churn_pattern(args, num_slots, n, churn_data, label)
-            if r is None:
-                return None
-            patterns[pat] = (np.asarray(r["save_slots"], np.int32), np.asarray(r["load_slots"], np.int32))
-            stats[pat] = {k: r[k] for k in ("warmup_steps", "evicted_per_slot", "save_mean_run", "load_mean_run",
-                                            "steady")}
+            for name, data in churn_data.items():  # one pattern per churn file (per store)
+                r = churn_pattern(args, num_slots, n, data, label)
+                if r is None:
+                    return None
+                patterns[name] = (np.asarray(r["save_slots"], np.int32), np.asarray(r["load_slots"], np.int32))
+                stats[name] = {k: r[k] for k in ("warmup_steps", "evicted_per_slot", "save_mean_run",
+                                                 "load_mean_run", "steady")}
     pos = np.arange(n) if args.verify_blocks == 0 or args.verify_blocks >= n else \
         np.unique(np.linspace(0, n - 1, args.verify_blocks).astype(np.int64))
     src_s, dst_s = src[pos], dst[pos]
@@ -599,8 +606,9 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
             # engine save / load through the public API, each slot pattern
             if not all(engine_round(pat, record) for pat in patterns):
                 break
-        if args.structure_steps and "churned" in patterns:
-            structures = replay_structures(args, engine, caches, src, dst, churn_pattern(args, num_slots, n, churn_data,
+        if args.structure_steps and churn_data:
+            first = next(iter(churn_data.values()))  # the first churn file's recorded steps
+            structures = replay_structures(args, engine, caches, src, dst, churn_pattern(args, num_slots, n, first,
                                                                                       label), jax, np)
             caches = structures.pop("caches")
     finally:
@@ -716,12 +724,12 @@ def summary_rows(results) -> list[dict]:
 def print_summary(results) -> None:
     print("\nsummary: engine as % of raw (gather + device_put) and of the floor (one contiguous device_put), "
           "save() main-thread ms (cold) against raw's own dispatch")
-    print(f"{'config':<26} {'chunk KiB':>9} {'step MiB':>8} {'slots':<11} {'save%raw':>8} {'load%raw':>8} "
+    print(f"{'config':<26} {'chunk KiB':>9} {'step MiB':>8} {'slots':<16} {'save%raw':>8} {'load%raw':>8} "
           f"{'save%floor':>10} {'load%floor':>10} {'save() ms':>9} {'raw disp':>8}  mean run s/l")
     for s in summary_rows(results):
         pct = lambda x: fmt(x * 100 if x is not None else None, ".1f")  # noqa: E731
         mr = f"{s['mean_run'][0]:.2f}/{s['mean_run'][1]:.2f}" if s["mean_run"] else ""
-        print(f"{s['config']:<26} {s['chunk_kib']:>9.0f} {s['step_mib']:>8g} {s['slots']:<11} {pct(s['save_raw']):>8} "
+        print(f"{s['config']:<26} {s['chunk_kib']:>9.0f} {s['step_mib']:>8g} {s['slots']:<16} {pct(s['save_raw']):>8} "
               f"{pct(s['load_raw']):>8} {pct(s['save_floor']):>10} {pct(s['load_floor']):>10} "
               f"{fmt(s['save_main_ms'], '.3f'):>9} {fmt(s['raw_save_main_ms'], '.3f'):>8}  {mr}")
 

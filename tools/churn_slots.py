@@ -4,10 +4,12 @@ of one step's saves and one step's loads in steady state, for tools/bench_transf
 
 A fresh store hands out slots in one ascending run (``SlotPool``'s free stack), so a step's save,
 and the load that later reads it back, are a few large copies. Once host RAM is full every save
-takes LRU victims instead (``ChunkIndex.allocate``): slots freed one request, one touch, one
-eviction at a time, so a step's slots and a prefix's slots become many short runs. That is the
-pattern a long-running server moves its bytes in, and what this module reproduces, with the
-scheduler's own ``ChunkIndex`` (slot pool, hash table, LRU log), driven exactly as the save
+takes victims instead (``ChunkIndex.allocate``): with per-chunk LRU (the store before issue 38)
+slots freed one request, one touch, one eviction at a time, so a step's slots and a prefix's
+slots became many short runs; with eviction by extent (manager/index.py since issue 38) they come
+extent after extent. That is the pattern a long-running server moves its bytes in, and what this
+module reproduces, with the scheduler's own ``ChunkIndex`` (slot pool, hash table, eviction
+order) of whatever tree it runs in, driven exactly as the save
 planner (``SavePlanner.plan``: ``select_and_name``, then ``allocate`` + ``add_saving`` for the
 rest) and the load path (``ready_prefix_saved``, ``pin``, ``unpin``) drive it:
 

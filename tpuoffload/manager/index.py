@@ -55,7 +55,7 @@ FREE, SAVING, READY, REVOKED = 0, 1, 2, 3  # a slot's state
 # MIN_EXTENTS extents (a smaller pool takes smaller extents, down to one slot: per-chunk LRU).
 # Values: docs/performance.md (hit rates against per-chunk LRU, and copies per step).
 EXTENT_SLOTS = 32
-MIN_EXTENTS = 64
+MIN_EXTENTS = 16
 
 
 def extent_slots(num_slots: int, cap: int | None = None) -> int:
