@@ -62,6 +62,11 @@ class OffloadConfig:
     # GDN/mamba hybrids (Qwen3.5): the share of host RAM that holds state chunks (one state row of
     # every GDN layer), beside the KV chunks of the attention layers (manager/kv_groups.py).
     state_ram_fraction: float = 0.25
+    # The shared KV tier (docs/design.md, "The shared tier"): one store every replica reads and
+    # writes, named by a URL: "file:///mnt/lustre/kv" (a shared POSIX directory) or
+    # "redis://host:6379" (Valkey/Redis), with optional query parameters
+    # (backend/shared_store.py:SharedURL). None: off.
+    shared_url: str | None = None
 
     # ---- derived sizes (need the size of one chunk on one host) ----
     def host_bytes(self, chunk_bytes: int) -> int:
@@ -214,6 +219,11 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
     for key, high in (("persist_interval_s", 7 * 86400.0), ("persist_timeout_s", 86400.0)):
         if key in extra:
             out[key] = _as_float(key, extra[key], 0.0, high, low_ok=key == "persist_interval_s")
+    if extra.get("shared_url") is not None:
+        from tpuoffload.backend.shared_store import SharedURL
+
+        SharedURL.parse(extra["shared_url"])  # ValueError naming what is wrong
+        out["shared_url"] = extra["shared_url"]
     if extra.get("disk_bytes_to_use") is not None:
         out["disk_bytes_to_use"] = _as_int("disk_bytes_to_use", extra["disk_bytes_to_use"], 1, 1 << 60)
     if ("disk_path" in out) != ("disk_bytes_to_use" in out):
@@ -228,7 +238,7 @@ def check_dp_config(config: OffloadConfig) -> None:
     ``finished_sending`` id and asserts it is its own, so nothing may delay freeing a request's
     blocks (lazy offload does); warm restart and the disk tier are not planned per rank yet."""
     refused = [key for key, on in (("lazy_offload", config.lazy_offload), ("persist_path", config.persist_path),
-                                   ("disk_path", config.disk_path)) if on]
+                                   ("disk_path", config.disk_path), ("shared_url", config.shared_url)) if on]
     if refused:
         raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with data parallelism (tpu-inference's "
                          "DPScheduler, sharding_config.total_dp_size > 1) yet")
@@ -242,7 +252,8 @@ def check_kv_groups_config(config: OffloadConfig, groups, dp_ranks: int) -> None
     if not groups.several:
         return
     refused = [key for key, on in (("data parallelism (DPScheduler)", dp_ranks > 1),
-                                   ("lazy_offload", config.lazy_offload)) if on]
+                                   ("lazy_offload", config.lazy_offload),
+                                   ("shared_url", config.shared_url)) if on]
     if refused:
         raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with several KV cache groups "
                          f"({groups.describe()}) yet")

@@ -62,6 +62,23 @@ DISK_READ_BYTES = "disk_read_bytes"
 DISK_READ_FAILED = "disk_read_failed"
 DISK_ADOPTED = "disk_adopted"
 
+# ---- worker half: the shared tier (each host its own shard's objects) ----
+SHARED_WRITTEN_CHUNKS = "shared_written_chunks"
+SHARED_WRITTEN_BYTES = "shared_written_bytes"
+SHARED_WRITE_EXISTS = "shared_write_exists"
+SHARED_WRITE_DROPPED = "shared_write_dropped"
+SHARED_WRITE_FAILED = "shared_write_failed"
+SHARED_WRITE_SECONDS = "shared_write_seconds"
+SHARED_READ_CHUNKS = "shared_read_chunks"
+SHARED_READ_BYTES = "shared_read_bytes"
+SHARED_READ_SECONDS = "shared_read_seconds"
+SHARED_MISS_ABSENT = "shared_miss_absent"
+SHARED_MISS_SHORT = "shared_miss_short"
+SHARED_MISS_CORRUPT = "shared_miss_corrupt"
+SHARED_MISS_FOREIGN = "shared_miss_foreign"
+SHARED_MISS_UNAVAILABLE = "shared_miss_unavailable"
+SHARED_PROBE_UNAVAILABLE = "shared_probe_unavailable"
+
 # ---- scheduler half: lookups and loads ----
 LOOKUP_TOKENS = "lookup_tokens"
 HIT_TOKENS = "hit_tokens"
@@ -85,6 +102,15 @@ SPILLS_CONFIRMED = "spills_confirmed"
 SPILLS_DROPPED = "spills_dropped"
 FETCHES_ISSUED = "fetches_issued"
 FETCHES_FAILED = "fetches_failed"
+
+# ---- scheduler half: the shared tier ----
+SHARED_PROBES = "shared_probes"
+SHARED_PROBE_TIMEOUTS = "shared_probe_timeouts"
+SHARED_PROBE_HIT_CHUNKS = "shared_probe_hit_chunks"
+SHARED_FETCHES_ISSUED = "shared_fetches_issued"
+SHARED_FETCHES_READY = "shared_fetches_ready"
+SHARED_FETCHES_FAILED = "shared_fetches_failed"
+SHARED_PUBLISH_ISSUED = "shared_publish_issued"
 
 # ---- scheduler half: warm restart ----
 RESTORED_READY = "restored_ready"
@@ -140,6 +166,21 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(DISK_READ_BYTES, _W, "Bytes read back from the disk tier"),
     CounterInfo(DISK_READ_FAILED, _W, "Disk reads that failed (missing, short, corrupt file; recomputed)"),
     CounterInfo(DISK_ADOPTED, _W, "Valid chunk files a starting disk tier found and kept"),
+    CounterInfo(SHARED_WRITTEN_CHUNKS, _W, "Shard objects this host published to the shared tier"),
+    CounterInfo(SHARED_WRITTEN_BYTES, _W, "Bytes this host published to the shared tier"),
+    CounterInfo(SHARED_WRITE_EXISTS, _W, "Shared-tier writes skipped: the store held the object already"),
+    CounterInfo(SHARED_WRITE_DROPPED, _W, "Shared-tier writes dropped: this host's write queue was full"),
+    CounterInfo(SHARED_WRITE_FAILED, _W, "Shared-tier writes that failed (store unavailable, full or erroring)"),
+    CounterInfo(SHARED_WRITE_SECONDS, _W, "Seconds this host's writer threads spent on the shared store"),
+    CounterInfo(SHARED_READ_CHUNKS, _W, "Shard objects read from the shared tier and verified"),
+    CounterInfo(SHARED_READ_BYTES, _W, "Payload bytes read from the shared tier and verified"),
+    CounterInfo(SHARED_READ_SECONDS, _W, "Seconds this host's reader threads spent on the shared store"),
+    CounterInfo(SHARED_MISS_ABSENT, _W, "Shared-tier reads that found no object (evicted meanwhile)"),
+    CounterInfo(SHARED_MISS_SHORT, _W, "Shared-tier reads of a torn or truncated object (a miss)"),
+    CounterInfo(SHARED_MISS_CORRUPT, _W, "Shared-tier reads whose header or payload checksum failed (a miss)"),
+    CounterInfo(SHARED_MISS_FOREIGN, _W, "Shared-tier reads of an object of another namespace, key, group, shard or size (a miss)"),
+    CounterInfo(SHARED_MISS_UNAVAILABLE, _W, "Shared-tier reads the store did not answer in time (a miss)"),
+    CounterInfo(SHARED_PROBE_UNAVAILABLE, _W, "Shared-tier probes the store did not answer in time (all missed)"),
     CounterInfo(LOOKUP_TOKENS, _S, "Prompt tokens of admitted requests looked up in host RAM"),
     CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
@@ -158,6 +199,13 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(SPILLS_DROPPED, _S, "Spills a host failed to write, or not confirmed in time"),
     CounterInfo(FETCHES_ISSUED, _S, "Chunks planned to come back from disk into host RAM"),
     CounterInfo(FETCHES_FAILED, _S, "Fetches from disk that failed on some host (forgotten; recomputed)"),
+    CounterInfo(SHARED_PROBES, _S, "Shared-tier lookups planned (every host checks its own shard objects)"),
+    CounterInfo(SHARED_PROBE_TIMEOUTS, _S, "Shared-tier lookups not answered by every host in time (a miss)"),
+    CounterInfo(SHARED_PROBE_HIT_CHUNKS, _S, "Chunks every host's shared-store shard held when looked up"),
+    CounterInfo(SHARED_FETCHES_ISSUED, _S, "Chunks planned to come from the shared tier into host RAM"),
+    CounterInfo(SHARED_FETCHES_READY, _S, "Chunks every host fetched, verified and installed (loadable from host RAM)"),
+    CounterInfo(SHARED_FETCHES_FAILED, _S, "Shared-tier fetches some host could not verify or install (a miss everywhere)"),
+    CounterInfo(SHARED_PUBLISH_ISSUED, _S, "READY host-RAM chunks planned to be published to the shared tier"),
     CounterInfo(SKIPPED_CHECKPOINT, _S, "Chunk saves skipped: a checkpoint was being written or restored"),
     CounterInfo(RESTORED_READY, _S, "Restored chunks every host held identically (loadable after a restart)"),
     CounterInfo(RESTORED_DROPPED, _S, "Restored chunks dropped: not held alike by every host, or reused meanwhile"),

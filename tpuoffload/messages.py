@@ -101,6 +101,29 @@ class PersistPlan:
     revoke_below: int | None = None
 
 
+@dataclass(frozen=True)
+class SharedPlan:
+    """The shared tier's part of a step plan (manager/shared_tier.py plans it, worker/shared_stage.py
+    executes it on every host; each host touches only its own shard's objects). ``scope``: the
+    scheduler's part of the objects' namespace (vLLM's block-hash seed)."""
+
+    scope: str = ""
+    # Hosts of the engine (the scheduler's count of reporting workers): each object names its shard
+    # as "host i of hosts".
+    hosts: int = 1
+    # (probe id, 16-byte keys): does this host's store hold (and would it verify) each chunk?
+    probe: tuple[tuple[int, bytes], ...] = ()
+    # READY chunks to read out of their host-RAM slots (still holding ``save_ids``) and publish.
+    publish: DiskBatch = field(default_factory=DiskBatch)
+    # Chunks to read from the store in the background and verify, then hold: host-RAM ``slots``
+    # claimed under ``save_ids`` (a save whose bytes come from the store).
+    fetch: DiskBatch = field(default_factory=DiskBatch)
+    # Save ids of held fetches that every host verified: written into their slots now.
+    install: tuple[int, ...] = ()
+    # Save ids of held fetches that some host could not verify (or did not in time): dropped.
+    cancel: tuple[int, ...] = ()
+
+
 #: One chunk in ``ChunkNews.ready``: the rank's own slot and save id, and the hash key words.
 NEWS_READY_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
 #: One chunk in ``ChunkNews.gone``: the rank's own slot and the save id it held.
@@ -327,6 +350,20 @@ class PersistReport:
     def merge(self, other: "PersistReport") -> "PersistReport":
         return PersistReport(self.restored if self.restored is not None else other.restored,
                              tuple(sorted(set(self.checkpoints) | set(other.checkpoints))))
+
+
+@dataclass(frozen=True)
+class SharedReport:
+    """One host's shared-tier news: probe answers ((probe id, one byte per key: 1 when this host's
+    object exists), ...) and the fetches it read and verified, or could not (ranges of save ids)."""
+
+    probed: tuple[tuple[int, bytes], ...] = ()
+    fetched: tuple[Range, ...] = ()
+    fetch_failed: tuple[Range, ...] = ()
+
+    def merge(self, other: "SharedReport") -> "SharedReport":
+        return SharedReport(tuple(sorted(set(self.probed) | set(other.probed))),
+                            merge_ranges(self.fetched, other.fetched), merge_ranges(self.fetch_failed, other.fetch_failed))
 
 
 # ---------------------------------------------------------------------------- warm restart rows

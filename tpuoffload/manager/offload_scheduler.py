@@ -35,6 +35,8 @@ from tpuoffload.config import OffloadConfig, check_kv_groups_config
 from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
+from tpuoffload.manager.shared_tier import SharedTierPlanner
+from tpuoffload.backend.shared_store import SharedURL
 from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
 from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,
                                        GroupedOrigins, TierEvents)
@@ -176,6 +178,10 @@ class OffloadScheduler:
                                    self.kv_groups)
             tiers.append(DiskTierPlanner(disk, fetches, self.index, num_hosts, self.counters, lambda: self.clock(),
                                          config.persist_timeout_s, keeps_files=config.persist_path is not None))
+        if config.shared_url is not None:  # the store every replica shares (manager/shared_tier.py)
+            tiers.append(SharedTierPlanner(self.saves, self.ledger, num_hosts, self.block_size, self.counters,
+                                           lambda: self.clock(), SharedURL.parse(config.shared_url).timeout_s,
+                                           self.loads.take_lookup))
         return tiers
 
     def _event_records(self) -> np.ndarray:

@@ -56,6 +56,8 @@ from tpuoffload.worker.faults import FaultInjector
 from tpuoffload.backend.disk_tier import DiskFaults
 from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage
+from tpuoffload.worker.shared_stage import SharedStage
+from tpuoffload.backend.shared_store import SharedURL
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.tier import WorkerTier
 from tpuoffload.worker.pooled_engine import PooledEngine
@@ -136,6 +138,9 @@ class OffloadWorker:
             self.tiers.append(self._start_persistence(deployment))
         if self.config.disk_path:
             self.tiers.append(self._start_disk(deployment))
+        if self.config.shared_url:  # the store every replica shares (worker/shared_stage.py)
+            self.tiers.append(SharedStage(self.engine.engines[0], SharedURL.parse(self.config.shared_url), self.host_id,
+                                          json.dumps(deployment.to_json(), sort_keys=True), before_donate=self._before_donate))
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.

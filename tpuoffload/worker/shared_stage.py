@@ -1,0 +1,283 @@
+"""The shared tier, the worker's side: this host's shard objects in the store every replica shares.
+
+Per step, in ``bind`` (``act``, on the main thread, before the step's flush and loads), from the
+plan's ``SharedPlan`` (manager/shared_tier.py decides; every host gets the same part):
+
+    cancel    drop held fetches some host could not verify
+    install   write held, verified fetches into their host-RAM slots (``TransferEngine.install``:
+              one program per layer group; the same on every host, since the scheduler plans an
+              install only once every host reported its bytes verified); completed like a save
+    publish   copy READY chunks out of their slots (one read program per layer group); a
+              background writer asks the store which of this host's objects exist and publishes
+              the others (put-if-absent), under a byte bound on its queue (a full queue drops the
+              write, counted) and an optional bandwidth bound
+    probe     background: which of this host's objects exist (one exists-many per probe)
+    fetch     background: read each object, verify header and checksum against the name asked
+              for (namespace, key, group, shard, length), hold the payload, report it
+
+Nothing here waits on the store: the main thread only dispatches programs and hands work to the
+tier's threads, and whatever the store does (slow, gone, corrupt) only changes what this host
+reports; the scheduler turns late answers into misses. Every object is this host's shard only:
+``ObjectId(namespace, key, group, host, hosts)``. The namespace digests what changes the bytes:
+the deployment fingerprint this host computes (model, every layer group's shape, dtype and
+sharding, block size, hosts, chunk bytes: worker/persistence.py:fingerprint), the scheduler's
+hash scope (vLLM's block-hash seed), the operator's salt and the object format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent import futures
+
+import numpy as np
+from typing_extensions import override
+
+from tpuoffload import counters as C
+from tpuoffload.backend.shared_store import (FORMAT_VERSION, ObjectError, ObjectId, SharedStore, SharedURL,
+                                             StoreUnavailable, decode_object, encode_header, open_store)
+from tpuoffload.messages import DiskBatch, SharedPlan, SharedReport, id_ranges, unpack_keys
+from tpuoffload.worker.tier import WorkerTier
+from tpuoffload.worker.transfer_engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+_MISS = {ObjectError.ABSENT: C.SHARED_MISS_ABSENT, ObjectError.SHORT: C.SHARED_MISS_SHORT,
+         ObjectError.CORRUPT: C.SHARED_MISS_CORRUPT, ObjectError.FOREIGN: C.SHARED_MISS_FOREIGN,
+         ObjectError.UNAVAILABLE: C.SHARED_MISS_UNAVAILABLE}
+
+
+def namespace(deployment: str, scope: str, salt: str) -> bytes:
+    """The 16-byte namespace of every object of this host (module doc)."""
+    text = json.dumps({"deployment": deployment, "scope": scope, "salt": salt, "format": FORMAT_VERSION},
+                      sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+class SharedStage(WorkerTier):
+    """The worker's "shared" tier (worker/tier.py)."""
+
+    name = "shared"
+    READERS = 4  # background threads reading (probes, fetches)
+
+    def __init__(self, engine: TransferEngine, spec: SharedURL, host: int, deployment: str,
+                 store: SharedStore | None = None, before_donate: Callable[[], None] = lambda: None) -> None:
+        """``deployment``: this host's deployment fingerprint (JSON); ``store``: the backend (tests
+        pass one; default: the one ``spec`` names)."""
+        if any(g.num_shards > 1 for g in engine.layout.groups):
+            raise ValueError("the shared tier does not support layouts whose blocks are split across hosts by data "
+                             "parallelism yet; unset shared_url")
+        self.engine = engine
+        self.spec = spec
+        self.store = store if store is not None else open_store(spec)
+        self.host = host
+        self.deployment = deployment
+        self.payload_bytes = engine.disk_chunk_bytes
+        self._before_donate = before_donate
+        self._namespaces: dict[tuple[str, int], bytes] = {}  # (scope, hosts) -> namespace; main thread
+        self._slots: dict[int, int] = {}  # fetch save id -> host-RAM slot; main thread
+        self._readers = futures.ThreadPoolExecutor(self.READERS, thread_name_prefix="shared-read")
+        self._writer = futures.ThreadPoolExecutor(1, thread_name_prefix="shared-write")
+        self._lock = threading.Lock()  # guards everything below (the tier's threads and the main thread)
+        self._held: dict[int, np.ndarray] = {}  # fetch save id -> verified payload
+        self._probed: list[tuple[int, bytes]] = []
+        self._fetched: list[int] = []
+        self._fetch_failed: list[int] = []
+        self._queued_bytes = 0
+        self._pending = 0  # background tasks not finished
+        self._next_write = 0.0  # the bandwidth bound's clock (writer thread)
+        self._counts: Counter[str] = Counter()
+        logger.info("tpuoffload shared tier (host %d): %s store at %s; objects of %d bytes", host, self.store.kind,
+                    spec.location, self.payload_bytes)
+
+    def _namespace(self, part: SharedPlan) -> bytes:
+        key = (part.scope, part.hosts)
+        ns = self._namespaces.get(key)
+        if ns is None:
+            ns = self._namespaces[key] = namespace(self.deployment, f"{part.scope}/{part.hosts}", self.spec.namespace)
+        return ns
+
+    def _ids(self, ns: bytes, keys: bytes, hosts: int) -> list[ObjectId]:
+        return [ObjectId(ns, row.tobytes(), 0, self.host, hosts) for row in unpack_keys(keys)]
+
+    # ---------------------------------------------------------------- per step (main thread)
+    @override
+    def act(self, step: int, part: SharedPlan | None) -> None:
+        if part is None:
+            return
+        try:
+            self._act(part)
+        except Exception:  # what failed is reported (failed fetches; publishes are best effort)
+            logger.exception("tpuoffload: shared-tier step failed on host %d", self.host)
+
+    def _act(self, part: SharedPlan) -> None:
+        ns = self._namespace(part)
+        if part.cancel:
+            with self._lock:
+                for sid in part.cancel:
+                    self._held.pop(sid, None)
+            for sid in part.cancel:
+                self._slots.pop(sid, None)
+        if part.install:
+            self._install(part.install)
+        if len(part.publish):
+            self._publish(part.publish, self._ids(ns, part.publish.keys, part.hosts))
+        for pid, keys in part.probe:
+            self._submit(self._readers, self._probe, pid, self._ids(ns, keys, part.hosts))
+        if len(part.fetch):
+            for sid, slot, oid in zip(part.fetch.save_ids, part.fetch.slots, self._ids(ns, part.fetch.keys, part.hosts)):
+                self._slots[sid] = slot
+                self._submit(self._readers, self._fetch, sid, oid)
+
+    def _install(self, save_ids: tuple[int, ...]) -> None:
+        """Every host installs the same save ids into the same slots; a host without the bytes
+        (it never should have: it reported them verified) writes zeros and reports the save failed."""
+        with self._lock:
+            payloads = [self._held.pop(sid, None) for sid in save_ids]
+        slots = [self._slots.pop(sid) for sid in save_ids]
+        self._before_donate()  # installs donate the stores
+        for piece in self.engine.pieces(len(slots)):
+            self.engine.install(payloads[piece], slots[piece], save_ids[piece])
+
+    def _publish(self, batch: DiskBatch, oids: list[ObjectId]) -> None:
+        for piece in self.engine.pieces(len(batch.slots)):
+            rows, ok = self.engine.read_slots(batch.slots[piece], batch.save_ids[piece])
+            chosen = [o for o, good in zip(oids[piece], ok) if good]
+            size = len(ok) * self.payload_bytes
+            with self._lock:
+                if self._queued_bytes + size > self.spec.queue_bytes:
+                    self._counts[C.SHARED_WRITE_DROPPED] += len(chosen)
+                    continue
+                self._queued_bytes += size
+            self._submit(self._writer, self._write, rows, ok, chosen, size)
+
+    def _submit(self, pool: futures.ThreadPoolExecutor, fn, *args) -> None:
+        with self._lock:
+            self._pending += 1
+        pool.submit(self._run, fn, *args)
+
+    def _run(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a bug must not kill the tier's threads silently
+            logger.exception("tpuoffload: shared-tier background task failed on host %d", self.host)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    # ---------------------------------------------------------------- background
+    def _probe(self, pid: int, oids: list[ObjectId]) -> None:
+        try:
+            present = bytes(np.array(self.store.exists_many([o.name for o in oids]), dtype=np.uint8))
+        except StoreUnavailable as e:
+            logger.warning("tpuoffload shared tier (host %d): lookup failed: %s", self.host, e)
+            present = bytes(len(oids))
+            with self._lock:
+                self._counts[C.SHARED_PROBE_UNAVAILABLE] += 1
+        with self._lock:
+            self._probed.append((pid, present))
+
+    def _fetch(self, sid: int, oid: ObjectId) -> None:
+        t0 = time.monotonic()
+        try:
+            data = self.store.get(oid.name)
+            payload, error, detail = decode_object(oid, data, self.payload_bytes)
+        except StoreUnavailable as e:
+            payload, error, detail = None, ObjectError.UNAVAILABLE, str(e)
+        took = time.monotonic() - t0
+        if error is not None and error is not ObjectError.ABSENT:
+            logger.warning("tpuoffload shared tier (host %d): object %s is a miss (%s: %s)", self.host, oid.name,
+                           error.value, detail)
+        with self._lock:
+            self._counts[C.SHARED_READ_SECONDS] += took
+            if error is None:
+                self._held[sid] = np.frombuffer(payload, np.uint8)
+                self._fetched.append(sid)
+                self._counts[C.SHARED_READ_CHUNKS] += 1
+                self._counts[C.SHARED_READ_BYTES] += self.payload_bytes
+            else:
+                self._fetch_failed.append(sid)
+                self._counts[_MISS[error]] += 1
+
+    def _write(self, rows, ok: list[bool], oids: list[ObjectId], size: int) -> None:
+        t0 = time.monotonic()
+        counts: Counter[str] = Counter()
+        try:
+            payloads = [p for p, good in zip(self.engine.rows_to_payloads(rows), ok) if good]
+            present = self.store.exists_many([o.name for o in oids])  # deduplicated against the store
+            counts[C.SHARED_WRITE_EXISTS] += sum(present)
+            for oid, payload, there in zip(oids, payloads, present):
+                if there:
+                    continue
+                self._throttle(len(payload))
+                if self.store.put_if_absent(oid.name, encode_header(oid, payload), payload):
+                    counts[C.SHARED_WRITTEN_CHUNKS] += 1
+                    counts[C.SHARED_WRITTEN_BYTES] += len(payload)
+                else:
+                    counts[C.SHARED_WRITE_EXISTS] += 1
+        except StoreUnavailable as e:
+            logger.warning("tpuoffload shared tier (host %d): writes failed: %s", self.host, e)
+            counts[C.SHARED_WRITE_FAILED] += len(oids) - counts[C.SHARED_WRITTEN_CHUNKS] - counts[C.SHARED_WRITE_EXISTS]
+        except Exception as e:  # noqa: BLE001 - e.g. the server refusing a write (out of memory)
+            logger.warning("tpuoffload shared tier (host %d): writes failed: %s: %s", self.host, type(e).__name__, e)
+            counts[C.SHARED_WRITE_FAILED] += len(oids) - counts[C.SHARED_WRITTEN_CHUNKS] - counts[C.SHARED_WRITE_EXISTS]
+        with self._lock:
+            self._queued_bytes -= size
+            counts[C.SHARED_WRITE_SECONDS] += time.monotonic() - t0
+            self._counts.update(counts)
+
+    def _throttle(self, nbytes: int) -> None:
+        """The bandwidth bound: writes start no faster than ``write_bytes_per_s`` (writer thread)."""
+        rate = self.spec.write_bytes_per_s
+        if rate is None:
+            return
+        now = time.monotonic()
+        start = max(now, self._next_write)
+        self._next_write = start + nbytes / rate
+        if start > now:
+            time.sleep(start - now)
+
+    # ---------------------------------------------------------------- reports
+    @override
+    def report(self) -> SharedReport | None:
+        with self._lock:
+            probed, fetched, failed = self._probed, self._fetched, self._fetch_failed
+            self._probed, self._fetched, self._fetch_failed = [], [], []
+        if not (probed or fetched or failed):
+            return None
+        return SharedReport(tuple(probed), id_ranges(fetched), id_ranges(failed))
+
+    @override
+    def take_counters(self) -> Counter[str]:
+        with self._lock:
+            out, self._counts = self._counts, Counter()
+        return out
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    @override
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.pending():
+                return True
+            time.sleep(0.005)
+        return False
+
+    @override
+    def idle_report(self) -> dict[str, int]:
+        with self._lock:
+            return {"shared_pending": self._pending, "shared_held": len(self._held)}
+
+    @override
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.store.close()
