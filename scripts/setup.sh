@@ -44,3 +44,9 @@ if ! command -v redis-server >/dev/null 2>&1; then
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
   command -v redis-server >/dev/null 2>&1 || { echo "setup.sh: installing redis-server failed" >&2; exit 1; }
 fi
+# The real serving stack on CPU (tpuoffload/sim/serve_stack.py, tests/test_serve_stack.py): tpu-inference's
+# Ray executors (and vLLM's, which they extend) import ray; vLLM 0.32's wheel here declares no ray pin, its
+# ray executor needs the compiled-graph extra only for NCCL channels. 2.58.0 is the registry's release.
+if ! .venv/bin/python -c "import ray, sys; sys.exit(ray.__version__ != '2.58.0')" 2>/dev/null; then
+  .venv/bin/pip install -q "ray==2.58.0"
+fi
