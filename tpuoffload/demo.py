@@ -33,12 +33,18 @@ def _progress_bar(total: int, t0: float):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--serve" in argv:  # the real serving stack: vllm serve on tpu-inference's Ray executor, 2 hosts
+        from tpuoffload.sim.serve_stack import demo as serve_demo
+
+        return serve_demo([a for a in argv if a != "--serve"])
     if "--engine" in argv:  # the real engine: vLLM + tpu-inference's worker and runner (tpuoffload.sim.real_engine)
         from tpuoffload.sim.real_engine import demo
 
         return demo([a for a in argv if a != "--engine"])
     p = argparse.ArgumentParser(prog="python -m tpuoffload.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--serve", action="store_true", help="instead: `vllm serve` on tpu-inference's Ray executor over "
+                   "a local 2-node Ray cluster, measured by `vllm bench serve` with and without tpuoffload")
     p.add_argument("--engine", action="store_true", help="instead: tpuoffload inside vLLM's engine on tpu-inference's "
                    "worker and model runner (a tiny Qwen3 on CPU JAX), with and without the connector; "
                    "`--engine --help` lists its options")
