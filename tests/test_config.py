@@ -35,10 +35,12 @@ def test_every_key_accepts_a_good_value():
         "stats_interval_s": 0, "transfer_buffer_bytes": 1 << 24, "num_hosts": 4,
         "persist_path": "/tmp/ckpt", "persist_interval_s": "600", "persist_timeout_s": 30,
         "disk_path": "/nvme/kv-{host}", "disk_bytes_to_use": 1 << 30, "state_ram_fraction": "0.4",
+        "shared_url": "file:///mnt/lustre/kv?bytes=1000000",
     }
     assert set(extra) == set(KNOWN_KEYS)  # this test covers every key there is
     cfg = parse(extra)
     assert cfg.cpu_bytes_to_use == 123456789
+    assert cfg.shared_url == "file:///mnt/lustre/kv?bytes=1000000"
     assert cfg.num_cpu_chunks is None  # explicit bytes win over chunks
     assert cfg.lazy_offload is True and cfg.save_decode_blocks is True
     assert cfg.staging_bytes == 1 << 20 and cfg.staging_capacity(4096) == 1 << 20
@@ -149,6 +151,8 @@ BAD = [
     ("persist_path", ""), ("persist_path", 3), ("persist_interval_s", -1), ("persist_interval_s", "hourly"),
     ("persist_timeout_s", 0), ("persist_timeout_s", "long"),
     ("disk_path", ""), ("disk_path", 7), ("disk_bytes_to_use", 0), ("disk_bytes_to_use", "lots"),
+    ("shared_url", ""), ("shared_url", 7), ("shared_url", "s3://b/kv"), ("shared_url", "file://host/kv"),
+    ("shared_url", "redis://kv:6379?bytes=5"),
     ("state_ram_fraction", 0), ("state_ram_fraction", 1), ("state_ram_fraction", 1.5), ("state_ram_fraction", -0.1),
     ("state_ram_fraction", "half"), ("state_ram_fraction", True),
 ]
@@ -280,3 +284,14 @@ def test_multiprocess_dp_engines_are_single_scheduler_engines_with_their_own_fil
         assert vllm_config.sharding_config.total_dp_size == 1 and parallel.data_parallel_size == 2
         assert DPRank.of(vllm_config, types.SimpleNamespace(num_blocks=48)) == DPRank()
         assert per_engine(config, parallel).stats_dir == f"/s/engine-dp{index}"
+
+
+def test_shared_url_is_validated_and_refused_where_it_cannot_work():
+    from tpuoffload.config import check_dp_config
+
+    with pytest.raises(ValueError, match="unknown scheme 'gs'"):
+        parse({**BASE, "shared_url": "gs://bucket/kv"})
+    with pytest.raises(ValueError, match="low .* must be below high"):
+        parse({**BASE, "shared_url": "file:///kv?high=0.5&low=0.6"})
+    with pytest.raises(ValueError, match="shared_url cannot be used with data parallelism"):
+        check_dp_config(parse({**BASE, "shared_url": "redis://kv:6379"}))
