@@ -47,7 +47,14 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 
     args.seed = seed
-    num_blocks = args.num_blocks or (28 if args.chaos else 48)
+    # The default pool is per DP rank (DPScheduler splits the blocks over its ranks): the chaos pool
+    # is small enough for preemptions on every rank, never so small that a rank schedules nothing.
+    ranks = 1
+    if args.layout is not None:
+        from tpuoffload.sim.tpu_layouts import LAYOUTS
+
+        ranks = LAYOUTS[args.layout].dp * LAYOUTS[args.layout].attn_dp
+    num_blocks = args.num_blocks or (28 if args.chaos else 48) * ranks
     extra = {"cpu_bytes_to_use": args.cpu_bytes, "save_timeout_s": 3.0, "load_wait_timeout_s": 2.0}
     work_dir = tempfile.mkdtemp(prefix="podslice-run-")
     if args.disk_bytes:
@@ -115,7 +122,8 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
           f"load errors {totals['load_errors']}")
     if pod.dp_ranks > 1:
         print(f"  cross-rank        {totals['cross_rank_chunks_loaded']} chunks loaded from another DP rank's slots "
-              f"({totals['cross_rank_hit_tokens']} tokens); {totals['cross_rank_load_errors']} load errors (slot reused)")
+              f"({totals['cross_rank_hit_tokens']} tokens); {totals['cross_rank_load_errors']} of their rows failed on "
+              f"some host (its slot no longer held the chunk there: reused by its owner, or lost; a write still late)")
     print(f"  hit rate          {hit_rate:.1%} of prompt tokens from host RAM "
           f"({totals['hit_tokens']}/{totals['lookup_tokens']})")
     if args.restart:
@@ -130,7 +138,10 @@ def run_once(args, seed: int, run_no: int) -> tuple[bool, dict]:
     print(f"  reports           expired {totals['ledger_expired']}, late {totals['ledger_late']}, "
           f"duplicate {totals['ledger_duplicate']}")
     print(f"  wall time         {res.wall_s:.1f}s workload, {time.monotonic() - t_start:.1f}s with start-up")
-    print(f"  mismatches        {sum(mismatches)} (per host {mismatches}; {verified} context positions verified)")
+    # Every wrong read counts (loads are asynchronous: no forward reads a block whose load failed), and
+    # the model's writes and tokens depend on what it read, so a wrong read also shows downstream.
+    print(f"  mismatches        {sum(mismatches)} (per host {mismatches}; {verified} context positions verified, "
+          f"{sum(s['poisoned_steps'] for s in states)} request steps computed from a wrong read)")
     print(f"  leaks             {leaked or 'none'}")
     print(f"  digest check      {'identical' if digests_ok else 'DIFFERENT'} on all {args.hosts} hosts at every one "
           f"of {len(pod.digests)} steps")
@@ -153,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waves", type=int, default=2, help="waves, with reset_prefix_cache() between them")
     p.add_argument("--prefixes", type=int, default=4)
     p.add_argument("--prefix-blocks", type=int, default=12)
-    p.add_argument("--num-blocks", type=int, default=0, help="GPU block pool (default 48, 28 with --chaos)")
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="GPU block pool (default 48 per DP rank, 28 per rank with --chaos)")
     p.add_argument("--cpu-bytes", type=int, default=1 << 22, help="host RAM per host (cpu_bytes_to_use)")
     p.add_argument("--chaos", action="store_true", help="slow/failing hosts, lost slots, dropped and doubled "
                    "reports, aborts, a tiny block pool")

@@ -5,6 +5,7 @@
     python tools/soak.py --mode podslice --hosts 4 --runs 30          # N worker processes (PodSlice)
     python tools/soak.py --mode fast --hosts 2 --seed 1017 --runs 1   # replay one run
     python tools/soak.py --mode podslice --hosts 2 --hybrid gpt-oss-like --runs 5  # a hybrid model
+    python tools/soak.py --mode fast --dp any --runs 1000             # tpu-inference's DPScheduler
 
 Every run is a pure function of its seed (and --mode, --hosts, --broken): the seed picks the
 cache (tpu-inference's layout for 1, 2 or 4 KV heads per host, bf16, fp8 or int8, 1 or 2 devices
@@ -17,7 +18,14 @@ worker's fault points, and vLLM's resets between steps
 (``scheduler.reset_prefix_cache(reset_running_requests=..., reset_connector=...)``). Timing still
 varies between replays (background save threads): ``--repeat N`` runs a seed N times.
 
-A run fails when the hosts' dispatch digests or sampled tokens diverge (digest), a context
+With ``--dp`` the slice is a data-parallel layout of 8 devices (DP 2 x TP 4 or attention DP 4 x
+TP 2, ``any``: the seed picks; 2 hosts x 4 devices in pod-slice mode, one host in fast mode), scheduled by tpu-inference's own ``DPScheduler`` (one vLLM
+scheduler and one tpuoffload scheduler half per rank, in forked processes), with a block pool that
+keeps every rank busy and chaos that also aborts requests right after their load failed.
+
+The synthetic model's written KV and sampled tokens depend on every context position it read
+(tpuoffload/sim/runner.py), so a wrong read anywhere taints everything computed after it. A run
+fails when the hosts' dispatch digests or sampled tokens diverge (digest), a context
 position or a generated token is wrong (mismatch), it stops making progress or runs past its
 deadline (hang: the run is killed), anything is held after it settled (leak: the scheduler half's
 ``leak_report()``, each host's in-flight saves and staging bytes and, where the host reports it,
@@ -56,6 +64,7 @@ SCENARIO_VERSION = 1
 FAILURE_KINDS = ("digest", "mismatch", "hang", "leak", "error", "crash")
 RESET_KINDS = ("plain", "running", "connector", "running+connector")
 DEFAULT_RUN_TIMEOUT = {"fast": 60.0, "podslice": 240.0}
+DP_RUN_TIMEOUT = 300.0  # DPScheduler forks a process per rank and each compiles its own step programs
 
 
 # ================================================================ scenarios (pure functions of the seed)
@@ -82,6 +91,8 @@ class Scenario:
     # A hybrid model (tpuoffload.sim.hybrid_layouts.HYBRID_LAYOUTS, vLLM's hybrid KV cache manager on):
     # its own heads and dtype; num_blocks is vLLM's block count for the KV memory given.
     hybrid: str | None = None
+    # A data-parallel layout of tpuoffload.sim.tpu_layouts.LAYOUTS, scheduled by DPScheduler.
+    dp_layout: str | None = None
 
     def knobs(self) -> str:
         """A one-line description of what this run turned on."""
@@ -92,7 +103,7 @@ class Scenario:
             on.append(f"resets({self.reset_rate:.2f}/step)")
         if self.stall:
             on.append(f"stall(host {self.stall[0]} at step {self.stall[1]})")
-        cache = self.hybrid or f"{self.num_kv_heads} KV heads {self.dtype}"
+        cache = self.hybrid or self.dp_layout or f"{self.num_kv_heads} KV heads {self.dtype}"
         return (f"{len(self.requests)} requests in {len({r['wave'] for r in self.requests})} waves, "
                 f"{cache} on {self.hosts}x{self.devices_per_host} devices, "
                 f"{self.num_blocks} GPU blocks, "
@@ -121,7 +132,11 @@ def _workload(rng: random.Random, block_size: int) -> list[dict[str, Any]]:
     return out
 
 
-def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, hybrid: str | None = None) -> Scenario:
+DP_LAYOUTS = {"dp2-tp4": "bf16-dp2-tp4", "attndp4-tp2": "bf16-attndp4-tp2"}
+
+
+def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, hybrid: str | None = None,
+                  dp: str | None = None) -> Scenario:
     rng = random.Random(f"soak-{seed}")
     block_size = 16
     # The same draws in both modes, so that a pod-slice failure can be replayed in fast mode.
@@ -193,11 +208,36 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
         devices_per_host = max(1, HYBRID_LAYOUTS[hybrid].num_devices // hosts)
         num_blocks = num_blocks if num_blocks >= 48 else 48
         extra["lazy_offload"] = False
+    dp_layout = None
+    if dp is not None:
+        # 8 devices on 2 hosts; every rank gets the block pool a scenario without DP would (a tiny
+        # one for preemption storms included), so every rank is busy; chaos also aborts requests
+        # right after their load failed. Lazy offload is refused under DPScheduler.
+        from tpuoffload.sim.tpu_layouts import LAYOUTS
+
+        dp_layout = DP_LAYOUTS[dp] if dp != "any" else rng.choice(sorted(DP_LAYOUTS.values()))
+        ranks = LAYOUTS[dp_layout].dp * LAYOUTS[dp_layout].attn_dp
+        # Pod-slice mode: 2 JAX processes x 4 devices (the batch axis spans the hosts); fast mode: the
+        # in-process slice holds separate per-host caches, so one host with all 8 devices.
+        hosts, devices_per_host = (2, 4) if mode == "podslice" else (1, 8)
+        num_blocks *= ranks
+        extra["lazy_offload"] = False
+        chaos["abort_failed_load_rate"] = maybe(0.6, round(rng.uniform(0.3, 1.0), 2))
+        if chaos["lose_slot_host"] is None and rng.random() < 0.5:  # failed loads to abort after
+            chaos.update(lose_slot_host=rng.randrange(hosts), lose_slot_rate=round(rng.uniform(0.2, 0.6), 2))
+        if chaos["slow_host"] is not None:
+            chaos["slow_host"] %= hosts
+        for key in ("fail_d2h_host", "lose_slot_host"):
+            if chaos[key] is not None:
+                chaos[key] %= hosts
+        if point_faults is not None:
+            point_faults["host"] %= hosts
     return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host,
                     num_kv_heads=kv_heads_per_host * hosts, dtype=dtype, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
                     extra_config=extra, chaos=chaos, point_faults=point_faults, reset_rate=reset_rate,
-                    requests=requests, stall=stall, settle_between_waves=settle_between_waves, hybrid=hybrid)
+                    requests=requests, stall=stall, settle_between_waves=settle_between_waves, hybrid=hybrid,
+                    dp_layout=dp_layout)
 
 
 # ================================================================ one run (child process)
@@ -233,10 +273,18 @@ class Hang(Exception):
 
 
 def _vllm_leaks(scheduler) -> dict[str, int]:
-    """What vLLM itself still holds once every request is done (public scheduler state)."""
-    pool = scheduler.kv_cache_manager.block_pool
-    out = {"vllm_requests": len(scheduler.requests),
-           "vllm_blocks_held": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}  # minus the null block
+    """What vLLM itself still holds once every request is done (public scheduler state; under
+    DPScheduler its rank processes' combined stats)."""
+    stats = scheduler.make_stats()
+    out = {"vllm_requests": scheduler.get_num_unfinished_requests(),
+           "vllm_running": stats.num_running_reqs, "vllm_waiting": stats.num_waiting_reqs,
+           # every block free (prefix-cached blocks are free): usage 0
+           "vllm_blocks_held_pct": round(100 * stats.kv_cache_usage, 2)}
+    if not hasattr(scheduler, "assigned_dp_rank"):
+        pool = scheduler.kv_cache_manager.block_pool
+        out["vllm_blocks_held"] = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # minus the null block
+    else:
+        out["dp_assigned_requests"] = len(scheduler.assigned_dp_rank)
     return {k: v for k, v in out.items() if v}
 
 
@@ -252,16 +300,24 @@ def _worker_leaks(states: list[dict]) -> dict[str, Any]:
     return out
 
 
+def _leaks(pod) -> dict[str, int]:
+    """What every scheduler half holds (one, or each DP rank's)."""
+    return {f"{r.get('source', 'scheduler')}:{k}": v for r in pod.leak_reports() for k, v in r.items()
+            if v and k != "source"}
+
+
 def _stuck(pod) -> str:
-    reqs = {rid: f"{r.status.name}@{r.num_computed_tokens}" for rid, r in pod.scheduler.requests.items()}
-    held = {k: v for k, v in pod.offload.leak_report().items() if v}
-    return f"requests left (status@computed tokens): {reqs}; scheduler half holds {held}"
+    if pod.dp_ranks > 1:
+        reqs = {rid: f"rank {rank}" for rid, rank in pod.scheduler.assigned_dp_rank.items()}
+    else:
+        reqs = {rid: f"{r.status.name}@{r.num_computed_tokens}" for rid, r in pod.scheduler.requests.items()}
+    return f"requests left: {reqs}; scheduler halves hold {_leaks(pod)}"
 
 
 def _progress(pod) -> tuple:
-    reqs = pod.scheduler.requests.values()
-    return (sum(r.num_computed_tokens for r in reqs), len(pod.finished), len(pod.aborted),
-            sum(len(v) for v in pod.outputs.values()))
+    computed = 0 if pod.dp_ranks > 1 else sum(r.num_computed_tokens for r in pod.scheduler.requests.values())
+    return (computed, len(pod.finished), len(pod.aborted), sum(len(v) for v in pod.outputs.values()),
+            pod.stats.totals()["chunks_saved"])
 
 
 def _hybrid_budget(sc: Scenario) -> int:
@@ -288,7 +344,8 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
                      dtype=sc.dtype, num_blocks=sc.num_blocks,
                      max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
                      extra_config=dict(sc.extra_config), step_timeout_s=30.0,
-                     hybrid=sc.hybrid, kv_budget_bytes=_hybrid_budget(sc), max_model_len=256 if sc.hybrid else 0)
+                     hybrid=sc.hybrid, kv_budget_bytes=_hybrid_budget(sc), max_model_len=256 if sc.hybrid else 0,
+                     layout=sc.dp_layout)
     chaos = Chaos(**sc.chaos)
     pf = PointFaults(**sc.point_faults) if sc.point_faults else None
     pod = None
@@ -334,14 +391,14 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
                 if pod.steps >= max_steps:
                     raise Hang(f"not done after {max_steps} steps; {_stuck(pod)}")
         if not pod.settle(30.0):
-            res.leaks["unsettled"] = pod.offload.leak_report()
+            res.leaks["unsettled"] = _leaks(pod)
         states = pod.worker_state()
         res.mismatches = sum(s["mismatches"] for s in states)
         res.faults_reported = all("faults_injected" in s for s in states)
         for s in states:
             for point, n in (s.get("faults_injected") or {}).items():
                 res.faults_injected[point] = res.faults_injected.get(point, 0) + n
-        res.leaks.update({k: v for k, v in pod.offload.leak_report().items() if v})
+        res.leaks.update(_leaks(pod))
         res.leaks.update(_vllm_leaks(pod.scheduler))
         res.leaks.update(_worker_leaks(states))
         wrong = []
@@ -407,7 +464,7 @@ def child_main(args: argparse.Namespace) -> None:
         import tpuoffload.sim.inproc_slice  # noqa: F401
     emit(event="ready")
     for seed in map(int, args.seeds.split(",")):
-        sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid)
+        sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid, args.dp)
         emit(event="start", seed=seed)
         log_dir = os.path.join(args.log_dir, f"seed-{seed}")
         res = run_scenario(sc, log_dir, args.stall_s, args.max_steps)
@@ -429,8 +486,10 @@ class _Child:
             cmd += ["--broken", args.broken]
         if args.hybrid:
             cmd += ["--hybrid", args.hybrid]
+        if args.dp:
+            cmd += ["--dp", args.dp]
         env = dict(os.environ)
-        devices = args.hosts * 2 if args.mode == "fast" else 1
+        devices = (8 if args.dp else args.hosts * 2) if args.mode == "fast" else 1
         env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONUNBUFFERED="1")
         if args.jax_cache_dir:
@@ -505,6 +564,8 @@ def replay_command(args: argparse.Namespace, seed: int) -> str:
         cmd += ["--broken", args.broken]
     if args.hybrid:
         cmd += ["--hybrid", args.hybrid]
+    if args.dp:
+        cmd += ["--dp", args.dp]
     return f"cd {shlex.quote(REPO)} && " + " ".join(map(shlex.quote, cmd))
 
 
@@ -577,7 +638,7 @@ def _next_result(args: argparse.Namespace, child: _Child, seed: int) -> tuple[Ru
     timed_out = event is None and child.proc.poll() is None
     status = f"killed after {args.run_timeout:.0f} s" if timed_out else f"child {child.exit_status()}"
     child.kill()
-    sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid)
+    sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid, args.dp)
     return RunResult(seed=seed, kind="hang" if timed_out else "crash", knobs=sc.knobs(), requests=len(sc.requests),
                      message=f"run {status}; last lines of {child.log_path}:\n{child.tail()}"), True
 
@@ -644,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or stall (fast mode: the last host stops answering at step 3)")
     p.add_argument("--hybrid", default=None,
                    help="podslice mode: a hybrid layout of tpuoffload.sim.hybrid_layouts (e.g. gpt-oss-like)")
+    p.add_argument("--dp", choices=("any", *DP_LAYOUTS), default=None,
+                   help="data parallelism through tpu-inference's DPScheduler on 8 devices: DP 2 x TP 4, "
+                        "attention DP 4 x TP 2, or any (the seed picks)")
     p.add_argument("--log-dir", default=None, help="child logs and pod-slice host logs (default: a temp dir)")
     p.add_argument("--jax-cache-dir", default=os.path.join(tempfile.gettempdir(), "tpuoffload-soak-jax-cache"),
                    help="JAX persistent compilation cache shared by all runs ('' to disable)")
@@ -659,11 +723,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--broken stall is a fast-mode control")
     if args.hybrid and args.mode != "podslice":
         p.error("--hybrid runs in podslice mode")
+    if args.dp and args.hybrid:
+        p.error("--dp with --hybrid: several KV cache groups under DPScheduler are not supported yet")
     if args.child:
         child_main(args)
         return 0
     if args.run_timeout is None:
-        args.run_timeout = DEFAULT_RUN_TIMEOUT[args.mode]
+        args.run_timeout = DP_RUN_TIMEOUT if args.dp else DEFAULT_RUN_TIMEOUT[args.mode]
     if args.log_dir is None:
         args.log_dir = tempfile.mkdtemp(prefix=f"soak-{args.mode}-")
     return parent_main(args)

@@ -149,8 +149,8 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(LOAD_ERRORS, _W, "Blocks whose load failed on a host and were recomputed"),
     CounterInfo(LOAD_SECONDS, _W, "Seconds the main thread spent dispatching loads"),
     CounterInfo(CROSS_RANK_CHUNKS_LOADED, _W, "DPScheduler: chunks one DP rank saved loaded into another rank's blocks"),
-    CounterInfo(CROSS_RANK_LOAD_ERRORS, _W, "DPScheduler: loads of another rank's chunk that failed on a host "
-                "(the slot was reused meanwhile: recomputed)"),
+    CounterInfo(CROSS_RANK_LOAD_ERRORS, _W, "DPScheduler: rows of another rank's chunk that failed to load on a host "
+                "(any cause: its slot reused by its owner or lost there, its write late; recomputed)"),
     CounterInfo(PERSIST_SAVED_CHUNKS, _W, "Chunks this host wrote into committed checkpoints"),
     CounterInfo(PERSIST_SAVED_BYTES, _W, "Bytes this host wrote into committed checkpoints"),
     CounterInfo(PERSIST_SAVE_FAILED, _W, "Checkpoints that failed on this host (never restored)"),

@@ -4,6 +4,7 @@ killed in a checkpoint) and the injectors that apply it at the worker's declared
 
 from __future__ import annotations
 
+from typing_extensions import override
 import os
 import random
 import signal
@@ -32,6 +33,10 @@ class Chaos:
     duplicate_report_rate: float = 0.0  # a worker's output is delivered twice to the aggregator
     broken: str | None = None  # negative controls: "host_order" or "background_dispatch"
     abort_rate: float = 0.0  # per step: probability of aborting one random live request
+    # Per request whose load failed (in the merged output's failed_recving, or owning a block of
+    # its invalid_block_ids is unknowable here): probability of aborting it right after that step,
+    # a client disconnect in the window where its recompute is still to come.
+    abort_failed_load_rate: float = 0.0
     slow_disk_host: int | None = None  # this host's disk tier is slow ...
     slow_disk_s: float = 0.0  # ... by up to this much per chunk file written or read
     fail_disk_host: int | None = None  # this host's disk writes and reads fail ...
@@ -74,9 +79,11 @@ class ChaosDiskFaults(DiskFaults):
         if fail:
             raise OSError(f"injected disk {what} failure")
 
+    @override
     def before_write(self, key) -> None:
         self._maybe("write")
 
+    @override
     def before_read(self, key) -> None:
         self._maybe("read")
 
@@ -84,6 +91,7 @@ class ChaosDiskFaults(DiskFaults):
 class DieInCheckpoint(PersistFaults):
     """The host dies (SIGKILL, no cleanup) right after it started writing its part of a checkpoint."""
 
+    @override
     def after_save_started(self, seq: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -126,6 +134,7 @@ class ChaosInjector(FaultInjector):
     def _draw(self, rate: float) -> bool:
         return rate > 0 and self._rng.random() < rate
 
+    @override
     def hit(self, point: FaultPoint, n: int) -> set[int]:
         c, name = self.chaos, point.name
         delay, fail, lost = 0.0, None, set()

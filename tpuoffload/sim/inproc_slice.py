@@ -88,9 +88,9 @@ class InProcSlice(PodSlice):
         for rank in range(spec.num_hosts):
             own = devices[rank * spec.devices_per_host:(rank + 1) * spec.devices_per_host]
             caches, mesh = create_caches(host_layout, own)
-            runner = SyntheticRunner(caches, mesh, block_size=spec.block_size)
+            runner = SyntheticRunner(caches, mesh, block_size=spec.block_size, dp_ranks=self.dp_ranks)
             connector = TPUOffloadConnector(self.scheduler.vllm_config, KVConnectorRole.WORKER,
-                                            self.scheduler.kv_cache_config)
+                                            self._kv_cache_config())
             injector = ChaosInjector(chaos, rank, self.point_faults)
             connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector)
             connector.register_runner(runner)
@@ -122,6 +122,7 @@ class InProcSlice(PodSlice):
             state = {"host": host.rank, "mismatches": runner.stats.mismatches,
                      "mismatched_requests": sorted(runner.stats.mismatched_requests),
                      "positions_verified": runner.stats.positions_verified,
+                     "poisoned_steps": runner.stats.poisoned_steps,
                      "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
                      "backend_bytes": sum(t.nbytes for t in engine.tables),
                      "backend_slots_used": sum(t.num_used() for t in engine.tables),

@@ -121,6 +121,8 @@ class SliceSpec:
         """One host's part of the slice as a cache of its own (for slices simulated in one process):
         the same per-host shape and bytes, on ``devices_per_host`` devices."""
         whole = self.slice_layout()
+        if self.num_hosts == 1:
+            return whole
         if whole.dp != 1 or whole.attn_dp != 1 or whole.dcp != 1 or whole.num_kv_heads % self.num_hosts:
             raise ValueError(f"{whole.name} cannot be split into per-host tensor-parallel caches")
         return dataclasses.replace(whole, name=f"{whole.name}-host", num_kv_heads=whole.num_kv_heads // self.num_hosts,
@@ -433,6 +435,9 @@ class PodSlice:
         eco = self.scheduler.update_from_output(so, merged)
         absorb_outputs(self, eco)
         self.steps += 1
+        failed_loads = merged.kv_connector_output.failed_recving if merged.kv_connector_output else None
+        if failed_loads and c.abort_failed_load_rate:
+            self.abort(r for r in sorted(failed_loads) if self._rng.random() < c.abort_failed_load_rate)
 
     def _absorb_dp_stats(self, merged) -> None:
         """DPScheduler drops ``kv_connector_stats`` when it combines its ranks' stats (tpu-inference

@@ -113,6 +113,7 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
                 send_frame(stdout, {"host": rank, "mismatches": runner.stats.mismatches,
                                "mismatched_requests": sorted(runner.stats.mismatched_requests),
                                "positions_verified": runner.stats.positions_verified,
+                               "poisoned_steps": runner.stats.poisoned_steps,
                                "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
                                "backend_bytes": sum(t.nbytes for t in eng.tables),
                                "backend_slots_used": sum(t.num_used() for t in eng.tables),
