@@ -50,11 +50,8 @@ def test_cpu_run_verifies_bytes(bench, tmp_path, capsys):
 
 
 def test_step_of_no_power_of_two_blocks_reports_the_rows_moved(bench, monkeypatch, tmp_path):
-    """A 10-block step: the raw path moves 10 blocks; the engine, splitting down to single rows
-    (PIECE_BYTES patched to 1 byte), moves 8 + 2 and reports 10 rows, bytes checked."""
-    from tpuoffload.worker import programs
-
-    monkeypatch.setattr(programs, "PIECE_BYTES", 1)
+    """A 10-block step: the raw path moves 10 blocks; the engine moves them in copies of
+    consecutive slots and reports the 10 rows it moved, bytes checked."""
     out = tmp_path / "bench.json"
     argv = ["--expect-platform", "cpu", *TINY, "--no-per-block", "--json", str(out)]
     argv[argv.index("0.5")] = "0.3125"  # 10 blocks of 32 KiB

@@ -20,73 +20,7 @@ from engine_helpers import (
     logged_copies, BF16, FP8, MIXED, NUM_SLOTS, random_caches, host, chunk, save_ok, op_names, small_load_ops, op_shape)
 
 
-# ---------------------------------------------------------------- slot runs
-def _groups_are_runs(slots: np.ndarray, run: int) -> bool:
-    groups = slots.reshape(-1, run)
-    return bool((groups == groups[:, :1] + np.arange(run)).all())
-
-
-@pytest.mark.parametrize("slots,padded,run", [
-    (list(range(8)), 8, 8),
-    (list(range(24, 32)), 8, 8),  # ends at the store's last slot
-    (list(range(5, 17)), 16, 4),  # 12 rows padded to 16: padding repeats the last group of 4
-    ([30, 31, 0, 1, 2, 3, 4, 5], 8, 2),  # wraps past the last slot: a break at row 2
-    ([1, 2, 3, 4, 9, 10, 11, 12], 8, 4),  # two runs, each an aligned group
-    ([1, 2, 3, 9, 10, 11, 12, 13], 8, 1),  # a break at row 3
-    (list(range(7, -1, -1)), 8, 1),  # descending
-    ([3, 3, 4, 5], 4, 1),  # a slot read twice (a load may): a break at row 1
-    ([3, 4, 4, 5], 4, 2),  # ... or at row 2: two groups of 2
-    ([3, 4, 5, 6, 3, 4, 5, 6], 8, 4),  # one run read into two sets of blocks
-    ([6], 8, 1), ([6, 7], 2, 2), ([], 8, 1),
-])
-def test_slot_run_examples(slots, padded, run):
-    assert pm.slot_run(slots, padded) == run
-
-
-def test_slot_run_of_one_ascending_run_is_the_widest_the_padding_allows():
-    """The fast path (a list that is one ascending run) against the general one, on every length
-    and a few starts, and its negative: a run with one slot changed is not taken for a run."""
-    for n in range(1, 70):
-        for start in (0, 5, 1000 - n):
-            run = list(range(start, start + n))
-            for padded in {pm.bucket(n, 64), pm.bucket(n, 8) if n <= 8 else pm.bucket(n, 64)}:
-                assert pm.slot_run(run, padded) == pm.slot_run(np.array(run), padded)
-            if n > 1:  # a break before the last row: a group width must divide n - 1
-                broken = run[:-1] + [run[-1] + 1]
-                assert pm.slot_run(broken, pm.bucket(n, 64)) <= (n - 1) & -(n - 1)
-
-
-def test_slot_run_is_the_widest_width_whose_padded_plan_is_runs():
-    """Against brute force, on random plans made of ascending and descending runs and repeats: the
-    padded plan (both ``save_plan_ids`` and ``load_plan_ids``) keeps the real rows, holds
-    consecutive slots in every aligned group of ``run`` rows, and no wider width allowed by the
-    padding does; save padding rewrites real (block, slot) pairs; load padding targets no block."""
-    rng = np.random.default_rng(7)
-    for _ in range(400):
-        slots: list[int] = []
-        n = int(rng.integers(1, 40))
-        while len(slots) < n:
-            start, length = int(rng.integers(0, 200)), int(rng.choice([1, 2, 3, 4, 8, 16]))
-            step = -1 if rng.random() < 0.2 else 1
-            slots += [max(0, start + step * i) for i in range(length)]
-        slots = slots[:n]
-        padded = pm.bucket(n, 64)
-        blocks = [1000 + 3 * i for i in range(n)]
-        widest = max(w for w in (1 << k for k in range(padded.bit_length())) if w <= padded and n % w == 0
-                     and _groups_are_runs(pm.save_plan_ids(blocks, slots, 64, w)[1], w))
-        run = pm.slot_run(slots, padded)
-        assert run == widest, (slots, run, widest)
-        assert pm.slot_run(np.array(slots), padded) == run  # the numpy path agrees
-        save = pm.save_plan_ids(blocks, slots, 64, run)
-        load = pm.load_plan_ids(blocks, slots, [1] * n, 99, 64, run)
-        for ids in (save, load):
-            assert ids.shape == (3, padded) and _groups_are_runs(ids[1], run)
-            assert ids[0, :n].tolist() == blocks and ids[1, :n].tolist() == slots
-        pairs = set(zip(blocks, slots))
-        assert all((int(b), int(s)) in pairs for b, s in zip(save[0, n:], save[1, n:])) and (save[2] == 1).all()
-        assert (load[0, n:] == 99).all() and (load[2, n:] == 0).all() and (load[2, :n] == 1).all()
-
-
+# ---------------------------------------------------------------- slot patterns
 # slots of one save, and four sentinel slots saved just before it (neighbours a wrong copy would
 # overwrite, or a load reading past a run would read: it must drop them).
 SLOT_PATTERNS = {
@@ -97,10 +31,6 @@ SLOT_PATTERNS = {
     "two runs": ([1, 2, 3, 4, 9, 10, 11, 12], [5, 6, 7, 8]),
     "scattered": ([7, 3, 11, 0, 30, 12, 5, 9], [1, 2, 4, 6]),
 }
-
-
-def logged_run(op: str) -> int:
-    return int(re.search(r"\brun=(\d+)", op).group(1))
 
 
 def logged_structure(op: str) -> str:
@@ -181,14 +111,16 @@ def test_slot_runs_negative_control_wrong_width(engines, monkeypatch, pattern):
 
 
 @pytest.mark.parametrize("src_slots,dst_slots", [
-    ([0, 1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25]),  # runs of 2, padded to 8
-    ([9, 3, 7, 1, 5], [30, 31, 0, 1, 2]),  # wraps; 5 rows: one copy per slot
+    ([0, 1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25]),  # one run each
+    ([9, 3, 7, 1, 5], [30, 31, 0, 1, 2]),  # scattered; a run that wraps
     (list(range(8)), list(range(NUM_SLOTS - 8, NUM_SLOTS))),  # one run to the last slot
+    ([12, 11, 10, 2, 20, 21, 22], [3, 9, 10, 11, 26, 27, 5]),  # descending, runs and singles
 ])
-def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots):
-    """The disk tier's two programs use the widths too: chunks read out of slots (``read_slots``)
-    and written back into other slots (``install``, padding rewriting the last group with its own
-    bytes) load byte-exact, and the slots around them keep their chunks."""
+def test_disk_tier_read_and_install_with_copy_plans(engines, src_slots, dst_slots):
+    """The disk tier's two programs move slots by the engine's copy plans too: chunks read out of
+    slots (``read_slots``, a load's plan) and written back into other slots (``install``, a save's
+    plan, repeated rows rewriting their slots with their own bytes) load byte-exact in the listed
+    order, and the slots around them keep their chunks."""
     caches = random_caches(BF16, 40)
     src = host(caches)
     eng = engines(caches)
@@ -198,11 +130,12 @@ def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots
     save_ok(eng, caches, [40, 41, 42, 43], keep, [200, 201, 202, 203])
     rows, ok = eng.read_slots(src_slots, list(range(100, 100 + n)))
     assert ok == [True] * n
-    eng.install(eng.rows_to_payloads(rows, n), dst_slots, list(range(300, 300 + n)))
+    eng.install(eng.rows_to_payloads(rows), dst_slots, list(range(300, 300 + n)))
     assert eng.wait_idle(30) and all(r.ok for r in eng.drain_results())
     ops = eng.finish_step().ops
-    assert [logged_run(op) for op in ops[-2:]] == [pm.slot_run(src_slots, pm.bucket(n, 8)),
-                                                   pm.slot_run(dst_slots, pm.bucket(n, 8))]
+    assert [logged_structure(op) for op in ops[-2:]] == [
+        structure(eng.copy_plan("load", np.array(src_slots)).copies),
+        structure(eng.copy_plan("save", np.array(dst_slots)).copies)]
     out, failed = eng.load(random_caches(BF16, 41), list(range(50, 50 + n)) + [60, 61, 62, 63], dst_slots + keep,
                            list(range(300, 300 + n)) + [200, 201, 202, 203])
     assert failed == []
@@ -211,6 +144,25 @@ def test_disk_tier_read_and_install_with_slot_runs(engines, src_slots, dst_slots
         assert np.array_equal(chunk(after, 50 + i), chunk(src, i)), i
     for k, b in enumerate([40, 41, 42, 43]):
         assert np.array_equal(chunk(after, 60 + k), chunk(src, b)), keep[k]
+
+
+def test_disk_tier_read_out_of_order_negative_control(engines, monkeypatch):
+    """The test above catches a read that hands the rows back in the copy plan's order (sorted by
+    slot) rather than the listed one: the chunks are installed into the wrong slots."""
+    caches = random_caches(BF16, 42)
+    src = host(caches)
+    eng = engines(caches)
+    src_slots, dst_slots = [9, 3, 7, 1, 5], [30, 31, 0, 1, 2]
+    save_ok(eng, caches, list(range(5)), src_slots, list(range(100, 105)))
+    real = te.TransferEngine.read_slots
+    monkeypatch.setattr(te.TransferEngine, "read_slots",
+                        lambda self, s, i: (lambda r: (r[0]._replace(order=np.arange(len(s))), r[1]))(real(self, s, i)))
+    rows, _ = eng.read_slots(src_slots, list(range(100, 105)))
+    eng.install(eng.rows_to_payloads(rows), dst_slots, list(range(300, 305)))
+    assert eng.wait_idle(30)
+    out, failed = eng.load(random_caches(BF16, 43), list(range(50, 55)), dst_slots, list(range(300, 305)))
+    after = host(out)
+    assert failed == [] and not all(np.array_equal(chunk(after, 50 + i), chunk(src, i)) for i in range(5))
 
 
 # ---------------------------------------------------------------- copy structures (issue 24)

@@ -187,15 +187,13 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     part; reads and writes written out per copy or in fori_loops; one copy per slot or per run of
     slots) move the same bytes: valid rows exact, placeholders zero, every other block untouched,
     across batch shards."""
-    from tpuoffload.worker import programs
-
     load_program_shape(LOAD_PART_BYTES=1, SAVE_PART_BYTES=1, MAX_PARTS=parts, LOAD_STATIC_MAX=static_max,
                        SAVE_STATIC_MAX=256 - static_max)
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 20)
     eng = engines(caches)
     g = eng.layout.groups[0]
-    assert programs.num_parts(8, eng._programs[0].row_bytes, 1) == parts
+    assert eng._programs[0].op_parts("load", 8) == eng._programs[0].op_parts("save", 8) == parts
     src = host(caches)
     per = g.blocks_per_shard
     blocks = [0, 1, 2, 3, per, per + 1, per + 2, per + 3]
@@ -272,49 +270,10 @@ def test_transfer_buffer_bounds_each_piece(engines, monkeypatch, buffer_chunks, 
         assert np.array_equal(after[layer][rest], before[layer][rest])
 
 
-# ---------------------------------------------------------------- power-of-two pieces
-@pytest.mark.parametrize("n,cap,step,sizes", [
-    (0, 8, 1, []),
-    (1, 64, 1, [1]), (1, 64, 8, [1]),
-    (7, 64, 1, [4, 2, 1]), (7, 64, 2, [7]), (7, 64, 8, [7]),
-    (9, 64, 1, [8, 1]), (9, 64, 2, [8, 1]), (9, 64, 8, [9]),
-    (40, 64, 1, [32, 8]), (40, 32, 1, [32, 8]), (40, 16, 8, [16, 16, 8]),
-    (100, 128, 1, [64, 32, 4]), (100, 128, 8, [64, 32, 4]), (100, 64, 1, [64, 32, 4]),
-    (127, 128, 8, [127]), (300, 128, 8, [128, 128, 32, 12]), (5, 2, 8, [2, 2, 1]),
-])
-def test_piece_sizes_examples(n, cap, step, sizes):
-    assert pm.piece_sizes(n, cap, step) == sizes
-
-
-def test_piece_sizes_pad_less_than_a_step_in_few_power_of_two_pieces():
-    """Every plan: the pieces cover it in order, each a power of two of at most ``cap`` rows but
-    maybe the last; padding them to their buckets adds fewer than ``step`` rows; there are at most
-    ``n // cap + log2(cap / step) + 1`` of them."""
-    for cap in (1, 2, 8, 32, 128):
-        for step in (1, 2, 8, 64):
-            s = min(step, cap)
-            for n in range(0, 3 * cap + 9):
-                sizes = pm.piece_sizes(n, cap, step)
-                assert sum(sizes) == n and all(0 < p <= cap for p in sizes)
-                assert all(p & (p - 1) == 0 for p in sizes[:-1]), sizes
-                assert sum(pm.bucket(p, cap) for p in sizes) - n < s, (n, cap, step, sizes)
-                assert len(sizes) <= n // cap + (cap // s).bit_length(), (n, cap, step, sizes)
-
-
-def test_piece_step_comes_from_the_layout(engines, monkeypatch):
-    """The step is the power of two of rows whose bytes (per device) reach PIECE_BYTES, at most
-    the transfer buffer's rows: the layout alone decides it, the same on every host."""
-    caches = random_caches(BF16, 50)
-    row = sum(p.row_bytes for p in engines(caches)._programs)
-    for piece_bytes, step in ((1, 1), (row, 1), (row + 1, 2), (5 * row, 8), (1 << 40, NUM_SLOTS)):
-        monkeypatch.setattr(pm, "PIECE_BYTES", piece_bytes)
-        assert engines(caches, transfer_buffer_bytes=NUM_SLOTS * row * 4).piece_step == step, piece_bytes
-
-
+# ---------------------------------------------------------------- pieces of the transfer buffer
 PIECE_SLOTS = {  # slots of a plan of n chunks in a store of 256 slots
     "one run": lambda n: list(range(100, 100 + n)),  # spans every piece boundary
-    "run per piece": lambda n: [i + 2 * k + 1 for k, p in enumerate(pm.piece_sizes(n, 128))  # breaks at each
-                                for i in range(sum(pm.piece_sizes(n, 128)[:k]), sum(pm.piece_sizes(n, 128)[:k + 1]))],
+    "run per piece": lambda n: [i + 2 * (i // 32) + 1 for i in range(n)],  # breaks at each piece boundary
     "scattered": lambda n: np.random.default_rng(n).permutation(256)[:n].tolist(),
 }
 

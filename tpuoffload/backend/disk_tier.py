@@ -25,12 +25,9 @@ chunk is not an operation it has. So each chunk is one file ``<name>.kv``::
 length); the header holds the full hash, and a read checks it. Every file of one tier has the same
 size (``file_bytes = HEADER_BYTES + slot_bytes``), so the byte budget is a whole number of files.
 
-Checksum: zlib.crc32 of the payload (and of the header). Measured with ``python
-tools/bench_storage.py disk`` on 4 MiB pieces: on the H200 machine's 16-core host crc32 runs at
-4.4 GiB/s on one thread and 26 GiB/s on 8 (it releases the GIL), blake2b at 0.64 and 3.3 GiB/s; on
-the 2-core development VM 2.4 versus 0.46 GiB/s. A disk read of one chunk thus costs a checksum
-well below the disk's own time, while blake2b would cap a reading thread below the 0.9-2 GiB/s the
-local disk gives. The checksum guards against torn writes, short files and flipped bits (a CRC
+Checksum: zlib.crc32 of the payload (and of the header): several times faster than blake2b and
+well below a local disk's own read time, where blake2b would cap a reading thread below the disk
+(figures and command: docs/performance.md, "Warm restart and the disk tier"). The checksum guards against torn writes, short files and flipped bits (a CRC
 detects every burst of up to 32 bits), not against an adversary, so the 7x cheaper CRC is the
 right trade.
 

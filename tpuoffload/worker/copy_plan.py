@@ -3,8 +3,8 @@
 A save or load program moves its rows as slices of consecutive slots of the store, one dynamic
 slice, one transfer and one update per copy (worker/programs.py). Each copy costs a fixed time on
 top of its bytes, so a plan wants few copies. The copy structure ``((width, count), ...)`` is a
-static argument of the program: every structure not seen before compiles a program (0.3-3 s on
-the H200 for a load of 64-256 copies), so the set of structures must not grow with the store's
+static argument of the program: every structure not seen before compiles a program (seconds for
+a load of a few hundred copies: docs/performance.md), so the set of structures must not grow with the store's
 history. It is bounded here by construction:
 
 * a width is a power of two up to the plan's cap (``widths``), and a program has at most one width

@@ -157,7 +157,7 @@ class DiskStage(WorkerTier):
     def _write(self, rows, ok: list[bool], keys: list[ChunkKey]) -> None:
         written, failed = [], [k.save_id for k, good in zip(keys, ok) if not good]
         try:
-            payloads = self.engine.rows_to_payloads(rows, len(keys))
+            payloads = self.engine.rows_to_payloads(rows)
             writes = [(k, self.tier.write(k, p)) for k, p, good in zip(keys, payloads, ok) if good]
             for key, w in writes:
                 (written if w.future.result().ok else failed).append(key.save_id)

@@ -4,9 +4,9 @@ Two hosts that ran the same step must produce the same digest; the pod-slice har
 them every step, and a mismatch names the first diverging op.
 
 ``record`` only keeps its arguments; the lines are formatted and hashed in ``finish_step``, off
-the dispatch path: formatting a 64-chunk save's line (two 64-int lists) and hashing it took the
-engine's main thread 0.02-0.03 ms per save on an H200 host (docs/performance.md), after
-its program was dispatched but before ``save()`` returned. The text and the digest are what eager
+the dispatch path, where formatting a save's line (two lists of ints) and hashing it would cost
+the engine's main thread time between its program's dispatch and ``save()``'s return
+(docs/performance.md, "Dispatch log formatted late"). The text and the digest are what eager
 formatting produced; callers hand over values they never mutate afterwards (the engine's fresh
 arrays, lists and tuples of ints). An array is written as the list of its values.
 """

@@ -1,8 +1,8 @@
 """Preallocated host buffers for the ids of a save or load (see worker/programs.py).
 
-Transferring a call's small ids array costs more than its size suggests: on an H200 (JAX 0.11.2)
-the dispatch of the program that takes a just-transferred array blocks 0.1-0.3 ms until the
-transfer landed, and a load cannot start its first copy before that (docs/performance.md).
+Transferring a call's small ids array costs more than its size suggests: the dispatch of the
+program that takes a just-transferred array blocks until the transfer landed, and a load cannot
+start its first copy before that (docs/performance.md, "Ids in pinned host buffers").
 Instead each call's ids are written, by the calling thread, into a buffer in pinned host memory
 that the runtime already holds (through a numpy view of it), and the program copies them to the
 device as its first step: no transfer, no allocation per call.

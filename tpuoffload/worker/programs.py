@@ -57,99 +57,34 @@ from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 from tpuoffload.worker.copy_plan import copy_rows
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-SAVE_UNROLL = 4  # the loop unrolling that measured fastest on the H200 (docs/performance.md)
+SAVE_UNROLL = 4  # the loop unrolling of a save's copies (docs/performance.md: why these values)
 LOAD_UNROLL = 16
 # A load reads its slots with one dynamic slice per copy written out in the program (XLA issues
 # them as asynchronous host-to-device copies, all in flight at once) up to this many copies; more use
-# one fori_loop per width (unrolled LOAD_UNROLL), whose compile time does not grow with the count: a
-# first call of a 256-copy load written out took up to 3 s on the H200, and on the H200 256 single-row
-# copies took 2.36 ms in a loop unrolled 8 against 2.37 written out (docs/performance.md).
+# one fori_loop per width (unrolled LOAD_UNROLL), whose compile time does not grow with the count.
 LOAD_STATIC_MAX = 32
-# The same for a save's writes into the store; 0: always fori_loops, which measured faster.
+# The same for a save's writes into the store; 0: always fori_loops.
 SAVE_STATIC_MAX = 0
 # A save or load is split into up to MAX_PARTS equal parts of at least SAVE_PART_BYTES /
 # LOAD_PART_BYTES (bytes per device): a save gathers part k+1 while part k crosses to host memory; a
 # load scatters part k while part k+1's rows are still crossing. A load of few copies runs as two
-# programs instead, reads then scatter (TransferEngine._reads_first). Values: docs/performance.md.
+# programs instead, reads then scatter (TransferEngine._reads_first).
 LOAD_PART_BYTES = 256 << 20
 SAVE_PART_BYTES = 128 << 20
 MAX_PARTS = 4
-# The fewest rows a program moves (``bucket`` pads its ids up to this): a 1-chunk step moves one
-# chunk, at the cost of compiling the shapes 1, 2 and 4.
-MIN_ROWS = 1
 # What one more copy costs a program, as the bytes the interconnect moves in that time (per device):
-# covering copies (worker/copy_plan.py) move rows twice where that saves a copy costing more. From
-# the H200 (docs/performance.md, tools/probe_copies.py): a save's copy about 1-2.5 us, a load's
-# about 4.5-5 us, at 45 GiB/s.
+# covering copies (worker/copy_plan.py) move rows twice where that saves a copy costing more.
 SAVE_COPY_BYTES = 64 << 10
 LOAD_COPY_BYTES = 224 << 10
 # A save (or install) writes rows of at least this many bytes per device into the store one row per
-# copy. On the H200 16 rows of DeepSeek's MLA layout (2.4 MiB each) took 1.8 ms in one copy, 2.1 in
-# four, 1.5 in sixteen (packed into 32-bit words: 12.4, 8.8, 1.2); the other layouts' saves were
-# as fast or faster in wide copies, and every copy more costs the dispatching thread time
-# (docs/performance.md).
+# copy (a wide copy of such rows is slower; every copy more costs the dispatching thread time).
 SAVE_SINGLE_ROW_BYTES = 2 << 20
 # Blocks travel and sit in the store as unsigned words of this many bytes where the last axis allows
 # (unsharded, a whole number of words): an fp8 or bf16 block packed into uint32 words, the same
-# bytes. 0: words of the cache dtype's own width. On the H200, fp8 rows moved as uint32 words saved
-# a 64 MiB step of Qwen3-Coder's in 82-94% of the raw path's time instead of 75-82%, and loaded 512
-# MiB in 77-101% instead of 71-86% (docs/performance.md).
+# bytes. 0: words of the cache dtype's own width.
 WIRE_WORD = 4
-# A plan too large for the transfer buffer moves in pieces, one program each per layer group;
-# a remainder is split only down to pieces of PIECE_BYTES per device (a dispatch costs the main
-# thread about what the interconnect moves in that time).
-PIECE_BYTES = 16 << 20
-
-
-def bucket(n: int, cap: int) -> int:
-    """Pad batch sizes to powers of two (>= MIN_ROWS unless ``cap``, a power of two >= n, is smaller)."""
-    return max(min(MIN_ROWS, cap), 1 << (n - 1).bit_length())
-
-
-def piece_sizes(n: int, cap: int, step: int = 1) -> list[int]:
-    """Lengths of the consecutive pieces a plan of ``n`` rows moves in, one program per piece (per
-    layer group): pieces of ``cap`` rows (a power of two), then the rest as the binary
-    decomposition of the rest rounded up to a multiple of ``step`` (a power of two: fewer rows are
-    not worth a dispatch), largest first, the last piece holding what is left (step 1: 40 -> 32 +
-    8, 100 -> 64 + 32 + 4; step 8: 7 -> 7 and 9 -> 9, padded to 8 and 16 rows, 100 -> 64 + 32 + 4).
-    Every piece but the last is a power of two and moves no padding; the last is padded to its
-    bucket by fewer than ``step`` rows (MIN_ROWS is 1), where one bucket for the whole rest could
-    pad almost as many rows as it moves. A plan has at most ``n // cap + log2(cap / step) + 1``
-    pieces and every bucket is a power of two (no new shape compiles). A function of its
-    arguments only: every host splits a plan alike."""
-    sizes = [cap] * (n // cap)
-    rest = n % cap
-    step = min(step, cap)
-    padded = -(-rest // step) * step
-    while rest:
-        size = 1 << (padded.bit_length() - 1)
-        sizes.append(min(size, rest))
-        padded -= size
-        rest -= sizes[-1]
-    return sizes
-
-
-def slot_run(slots, padded: int) -> int:
-    """The widest power of two ``run <= padded`` such that a plan of ``slots`` padded to ``padded``
-    rows (as ``save_plan_ids`` / ``load_plan_ids`` pad for that run) holds, in every aligned group
-    of ``run`` rows, ``run`` consecutive ascending slots; 1 (one copy per slot) at worst, e.g. for
-    descending slots or a slot listed twice. O(len(slots)), no Python loop.
-
-    A break before row ``i`` (``slots[i] != slots[i-1] + 1``) must fall on a group boundary, so
-    ``run`` divides ``i``; so must the first padding row ``len(slots)``, since padding repeats whole
-    groups. Slots are in range (the engine checks), so a group never runs past the store's end."""
-    n = len(slots)
-    if not n:
-        return 1
-    run = padded if n == padded else min(padded, n & -n)
-    if type(slots) is list and slots == list(range(slots[0], slots[0] + n)):
-        return run  # one ascending run (the usual plan): no break to look for, no numpy call
-    if n > 1 and run > 1:
-        s = np.asarray(slots, np.int64)
-        breaks = np.flatnonzero(s[1:] != s[:-1] + 1) + 1
-        if len(breaks):
-            run = min(run, int((breaks & -breaks).min()))
-    return run
+# Every value above was chosen by measurement: docs/performance.md ("What the engine's constants
+# rest on", "What the issue-24 constants rest on") gives the figures, the machine and the command.
 
 
 def _pow2_floor(n: int) -> int:
@@ -200,42 +135,6 @@ def split_parts(copies, parts: int) -> tuple[tuple[int, int, tuple[tuple[int, in
         out.append((lo, hi, tuple(map(tuple, groups))))
         lo = hi
     return tuple(out)
-
-
-def uniform_copies(run: int, rows: int) -> tuple[tuple[int, int], ...]:
-    """The structure of ``rows`` rows moved ``run`` consecutive slots per copy (``slot_run``)."""
-    return ((run, rows // run),)
-
-
-def pad_rows(ids: np.ndarray, n: int, run: int) -> None:
-    """Fill rows ``n:`` (along the last axis) by repeating the last ``run`` rows (``run`` divides
-    ``n``): each padding group is a copy of the last real group, so it holds consecutive slots when
-    that group does. Also what pads the payloads of an install (their transpose), so padding rows
-    rewrite the very slots their ids name with those slots' own bytes."""
-    if n < ids.shape[-1]:
-        pad = np.arange(n, ids.shape[-1])
-        ids[..., n:] = ids[..., n - run + pad % run]
-
-
-def save_plan_ids(block_ids, slots, cap: int, run: int = 1) -> np.ndarray:
-    """``(3, P)`` ids of a save; padding rows repeat the last ``run`` chunks (the same bytes,
-    rewritten)."""
-    n = len(block_ids)
-    ids = np.ones((3, bucket(n, cap)), np.int32)
-    ids[0, :n], ids[1, :n] = block_ids, slots
-    pad_rows(ids, n, run)
-    return ids
-
-
-def load_plan_ids(block_ids, slots, valid, num_blocks: int, cap: int, run: int = 1) -> np.ndarray:
-    """``(3, P)`` ids of a load; padding rows read the last ``run`` slots again and target
-    ``num_blocks``, outside every batch shard (not valid: nothing is written)."""
-    n = len(block_ids)
-    ids = np.zeros((3, bucket(n, cap)), np.int32)
-    ids[0, :n], ids[1, :n], ids[2, :n] = block_ids, slots, valid
-    pad_rows(ids, n, run)
-    ids[0, n:], ids[2, n:] = num_blocks, 0
-    return ids
 
 
 @dataclass(frozen=True)
@@ -299,8 +198,7 @@ def _scatter_local(ids, valid, rows, caches, *, group: GroupLayout, wire: Wire, 
     """Scatter rows into their blocks of this device's batch shard. The blocks of a load are
     distinct (the engine checks), and a row that is not ours (padding, another batch shard) gets
     its own index past the shard's end, where it is dropped: every index is unique, which XLA is
-    told. Measured on the H200 (32 layers, 8 MiB rows): the scatter of 512 MiB takes 1.5 ms
-    instead of 3.1, of 2 GiB 2.7 ms instead of 9.8. ``cross``: some rows come from another batch
+    told (docs/performance.md: what that saves). ``cross``: some rows come from another batch
     shard's store row (``_from_sources``, a DP rank's chunk loaded by another rank)."""
     if cross:
         rows = _from_sources(valid, rows, group=group)
@@ -332,15 +230,6 @@ def _token(ids):
     together): what a background thread waits on, since the store itself is donated onward, and
     what tells the engine that the program's ids buffer may be written again (worker/ids_ring.py)."""
     return ids[0, 0] + 0
-
-
-def num_parts(n: int, row_bytes: int, part_bytes: int) -> int:
-    """Number of equal parts a batch of ``n`` rows (a power of two) of ``row_bytes`` bytes per device
-    moves in: a power of two up to MAX_PARTS, each part at least ``part_bytes`` unless there is one."""
-    parts = 1
-    while parts < MAX_PARTS and n % (2 * parts) == 0 and n * row_bytes // (2 * parts) >= part_bytes:
-        parts *= 2
-    return parts
 
 
 @functools.lru_cache(maxsize=8)
@@ -500,10 +389,6 @@ class GroupPrograms:
             rows = self._read_rows(store, ids, lo, hi, groups, total)
             caches = self._scatters[cross](ids[0, lo:hi], ids[2, lo:hi], rows, caches)
         return caches, _token(ids)
-
-    def load_parts(self, n: int) -> int:
-        """Parts the load program moves ``n`` rows in."""
-        return self.op_parts("load", n)
 
     def _read_rows(self, store, ids, lo: int, hi: int, groups, total: int):
         """Rows ``lo:hi`` of the program, read from their slots into device memory

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -52,8 +53,7 @@ from tpuoffload.worker.faults import NO_FAULTS, FaultInjector, FaultPoint
 from tpuoffload.worker.ids_ring import IdsRing
 from tpuoffload.worker import programs as programs_module
 from tpuoffload.worker.copy_plan import CopyPlan, copy_rows, load_plan, save_plan
-from tpuoffload.worker.programs import (bucket, load_plan_ids, pad_rows, programs_for, save_plan_ids, slot_run,
-                                        uniform_copies)
+from tpuoffload.worker.programs import programs_for
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,15 @@ logger = logging.getLogger(__name__)
 class SaveResult:
     save_id: int
     ok: bool
+
+
+class SlotRows(NamedTuple):
+    """Rows ``read_slots`` copied out of the stores: ``arrays``, one device array per layer group
+    (program rows, in the copy plan's order); ``order[i]``, the program row holding the i-th
+    listed slot."""
+
+    arrays: list[jax.Array]
+    order: np.ndarray
 
 
 # A load of at most this many copies (per layer group) reads first, then scatters (two programs):
@@ -103,10 +112,6 @@ def _batch_shards(layout: CacheLayout) -> int:
     return shards.pop()
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
@@ -142,11 +147,7 @@ class TransferEngine:
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
         self._programs = [programs_for(g, host_memory_kind, self.backend.rows, self.backend.shard_slots)
                           for g in self.layout.groups]
-        # Rows whose padding costs less than another program's dispatch (programs.PIECE_BYTES): a
-        # plan's remainder is split into power-of-two pieces no smaller than this. From the layout
-        # only, so the same on every host.
         row_bytes = sum(p.row_bytes for p in self._programs)  # one chunk, on each device
-        self.piece_step = min(self.max_chunks_per_transfer, _pow2_ceil(-(-programs_module.PIECE_BYTES // row_bytes)))
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
         # Each call's ids, written into preallocated host buffers (worker/ids_ring.py); main thread only.
         self._ids = IdsRing(NamedSharding(self.layout.mesh, PartitionSpec(), memory_kind=host_memory_kind))
@@ -232,7 +233,7 @@ class TransferEngine:
         if not len(slots):
             return
         self._check_shards(block_ids, slots)
-        pieces = self._pieces(len(slots))
+        pieces = self.pieces(len(slots))
         if len(pieces) > 1:  # pieces of a plan sorted by slot: runs stay whole across the pieces (rows' order is free)
             perm = np.argsort(slots, kind="stable")
             block_ids, slots, save_ids = block_ids[perm], slots[perm], save_ids[perm]
@@ -255,10 +256,8 @@ class TransferEngine:
     def pieces(self, n: int) -> list[slice]:
         """Consecutive pieces of a plan of ``n`` chunks, each within ``transfer_buffer_bytes``:
         as many full buffers as fit, then the rest (one program each per layer group; the copy
-        structures are bounded whatever the number of rows, worker/copy_plan.py)."""
-        return self._pieces(n)
-
-    def _pieces(self, n: int) -> list[slice]:
+        structures are bounded whatever the number of rows, worker/copy_plan.py). A function of
+        ``n`` and the layout alone: every host splits a plan alike."""
         cap = self.max_chunks_per_transfer
         return [slice(start, min(n, start + cap)) for start in range(0, n, cap)]
 
@@ -417,7 +416,7 @@ class TransferEngine:
         if not n:
             return list(kv_caches), []
         t0 = time.monotonic()
-        pieces = self._pieces(n)
+        pieces = self.pieces(n)
         perm, listed = None, block_ids
         if len(pieces) > 1:  # pieces of a plan sorted by slot (runs stay whole); failures map back
             perm = np.argsort(slots, kind="stable")
@@ -511,18 +510,8 @@ class TransferEngine:
         """Whether a load whose rows have copy structure ``copies`` (worker/copy_plan.py) runs as
         two programs, reads then scatter, rather than as one load program: when that program
         would have one part, or at most READS_FIRST_COPIES copies in all (nothing much to overlap
-        inside: the copies start before the checks and the scatter's dispatch). The earlier rule
-        (one part, or one copy per part) and its measurements:
-        Whether a load of ``n`` chunks whose slots allow copies of ``run`` (programs.slot_run)
-        runs as two programs, reads then scatter, rather than as one load program: when that
-        program would move each of its parts in one copy or has one part (nothing to overlap
-        inside), since then the copies start before the checks and the scatter's dispatch, and
-        one copy of the whole load is the fastest copy. Measured on the H200
-        (docs/performance.md): 64 MiB 103-105% of the raw path against 90-91% for one program;
-        one copy per slot, 512 MiB (2 parts) 85% against 98%. Slots in one run, with the unique
-        scatter (two runs of a scratch probe, 11 iterations each): 512 MiB 11.6 ms against 12.1
-        and 12.4; 2 GiB 44.3 and 44.5 against 45.0 and 45.1. One copy per slot stays one program:
-        at 2 GiB reading first took 52.4-52.5 ms against 50.4-50.6."""
+        inside: the copies start before the checks and the scatter's dispatch). Why, measured:
+        docs/performance.md ("What the engine's constants rest on", reads first)."""
         return all(prog.op_parts("load", copy_rows(copies)) == 1 or prog.num_copies("load", copies) <= READS_FIRST_COPIES
                    for prog in self._programs)
 
@@ -585,62 +574,74 @@ class TransferEngine:
         return sum(int(np.prod(shape)) // shape[1] * prog.wire.dtype.itemsize
                    for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
 
-    def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[list[jax.Array], list[bool]]:
+    def _check_one_shard(self, what: str) -> None:
+        if self.backend.shards > 1:  # config.py:check_dp_config refuses the disk tier with DP
+            raise ValueError(f"{what}: the disk tier runs on one batch shard, not {self.backend.shards}")
+
+    def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[SlotRows, list[bool]]:
         """Copy ``slots`` out of the stores into device rows, one program per layer group (main
-        thread; the stores are read, not donated). ``ok[i]``: the slot held chunk ``save_ids[i]``
-        (otherwise its row is zeros). Turn the rows into bytes with ``rows_to_payloads``."""
+        thread; the stores are read, not donated), by the copies a load of those slots would use
+        (``copy_plan``). ``ok[i]``: the slot held chunk ``save_ids[i]`` and no write to it was
+        late (otherwise its bytes must not be used). Turn the rows into bytes with
+        ``rows_to_payloads``."""
         self._check_owner()
+        self._check_one_shard("read_slots")
         slots = _ints(slots)
         late = self._wait_for_writes(slots)
         ok, _ = self.backend.lookup(slots, save_ids)
-        valid = [int(v and i not in late) for i, v in enumerate(ok.tolist())]
-        cap = _pow2_ceil(len(slots))
-        run = slot_run(slots, bucket(len(slots), cap))  # rows in the listed order: rows_to_payloads reads them so
-        ids = load_plan_ids([self.num_blocks] * len(slots), slots, valid, self.num_blocks, cap, run)
-        rows = self._read_programs("read", ids, uniform_copies(run, ids.shape[1]), slots)
-        return rows, [bool(v) for v in valid]
+        valid = [bool(v) and i not in late for i, v in enumerate(ok.tolist())]
+        plan = self.copy_plan("load", slots)
+        ids = _plan_ids(plan, np.full(len(slots), self.num_blocks, np.int64), 1, self.num_blocks)
+        arrays = self._read_programs("read", ids, plan.copies, slots)
+        listed = np.flatnonzero(plan.rows >= 0)
+        first = np.empty(len(slots), np.int64)
+        first[plan.rows[listed[::-1]]] = listed[::-1]  # the first program row that moves each slot
+        return SlotRows(arrays, first), valid
 
-    def rows_to_payloads(self, rows: list[jax.Array], n: int) -> list[np.ndarray]:
-        """This host's bytes of each of the first ``n`` chunks of ``read_slots`` rows (uint8,
+    def rows_to_payloads(self, rows: SlotRows) -> list[np.ndarray]:
+        """This host's bytes of each chunk of ``read_slots`` rows, in the listed order (uint8,
         ``disk_chunk_bytes`` each). Waits for the program; any thread (no dispatch)."""
         parts = []
-        for arr in rows:
+        for arr in rows.arrays:
             for shard in sorted(arr.addressable_shards, key=lambda sh: sh.device.id):
-                data = np.asarray(shard.data)[:, :n]  # (shards, n, layers, *tile)
-                parts.append(np.moveaxis(data, 1, 0).reshape(n, -1).view(np.uint8))
+                data = np.asarray(shard.data)[:, rows.order]  # (shards, n, layers, *tile)
+                parts.append(np.moveaxis(data, 1, 0).reshape(len(rows.order), -1).view(np.uint8))
         return list(np.concatenate(parts, axis=1))
 
     def install(self, payloads: Sequence[np.ndarray | None], slots: Sequence[int], save_ids: Sequence[int]) -> None:
         """Write chunks read back from disk into ``slots`` under ``save_ids``, like a save whose
-        rows come from host memory: one H2D copy per device and one program per layer group, then
-        the background completion records the slots. A None payload (a failed read on this host)
-        writes zeros and is reported failed. Main thread; the same dispatch on every host."""
+        rows come from host memory: one H2D copy per device and one program per layer group, by
+        the copies a save of those slots would use (``copy_plan``), then the background completion
+        records the slots. A None payload (a failed read on this host) writes zeros and is
+        reported failed. Main thread; the same dispatch on every host."""
         self._check_owner()
+        self._check_one_shard("install")
         n = len(slots)
         _, slots, save_ids = self._plan_arrays([0] * n, slots, save_ids, unique="slots")
-        cap = _pow2_ceil(n)
         width = self.disk_chunk_bytes
-        host = np.zeros((cap, width), np.uint8)
+        host = np.zeros((n, width), np.uint8)
         missing = frozenset(i for i, p in enumerate(payloads) if p is None or len(p) != width)
         for i, p in enumerate(payloads):
             if i not in missing:
                 host[i] = p
-        run = slot_run(slots, cap)
-        pad_rows(host.T, n, run)  # as the ids are padded: padding rows rewrite the last slots with their own bytes
-        ids, entry = self._ids.put(save_plan_ids([0] * n, slots, cap, run))
+        plan = self.copy_plan("save", slots)
+        host = host[plan.rows]  # program row i writes plan row plan.rows[i] (a repeat: the same bytes)
+        p_rows = len(plan.rows)
+        ids, entry = self._ids.put(_plan_ids(plan, np.zeros(n, np.int64), 1))
         offset, tokens = 0, []
-        for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(cap))):
+        for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(p_rows))):
             arrays = []
             for device, shape in pieces:
-                size = int(np.prod(shape)) // cap * prog.wire.dtype.itemsize
+                size = int(np.prod(shape)) // p_rows * prog.wire.dtype.itemsize
                 chunk = host[:, offset:offset + size].copy().view(prog.wire.dtype)
-                chunk = np.moveaxis(chunk.reshape(cap, shape[0], *shape[2:]), 0, 1)
+                chunk = np.moveaxis(chunk.reshape(p_rows, shape[0], *shape[2:]), 0, 1)
                 arrays.append(jax.device_put(np.ascontiguousarray(chunk), device))
                 offset += size
-            shape = (prog.group.num_shards, cap, *prog.store_shape[2:])
+            shape = (prog.group.num_shards, p_rows, *prog.store_shape[2:])
             rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
-            self._stores[i], token = prog.install(rows, self._stores[i], ids, copies=uniform_copies(run, cap))
-            self.log.record("install", shape=ids.shape, group=i, run=run, slots=slots)
+            self._stores[i], token = prog.install(rows, self._stores[i], ids, copies=plan.copies)
+            self.log.record("install", shape=ids.shape, group=i, **self._copies_fields(prog, "install", plan.copies),
+                            slots=slots)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
         self._complete_in_background(tokens, np.zeros(n, np.int64), slots, save_ids, missing)
