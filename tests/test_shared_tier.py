@@ -25,10 +25,10 @@ def _engine(url: str | None, num_hosts: int = 2, **extra):
     return InProcessEngine(EngineSpec(num_hosts=num_hosts, num_blocks=64, extra_config=config))
 
 
-def _wave(tag: str):
+def _wave(tag: str, seed: int = 3):
     from tpuoffload.sim.workload import prefix_repetition
 
-    return prefix_repetition(6, 3, 64, 24, 4, seed=3, id_prefix=tag, block_size=16)
+    return prefix_repetition(6, 3, 64, 24, 4, seed=seed, id_prefix=tag, block_size=16)
 
 
 def _serve(engine, requests) -> dict[str, list[int]]:
@@ -88,3 +88,153 @@ def test_a_prefix_computed_on_engine_a_is_served_on_engine_b_byte_exact(store_ur
     assert control.stats.totals()[C.HIT_TOKENS] == 0
     control.close()
     assert out_b == out_c == out_a
+
+
+# ---------------------------------------------------------------------------- hazards
+@pytest.fixture(scope="module")
+def populated(tmp_path_factory):
+    """A store engine A filled (file backend), copied afresh for each hazard."""
+    root = tmp_path_factory.mktemp("populated") / "shared"
+    a = _engine(f"file://{root}?timeout_s=20")
+    out = _serve(a, _wave("a"))
+    a.close()
+    return root, out
+
+
+def _copy(populated, tmp_path) -> str:
+    import shutil
+
+    root = tmp_path / "shared"
+    shutil.copytree(populated[0], root)
+    return str(root)
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def _host_digests_agree(engine) -> None:
+    per_host = [[d.digest for d in conn.worker.digests] for conn in engine.connectors]
+    assert all(h == per_host[0] for h in per_host[1:])
+
+
+@pytest.mark.parametrize("hazard", ["host 1 shard missing", "host 1 shard corrupt", "host 0 truncated",
+                                    "foreign objects under our names", "no damage (control)"])
+def test_damaged_objects_are_a_miss_on_every_host(populated, tmp_path, hazard):
+    """Each damage to the store that engine A filled, then engine B serves the same prompts: every
+    damaged chunk is a miss on both hosts (nothing installed or loaded anywhere), the hosts dispatch
+    alike, and B's tokens are the recomputed ones; the undamaged control is served from the store."""
+    root = _copy(populated, tmp_path)
+    objects = _objects(root)
+    host1 = [p for p in objects if "/h1of2/" in p]
+    host0 = [p for p in objects if "/h0of2/" in p]
+    if hazard == "host 1 shard missing":
+        for p in host1:
+            os.unlink(p)
+    elif hazard == "host 1 shard corrupt":
+        for p in host1:
+            _flip(p, 128 + 777)
+    elif hazard == "host 0 truncated":
+        for p in host0:
+            os.truncate(p, os.path.getsize(p) - 1000)
+    elif hazard.startswith("foreign"):
+        # Objects another deployment wrote (another namespace: another layout or model) put under
+        # this deployment's names: the header says whose they are.
+        from tpuoffload.backend.shared_store import HEADER_BYTES, ObjectId, encode_header
+
+        for p in host0:
+            data = open(p, "rb").read()
+            other = ObjectId(bytes(16), bytes.fromhex(os.path.basename(p).split(".")[0]), 0, 0, 2)
+            open(p, "wb").write(encode_header(other, data[HEADER_BYTES:]) + data[HEADER_BYTES:])
+    b = _engine(f"file://{root}?timeout_s=20")
+    out = _serve(b, _wave("b"))
+    t = b.stats.totals()
+    _host_digests_agree(b)
+    _assert_clean(b)
+    b.close()
+    assert out == populated[1]  # the tokens A computed: recomputed where the store failed
+    if hazard.startswith("no damage"):
+        assert t[C.SHARED_FETCHES_READY] > 0 and t[C.SHARED_FETCHES_FAILED] == 0, t
+        return
+    assert t[C.SHARED_FETCHES_READY] == 0 and t[C.CHUNKS_LOADED] == 0, t
+    if hazard == "host 1 shard missing":
+        assert t[C.SHARED_PROBES] > 0 and t[C.SHARED_PROBE_HIT_CHUNKS] == 0, t  # host 1 said absent
+    else:
+        assert t[C.SHARED_FETCHES_FAILED] == t[C.SHARED_FETCHES_ISSUED] > 0, t
+        cause = {"host 1 shard corrupt": C.SHARED_MISS_CORRUPT, "host 0 truncated": C.SHARED_MISS_SHORT}.get(
+            hazard, C.SHARED_MISS_FOREIGN)
+        assert t[cause] > 0, t
+
+
+def test_a_deployment_with_another_layout_never_reads_the_objects(populated, tmp_path):
+    """An engine of another cache layout (one host instead of two: another sharding over hosts)
+    looks in its own namespace: nothing found, nothing fetched."""
+    root = _copy(populated, tmp_path)
+    b = _engine(f"file://{root}?timeout_s=20", num_hosts=1)
+    out = _serve(b, _wave("b"))
+    t = b.stats.totals()
+    b.close()
+    assert out == populated[1]
+    assert t[C.SHARED_PROBES] > 0 and t[C.SHARED_PROBE_HIT_CHUNKS] == 0 and t[C.SHARED_FETCHES_ISSUED] == 0, t
+
+
+def test_two_engines_writing_the_same_chunks_at_once(tmp_path):
+    """Two engines serve the same prompts step by step in turn against one store: each object is
+    published once (put-if-absent; the other engine finds it or loses the race), every object
+    verifies, and a third engine is served from it."""
+    url = f"file://{tmp_path}/shared?timeout_s=20"
+    engines = [_engine(url), _engine(url)]
+    for e, tag in zip(engines, "xy"):
+        for r in _wave(tag):
+            e.add_request(r)
+    while any(e.scheduler.has_requests() for e in engines):
+        for e in engines:
+            if e.scheduler.has_requests():
+                e.step()
+    for e in engines:
+        e.settle()
+    totals = [e.stats.totals() for e in engines]
+    for e in engines:
+        e.close()
+    written = sum(t[C.SHARED_WRITTEN_CHUNKS] for t in totals)
+    assert written == len(_objects(str(tmp_path / "shared"))) > 0
+    c = _engine(url)
+    _serve(c, _wave("c"))
+    t = c.stats.totals()
+    _assert_clean(c)
+    c.close()
+    assert t[C.SHARED_FETCHES_READY] > 0 and t[C.SHARED_FETCHES_FAILED] == 0, t
+
+
+def test_the_store_going_away_mid_run_and_coming_back():
+    """redis-server is killed while engine B serves (probes and reads fail fast: misses, counted,
+    no step waits on it), then started again (empty): engine B keeps serving, byte-exact, and
+    publishes again; a third engine is served from the new server."""
+    from tpuoffload.sim.redis_server import RedisServer
+
+    with RedisServer() as server:
+        url = f"{server.url}?timeout_s=1"
+        a = _engine(url)
+        _serve(a, _wave("a"))
+        a.close()
+        b = _engine(url)
+        for r in _wave("b"):
+            b.add_request(r)
+        server.stop()
+        b.run()
+        b.settle()
+        t = b.stats.totals()
+        assert t[C.SHARED_PROBE_UNAVAILABLE] + t[C.SHARED_PROBE_TIMEOUTS] + t[C.SHARED_MISS_UNAVAILABLE] > 0, t
+        server.start()
+        out = _serve(b, _wave("d", seed=4))  # new prompts: published to the server that came back
+        assert b.stats.totals()[C.SHARED_WRITTEN_CHUNKS] > 0
+        _assert_clean(b)
+        b.close()
+        c = _engine(url)
+        assert _serve(c, _wave("e", seed=4)) == out
+        assert c.stats.totals()[C.SHARED_FETCHES_READY] > 0
+        c.close()
