@@ -3,9 +3,9 @@
 It stands in for tpu-inference's runner in tests and in the demo, on caches tpu-inference's own
 ``create_kv_caches`` allocated (``tpuoffload.sim.tpu_layouts``).
 
-The model sees the KV it reads, as a transformer does. Every step, for every scheduled request, each
-layer reads the request's whole context (every position before the step's first token) and folds
-what it read into a per-request digest (``_step_program``); the next layers write KV that depends
+The model sees the KV it reads, as a transformer does. Every step, for every scheduled request, it
+reads the request's whole context (every position before the step's first token, every layer) and
+folds what it read into a per-request digest (``_step_programs``); the KV the step writes depends
 on that digest, and the sampled token does too. With the right context the digest is neutral and
 every value is a deterministic function of (layer, position in the token's slice of the block, hash
 of the token ids up to that position), exact in the cache's dtype, so any block, whether computed,
@@ -89,43 +89,46 @@ def poisoned(hashes, digest):
 
 
 @functools.lru_cache(maxsize=8)
-def _step_program(rests, dtypes, shardings, mesh, serves):
-    """The runner's jitted step for one cache layout, shared by every runner with that layout
-    (simulated hosts and soak runs compile it once). ``serves[i]``: the (KV cache group, layer)
-    pairs array i holds, each reached through its group's row of the block arrays.
+def _step_programs(rests, dtypes, shardings, mesh, serves):
+    """The runner's two jitted programs for one cache layout, shared by every runner with that
+    layout (simulated hosts and soak runs compile them once per padded size). ``serves[i]``: the
+    (KV cache group, layer) pairs array i holds, each reached through its group's row of the block
+    arrays.
 
-    Layer by layer, as a transformer's forward: a layer writes the step's new KV (values of the
-    tokens' hashes, poisoned by the digest its request's reads left in the layers before), then
-    reads every scheduled request's context and folds into the request's digest how what it read
-    differs from what that context's KV is (a function of the token ids only). Returns the new
-    caches (the old are donated), which positions read wrong, and each request's final digest
-    (its sampled token depends on it)."""
+    ``write(caches, w_blk, w_off, w_hash)``: every layer's KV at the given positions, from the
+    hashes (the host poisons a request's hashes by its digest); the caches are donated.
+    ``read(caches, r_blk, r_ok, r_off, r_hash)``: every layer's KV at the given positions, checked
+    against what the prefix hashes imply: per position, whether it read wrong, and a word of how
+    what it read differs (0 when right), summed over the layers; the host folds the words into
+    each request's digest. Two programs of one size each, not one of both sizes: far fewer
+    compilations as contexts grow."""
 
-    def step(caches, digest, w_blk, w_off, w_hash, w_req, r_blk, r_ok, r_off, r_hash, r_req):
-        bad = jnp.zeros(r_blk.shape[1], jnp.bool_)
-        rows = r_blk.shape[1]
+    def write(caches, w_blk, w_off, w_hash):
         out = []
         for i, cache in enumerate(caches):
-            rest, dtype = rests[i], dtypes[i]
-            # Write, then read: as in a real forward, where each layer's new KV is in the cache
-            # before attention reads it, so a request may read blocks another computes this step.
             for group, layer in serves[i]:
-                values = kv_values(poisoned(w_hash, digest[w_req]), layer, rest, dtype)
-                cache = cache.at[w_blk[group], w_off].set(values, mode="drop")
+                cache = cache.at[w_blk[group], w_off].set(kv_values(w_hash, layer, rests[i], dtypes[i]), mode="drop")
+            out.append(cache)
+        return tuple(out)
+
+    def read(caches, r_blk, r_ok, r_off, r_hash):
+        rows = r_blk.shape[1]
+        bad = jnp.zeros(rows, jnp.bool_)
+        diff = jnp.zeros(rows, jnp.uint32)
+        for i, cache in enumerate(caches):
             for group, layer in serves[i]:
                 got = cache[r_blk[group], r_off]
-                want = kv_values(r_hash, layer, rest, dtype)
+                want = kv_values(r_hash, layer, rests[i], dtypes[i])
                 wrong = r_ok[group] & jnp.any(got.reshape(rows, -1) != want.reshape(rows, -1), axis=1)
                 bad = bad | wrong
-                diff = jnp.where(r_ok[group], _words(got, rows) - _words(want, rows), jnp.uint32(0))
-                # ``| wrong``: a digest never cancels out to 0 by accident.
-                digest = digest + jax.ops.segment_sum(diff | wrong.astype(jnp.uint32), r_req,
-                                                      num_segments=digest.shape[0])
-            out.append(cache)
-        return tuple(out), bad, digest
+                # ``| wrong``: a request's digest never cancels out to 0 by accident.
+                diff = diff + (jnp.where(r_ok[group], _words(got, rows) - _words(want, rows), jnp.uint32(0))
+                               | wrong.astype(jnp.uint32))
+        return bad, diff
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated, replicated))
+    return (jax.jit(write, donate_argnums=0, out_shardings=shardings),
+            jax.jit(read, out_shardings=(replicated, replicated)))
 
 
 @dataclass
@@ -178,8 +181,8 @@ class SyntheticRunner:
         self._served_groups = sorted({g for s in self.serves for g, _ in s})
         self._reqs: dict[str, _Req] = {}
         self.stats = RunnerStats()
-        self._step_fn = _step_program(tuple(self._rests), tuple(self._dtypes),
-                                      tuple(c.sharding for c in self.kv_caches), mesh, self.serves)
+        self._write_fn, self._read_fn = _step_programs(tuple(self._rests), tuple(self._dtypes),
+                                                       tuple(c.sharding for c in self.kv_caches), mesh, self.serves)
 
     # ------------------------------------------------------------------ one engine step
     def execute(self, scheduler_output, connector=None) -> ModelRunnerOutput:
@@ -246,12 +249,15 @@ class SyntheticRunner:
             req.num_computed = cached.num_computed_tokens[i]
 
     def _forward(self, so, digests: dict[str, int] | None = None) -> dict[str, int]:
-        """One forward over the scheduled tokens: every request's whole context is read (and
-        checked), its new tokens written, and a token sampled where a request's prompt is done.
-        ``digests``: what earlier parts of the forward already read wrong, per request (a
-        subclass's state layers); the written KV and the sampled tokens depend on them."""
+        """One forward over the scheduled tokens: the step's new KV is written, then every
+        request's whole context is read and checked (a request may read blocks another computes in
+        this step, as in a real forward, where each layer's new KV is in the cache before attention
+        reads it); a request whose reads left a digest has its new KV written again from hashes
+        poisoned by it, and samples from a poisoned hash. ``digests``: what earlier layers already
+        read wrong, per request (a subclass's state layers)."""
         bs = self.block_size
         G = len(self.windows)
+        digests = dict(digests or {})
         scheduled = list(so.num_scheduled_tokens.items())
         w_blk, w_off, w_hash, w_req = [[] for _ in range(G)], [], [], []
         r_blk, r_ok, r_off, r_hash, r_req = [[] for _ in range(G)], [[] for _ in range(G)], [], [], []
@@ -275,28 +281,30 @@ class SyntheticRunner:
                 w_off.append(p % bs)
                 w_hash.append(req.hashes[p])
                 w_req.append(k)
-        n_w, n_r, n_q = len(w_off), len(r_off), len(scheduled)
+        n_w, n_r = len(w_off), len(r_off)
         self.stats.steps += 1
         self.stats.tokens_written += n_w
         self.stats.positions_verified += sum(sum(r_ok[g]) for g in self._served_groups) if G > 1 else n_r
-        pad_w, pad_r, pad_q = _bucket(n_w) - n_w, _bucket(n_r) - n_r, _bucket(n_q + 1) - n_q
-        start_digest = [(digests or {}).get(req_id, 0) for req_id, _ in scheduled]
-        caches, bad, digest = self._step_fn(
-            tuple(self._kv_arrays()), np.array(start_digest + [0] * pad_q, np.uint32),
-            np.array([b + [self.num_blocks] * pad_w for b in w_blk], np.int32), np.array(w_off + [0] * pad_w, np.int32),
-            np.array(w_hash + [0] * pad_w, np.uint32), np.array(w_req + [n_q] * pad_w, np.int32),
-            np.array([b + [0] * pad_r for b in r_blk], np.int32), np.array([k + [False] * pad_r for k in r_ok], bool),
-            np.array(r_off + [0] * pad_r, np.int32), np.array(r_hash + [0] * pad_r, np.uint32),
-            np.array(r_req + [n_q] * pad_r, np.int32),
-        )
-        self._store_kv_arrays(caches)
-        digest = np.asarray(digest)[:n_q]
-        self.stats.poisoned_steps += int(np.count_nonzero(digest))
+        start_digest = np.array([digests.get(req_id, 0) for req_id, _ in scheduled], np.uint64)
+        self._write(w_blk, w_off, [poisoned(h, int(start_digest[k])) for h, k in zip(w_hash, w_req)])
+        digest = start_digest.copy()
         if n_r:
-            bad = np.asarray(bad)[:n_r]
+            pad = _bucket(n_r) - n_r
+            bad, diff = self._read_fn(
+                tuple(self._kv_arrays()),
+                np.array([b + [0] * pad for b in r_blk], np.int32), np.array([k + [False] * pad for k in r_ok], bool),
+                np.array(r_off + [0] * pad, np.int32), np.array(r_hash + [0] * pad, np.uint32))
+            bad, diff = np.asarray(bad)[:n_r], np.asarray(diff)[:n_r]
+            np.add.at(digest, np.array(r_req), diff.astype(np.uint64))
             if bad.any():
                 self.stats.mismatches += int(bad.sum())
                 self.stats.mismatched_requests.update(scheduled[r_req[i]][0] for i in np.nonzero(bad)[0])
+        digest %= 1 << 32
+        tainted = [i for i, k in enumerate(w_req) if digest[k] != start_digest[k]]
+        if tainted:  # what those requests computed came from a wrong read: their KV, written again
+            self._write([[b[i] for i in tainted] for b in w_blk], [w_off[i] for i in tainted],
+                        [poisoned(w_hash[i], int(digest[w_req[i]])) for i in tainted])
+        self.stats.poisoned_steps += int(np.count_nonzero(digest))
         sampled: dict[str, int] = {}
         for k, (req_id, n) in enumerate(scheduled):
             req = self._reqs[req_id]
@@ -307,6 +315,13 @@ class SyntheticRunner:
                 req.hashes.append((req.hashes[-1] * 1000003 + tok + 1) & _MASK)
                 sampled[req_id] = tok
         return sampled
+
+    def _write(self, w_blk: list[list[int]], w_off: list[int], w_hash: list[int]) -> None:
+        n = len(w_off)
+        pad = _bucket(n) - n
+        self._store_kv_arrays(self._write_fn(
+            tuple(self._kv_arrays()), np.array([b + [self.num_blocks] * pad for b in w_blk], np.int32),
+            np.array(w_off + [0] * pad, np.int32), np.array(w_hash + [0] * pad, np.uint32)))
 
     def _kv_arrays(self) -> list[jax.Array]:
         """The arrays the step writes and checks, in ``serves`` order (a subclass may hold them
