@@ -124,15 +124,58 @@ def marker(workdir: str) -> str:
     return f"{MARKER_ENV}={os.path.abspath(os.path.dirname(workdir.rstrip('/')))}\0"
 
 
+def _groups_of(run_dir: str) -> set[int]:
+    """The process groups of this run's Ray nodes (``RayHosts.start`` lists them): Ray starts some
+    helpers (its dashboard and runtime-env agents) with an environment of its own, without the marker."""
+    try:
+        with open(os.path.join(run_dir, "cluster", "pgids.txt")) as f:
+            return {int(x) for x in f.read().split()}
+    except OSError:
+        return set()
+
+
+def _in_groups(groups: set[int]) -> list[tuple[int, str]]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            found.append((int(name), cmd[:200]))
+    return found
+
+
+def run_processes(run_dir: str) -> list[tuple[int, str]]:
+    """Every live process of this run: those carrying its marker and those in its Ray nodes' groups."""
+    found = dict(_processes_mentioning(marker(os.path.join(run_dir, "x"))))
+    found.update(_in_groups(_groups_of(run_dir)))
+    return sorted(found.items())
+
+
 def sweep(run_dir: str) -> list[tuple[int, str]]:
-    """SIGKILL every process of this run still alive (found by its marker, killed by pid); returns them."""
-    left = _processes_mentioning(marker(os.path.join(run_dir, "x")))
+    """SIGKILL every process of this run still alive (``run_processes``, killed by pid); returns them."""
+    left = run_processes(run_dir)
     for pid, _ in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return left
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _processes_mentioning(needle: str) -> list[tuple[int, str]]:
@@ -149,7 +192,7 @@ def _processes_mentioning(needle: str) -> list[tuple[int, str]]:
                 env = f.read().decode(errors="replace")
         except OSError:
             continue
-        if needle in env + "\0":
+        if needle in env + "\0" and not _zombie(int(name)):
             found.append((int(name), cmd[:200]))
     return found
 
@@ -200,6 +243,8 @@ class RayHosts:
             log = open(os.path.join(self.workdir, f"ray-node{host}.log"), "w")
             self.procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
+            with open(os.path.join(self.workdir, "pgids.txt"), "a") as f:
+                f.write(f"{self.procs[-1].pid}\n")
             if host == 0:
                 self._wait_nodes(1, timeout_s)
         self._wait_nodes(self.hosts, timeout_s)
@@ -238,7 +283,7 @@ class RayHosts:
         self.procs = []
 
     def leaks(self) -> list[tuple[int, str]]:
-        return _processes_mentioning(marker(self.workdir))
+        return run_processes(os.path.dirname(self.workdir.rstrip("/")))
 
 
 @dataclass(frozen=True)
@@ -284,7 +329,9 @@ class Workload:
 
     @property
     def max_model_len(self) -> int:
-        return self.prefix_len + self.suffix_len + self.output_len + 2 * BLOCK_SIZE
+        # twice the longest request: vLLM refuses a prompt of more than 4 characters per token of
+        # max_model_len before tokenizing, and a word of this tokenizer takes 5 with its space
+        return 2 * (self.prefix_len + self.suffix_len + self.output_len)
 
 
 def kv_transfer_config(stats_dir: str, cpu_bytes: int) -> dict[str, Any]:
