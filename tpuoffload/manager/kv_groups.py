@@ -127,6 +127,12 @@ class KVCacheGroups:
     def windowed(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    def ours(self, per_group: Sequence):
+        """A request's block ids as the scheduler half keeps them, from vLLM's per-group tuple:
+        group 0's list with one group (the one-group path copies nothing), every group's with
+        several."""
+        return per_group if len(self.windows) > 1 else per_group[0]
+
     @property
     def num_pools(self) -> int:
         """Slot pools the chunks need: 2 with a GDN/mamba state group, else 1."""

@@ -39,8 +39,7 @@ from tpuoffload.manager.shared_tier import SharedTierPlanner
 from tpuoffload.backend.shared_store import SharedURL
 from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
 from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,
-                                       GroupedOrigins, TierEvents)
-from tpuoffload.manager.hash_table import PackedHashes
+                                       TierEvents)
 from tpuoffload.manager.index import ChunkIndex
 from tpuoffload.manager.kv_groups import KVCacheGroups
 from tpuoffload.manager.ledger import CompletionLedger
@@ -50,6 +49,7 @@ from tpuoffload.manager.rank_view import RankNews, RankView
 from tpuoffload.manager.restart import WarmRestart
 from tpuoffload.manager.save_planner import NO_SAVES, SavePlanner
 from tpuoffload.manager.staging import StagingBudget
+from tpuoffload.manager.step_saves import StepSaves
 from tpuoffload.manager.tier import Tier
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.snapshot import SnapshotWriter
@@ -126,6 +126,9 @@ class OffloadScheduler:
         self.loads = LoadTracker(self.index, block_size, self.counters, kv_groups, self.view)
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
+        # What each step's forward leaves to save (step_saves.py): eager or lazy, one KV cache group
+        # or several, decided here once.
+        self._step_saves = StepSaves.of(self.requests, kv_groups, config.lazy_offload)
         self.tiers: list[Tier] = self._make_tiers(config, num_hosts)
         self.take_events = self._events_log.take if self._events_log is not None else _no_events
         self._kv_cache_manager: KVCacheManager | None = None
@@ -211,8 +214,7 @@ class OffloadScheduler:
 
     def _block_ids(self, req_id: str):
         """The request's block ids: group 0's list, or with several KV cache groups all of them."""
-        ids = self._kv_cache_manager.get_block_ids(req_id)
-        return ids if self.kv_groups.several else ids[0]
+        return self.kv_groups.ours(self._kv_cache_manager.get_block_ids(req_id))
 
     # ------------------------------------------------------------------ admission
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -242,7 +244,7 @@ class OffloadScheduler:
         if blocks is None:
             block_ids = self._block_ids(request.request_id)
         else:
-            block_ids = blocks.get_block_ids() if self.kv_groups.several else blocks.get_block_ids()[0]
+            block_ids = self.kv_groups.ours(blocks.get_block_ids())
         self.loads.plan(request, lookup, num_external_tokens // self.block_size, block_ids)
 
     # ------------------------------------------------------------------ per-step plan
@@ -261,8 +263,8 @@ class OffloadScheduler:
         loads, load_slots = self.loads.emit(waits_for_load)
         # A newly scheduled request's block ids are in the output already (vLLM built them for the
         # workers); the others come from the KV cache manager.
-        group = slice(None) if self.kv_groups.several else 0
-        new_blocks = {r.req_id: r.block_ids[group] for r in getattr(scheduler_output, "scheduled_new_reqs", ())}
+        ours = self.kv_groups.ours
+        new_blocks = {r.req_id: ours(r.block_ids) for r in getattr(scheduler_output, "scheduled_new_reqs", ())}
 
         def block_ids_of(req_id: str) -> list[int]:
             ids = new_blocks.get(req_id)
@@ -281,20 +283,8 @@ class OffloadScheduler:
                     t.plan_into_ram(step)
             flush_blocks, flush_hashes, flush_origins = self.requests.take_flush()
             flush = plan(flush_blocks, flush_hashes, step, flush_origins)
-            if self.config.lazy_offload:
-                self.requests.track_computed(scheduler_output, block_ids_of)
-                save: SaveBatch = NO_SAVES
-            elif self.kv_groups.several:
-                groups = self.kv_groups
-                spans = [(r, groups.state_ids(block_ids_of(r.request_id), full, exact), start, full)
-                         for r, start, full, exact in self.requests.step_spans(scheduler_output)]
-                blocks, keys, pools = (groups.candidates([(ids, r.block_hashes, start, full)
-                                                          for r, ids, start, full in spans])
-                                       if spans else ([], None, None))
-                save = plan(blocks, keys, step, GroupedOrigins(spans), pools) if blocks else NO_SAVES
-            else:
-                blocks, runs, origins = self.requests.step_candidates(scheduler_output, block_ids_of)
-                save = plan(blocks, PackedHashes.of_runs(runs), step, origins) if blocks else NO_SAVES
+            c = self._step_saves.candidates(scheduler_output, block_ids_of)
+            save: SaveBatch = plan(c.block_ids, c.keys, step, c.origins, c.pools) if c is not None else NO_SAVES
         finally:
             self.index.unpin(load_slots)
         parts = {t.name: part for t in self.tiers if (part := t.finish_step(step)) is not None}
