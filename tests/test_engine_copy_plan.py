@@ -51,7 +51,7 @@ def slot_pattern_round_trip(engines, pattern: str) -> tuple[list[str], list[str]
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 30)
     eng = engines(caches)
-    per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
+    per, rows = eng.layout.groups[0].blocks_per_shard, eng.slot_table.shard_slots
     n = 2 * len(pattern_slots)
     shard = [i * 2 // n for i in range(n)]
     slots = [pattern_slots[i % (n // 2)] + shard[i] * rows for i in range(n)]
@@ -179,7 +179,7 @@ def test_descending_and_odd_runs_move_in_few_copies_byte_exact(engines, slots, s
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 60)
     eng = engines(caches)
-    per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
+    per, rows = eng.layout.groups[0].blocks_per_shard, eng.slot_table.shard_slots
     src = host(caches)
     n = len(slots)
     blocks = [per + i for i in range(n)]  # the second batch shard's blocks, into its slots
@@ -235,7 +235,7 @@ def covering_round_trip(engines, monkeypatch=None, mutate=None) -> tuple[list[st
     name = "bf16-dp2-tp4"
     caches = random_caches(name, 70)
     eng = engines(caches, slots=128)
-    per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
+    per, rows = eng.layout.groups[0].blocks_per_shard, eng.slot_table.shard_slots
     src = host(caches)
     rng = np.random.default_rng(7)
     runs = [(k % 2, COVERED_RUNS[k]) for k in rng.permutation(len(COVERED_RUNS))]
@@ -310,7 +310,7 @@ def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], i
     steps = json.loads(CHURN_FILE.read_text())[CHURN_KEY]["steps"][:CHURN_STEPS]
     num_slots = int(CHURN_KEY.split("/")[0])
     eng = engines(random_caches(name, 0), slots=num_slots)
-    rows = eng.backend.shard_slots  # each batch shard's slots (the steps' slots take turns by shard)
+    rows = eng.slot_table.shard_slots  # each batch shard's slots (the steps' slots take turns by shard)
     assert rows == num_slots
     group = eng.layout.groups[0]
     per = group.blocks_per_shard if group.batch_axes else eng.num_blocks
@@ -354,7 +354,7 @@ def churned_round_trip(engines, name: str) -> tuple[list[str], dict[str, set], i
             slots = later
         return bad
 
-    total = eng.backend.num_slots
+    total = eng.slot_table.num_slots
     save(1, list(range(total)))  # every slot holds a chunk
     bad = []
     for k, st in enumerate(steps):

@@ -46,7 +46,7 @@ def test_other_thread_raises_before_dispatch(engines, monkeypatch):
     assert sum(count.calls.values()) == 0
     assert eng.finish_step().ops == ()
     assert eng.inflight() == (0, 0, None)
-    assert eng.backend.tag(1) == EMPTY_SLOT
+    assert eng.slot_table.tag(1) == EMPTY_SLOT
     assert not caches[0].is_deleted()  # the refused load donated nothing
 
 

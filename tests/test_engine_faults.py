@@ -70,7 +70,7 @@ def fault_sequence(name: str, faults: Injected | None = None) -> list[dict]:
     eng = TransferEngine(caches, NUM_SLOTS * CacheLayout.from_caches(caches).device_bytes_per_chunk, faults=faults,
                          load_wait_timeout_s=0.3 if block else 10.0)
     steps: list[dict] = []
-    shard_of, rows = eng.layout.groups[0].shard_of, eng.backend.shard_slots
+    shard_of, rows = eng.layout.groups[0].shard_of, eng.slot_table.shard_slots
     low = [i + shard_of(b) * rows for i, b in enumerate(SEQ_OLD)]  # "slots 0..3", each in its chunk's shard
     high = [x + 4 for x in low]  # "slots 4..7"
 
@@ -93,8 +93,8 @@ def fault_sequence(name: str, faults: Injected | None = None) -> list[dict]:
     def close_step(failed=()) -> None:
         d = eng.finish_step()
         c = eng.take_counters()
-        assert c["bytes_saved"] == c["chunks_saved"] * eng.backend.slot_bytes
-        assert c["bytes_loaded"] == c["chunks_loaded"] * eng.backend.slot_bytes
+        assert c["bytes_saved"] == c["chunks_saved"] * eng.slot_table.slot_bytes
+        assert c["bytes_loaded"] == c["chunks_loaded"] * eng.slot_table.slot_bytes
         steps.append({"digest": d.digest, "ops": d.ops, "failed": list(failed),
                       "results": {r.save_id: r.ok for r in eng.drain_results()},
                       "counters": {k: c[k] for k in ("chunks_saved", "save_failures", "chunks_loaded", "load_errors")}})

@@ -56,7 +56,7 @@ def _waw_run(engines, chain: bool, delay: float):
 
 def test_write_after_write_newest_wins(engines):
     eng, faults, src, after, failed_b, failed_a = _waw_run(engines, chain=True, delay=0.5)
-    assert eng.backend.tag(7) == 2
+    assert eng.slot_table.tag(7) == 2
     assert failed_b == []
     assert np.array_equal(chunk(after, 30), chunk(src, 9))  # B's bytes
     # B's completion began only after A's had finished.
@@ -71,7 +71,7 @@ def test_write_after_write_negative_control_without_chaining(engines):
     sensitive to the chaining."""
     eng, faults, src, after, failed_b, failed_a = _waw_run(engines, chain=False, delay=1.0)
     assert faults.times["b_start"] < faults.times["a_end"]
-    assert eng.backend.tag(7) == 1
+    assert eng.slot_table.tag(7) == 1
     assert failed_b == [30]
     assert failed_a == [] and np.array_equal(chunk(after, 31), chunk(src, 9))  # wrong chunk served
     assert not np.array_equal(chunk(src, 9), chunk(src, 5))
@@ -143,13 +143,13 @@ def _stale_slot_run(engines, *, wait: bool):
     faults.arm()
     eng.save(caches, [20], [10], [5])  # occupies the only save thread
     eng.save(caches, [12], [4], [2])  # overwrite of slot 4: queued
-    assert eng.backend.tag(4) == 1
-    ok, sources = eng.backend.lookup([4], [1])
+    assert eng.slot_table.tag(4) == 1
+    ok, sources = eng.slot_table.lookup([4], [1])
     assert ok.all() and sources.tolist() == [8]  # the slot table alone: "valid"
     out, failed = eng.load(random_caches(BF16, 51), [60], [4], [1])
     faults.disarm()
     assert eng.wait_idle(30)
-    assert eng.backend.tag(4) == 2
+    assert eng.slot_table.tag(4) == 2
     return src, host(out), failed
 
 
@@ -180,7 +180,7 @@ def test_failed_write_reports_not_ok_and_is_not_loadable(engines):
     assert eng.wait_idle(30)
     faults.disarm()
     assert sorted(eng.drain_results(), key=lambda r: r.save_id) == [SaveResult(2, False), SaveResult(3, False)]
-    assert eng.backend.tag(4) == EMPTY_SLOT and eng.backend.tag(6) == EMPTY_SLOT
+    assert eng.slot_table.tag(4) == EMPTY_SLOT and eng.slot_table.tag(6) == EMPTY_SLOT
     out, failed = eng.load(caches, [50, 51, 52], [4, 6, 5], [2, 3, 1])
     assert failed == [50, 51, 52]  # slot 5 never written
     # The old chunk that used to be in slot 4 is not loadable either: the slot was being overwritten.
@@ -211,7 +211,7 @@ def test_missing_chunks_error_exactly_those_blocks_with_same_digest(engines):
         faults.disarm()
     assert all(r.ok for r in good.drain_results())
     assert {r.save_id: r.ok for r in local.drain_results()} == {10: True, 11: True, 12: False, 13: True}
-    local.backend.commit([1], [999], [7])
+    local.slot_table.commit([1], [999], [7])
     same_step(good, local)
 
     # Plus one slot neither host ever wrote (slot 9), expected with save id 14.

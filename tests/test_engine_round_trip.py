@@ -34,14 +34,14 @@ from engine_helpers import (
 def test_round_trip_byte_exact(name, engines):
     caches = random_caches(name, 0)
     eng = engines(caches)
-    assert eng.backend.num_slots == NUM_SLOTS
+    assert eng.slot_table.num_slots == NUM_SLOTS
     src = host(caches)
     if name != INT8:  # the planted patterns really are NaNs of the cache dtype
         assert np.isnan(np.asarray(caches[0])[3].astype(np.float32)).any()
     blocks, slots, ids = [3, 17, 40, 63, 0], [5, 0, 9, 31, 2], [100, 101, 102, 103, 104]
     save_ok(eng, caches, blocks, slots, ids)
     for b, s, i in zip(blocks, slots, ids):
-        assert eng.backend.tag(s) == i
+        assert eng.slot_table.tag(s) == i
 
     # Overwrite the whole cache, then load into other block ids.
     caches = random_caches(name, 1)
@@ -57,7 +57,7 @@ def test_round_trip_byte_exact(name, engines):
         assert np.array_equal(after[layer][untouched], before[layer][untouched])
         assert c.sharding == t.sharding and c.dtype == t.dtype and c.shape == t.shape
     counters = eng.take_counters()
-    slot_bytes = eng.backend.slot_bytes
+    slot_bytes = eng.slot_table.slot_bytes
     assert (counters["chunks_saved"], counters["bytes_saved"], counters["chunks_loaded"],
             counters["bytes_loaded"]) == (5, 5 * slot_bytes, 5, 5 * slot_bytes)
     assert counters["load_errors"] == counters["save_failures"] == 0
@@ -119,9 +119,9 @@ def test_blocks_split_by_data_parallelism(name, engines):
     caches = random_caches(name, 4)
     eng = engines(caches)
     g = eng.layout.groups[0]
-    shards, per, rows = g.num_shards, g.blocks_per_shard, eng.backend.shard_slots
+    shards, per, rows = g.num_shards, g.blocks_per_shard, eng.slot_table.shard_slots
     assert shards == {"bf16-dp2-tp4": 2, "bf16-attndp4-tp2": 4}[name]
-    assert eng.backend.num_slots == shards * rows and rows == NUM_SLOTS  # every shard keeps its own NUM_SLOTS
+    assert eng.slot_table.num_slots == shards * rows and rows == NUM_SLOTS  # every shard keeps its own NUM_SLOTS
     src = host(caches)
     blocks = [s * per + k for s in range(shards) for k in (0, per - 1)]
     same = [s * per + k for s in range(shards) for k in (2, 3)]  # same shard as the source
@@ -169,7 +169,7 @@ def test_shards_saving_into_the_same_rows_negative_control(engines, monkeypatch)
     try:
         caches = random_caches(name, 4)
         eng = engines(caches)
-        per, rows = eng.layout.groups[0].blocks_per_shard, eng.backend.shard_slots
+        per, rows = eng.layout.groups[0].blocks_per_shard, eng.slot_table.shard_slots
         src = host(caches)
         save_ok(eng, caches, [0, per], [0, rows], [1, 2])
         out, failed = eng.load(random_caches(name, 5), [2, per + 2], [0, rows], [1, 2])
@@ -197,7 +197,7 @@ def test_parts_and_loop_reads_byte_exact(engines, load_program_shape, parts, sta
     src = host(caches)
     per = g.blocks_per_shard
     blocks = [0, 1, 2, 3, per, per + 1, per + 2, per + 3]
-    slots = [s + (i >= 4) * eng.backend.shard_slots for i, s in enumerate(slots)]  # each in its block's shard
+    slots = [s + (i >= 4) * eng.slot_table.shard_slots for i, s in enumerate(slots)]  # each in its block's shard
     ids = list(range(700, 708))
     save_ok(eng, caches, blocks, slots, ids)
     caches = random_caches(name, 21)

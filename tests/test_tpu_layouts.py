@@ -43,7 +43,7 @@ def test_layout_round_trip_byte_exact(name):
     engine = TransferEngine(first, 64 * layout.device_bytes_per_chunk)
     group = layout.groups[0]
     rows = 64 - (SHARD_SPARE_ROWS if group.num_shards > 1 else 0)  # each batch shard's slots
-    assert engine.backend.num_slots == group.num_shards * rows
+    assert engine.slot_table.num_slots == group.num_shards * rows
     nb, per = spec.num_blocks, group.blocks_per_shard
     # Sources and destinations straddle every batch shard (data / attention-data parallelism); a
     # chunk goes into a slot of its source's shard, and both saves of a slot come from one shard.

@@ -25,11 +25,14 @@ GiB = float(1 << 30)
 
 
 class StatsInputError(Exception):
-    pass
+    """Unreadable or inconsistent snapshot input; ``tpuoffload stats`` exits with status 2."""
 
 
 @dataclass
 class Snapshot:
+    """One per-host or per-scheduler stats file read by ``tpuoffload stats``: its path, its JSON and
+    the flags (DIVERGED, LAGGING, STUCK, STOPPED) the checks put on it."""
+
     path: str
     data: dict[str, Any]
     flags: list[str] = field(default_factory=list)

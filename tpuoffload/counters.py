@@ -26,6 +26,9 @@ class Side(enum.Enum):
 
 @dataclass(frozen=True)
 class CounterInfo:
+    """One counter: its name, which half counts it (scheduler or worker) and what it means (the text of
+    its Prometheus help and of ``tpuoffload stats``)."""
+
     name: str
     side: Side
     doc: str

@@ -95,6 +95,10 @@ class GroupLayout:
 
 @dataclass(frozen=True)
 class CacheLayout:
+    """The one description of the runner's KV cache: its layer groups (arrays of one shape, dtype and
+    sharding) and the number of layers; what a chunk is on this host and what the engine's
+    programs are built for. ``check_same`` refuses caches that changed shape."""
+
     groups: tuple[GroupLayout, ...]
     num_layers: int
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from typing_extensions import override
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -312,6 +313,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         return ({host for _, host in self.saved} | {host for _, host in self.failed}
                 | {host for parts in self.tiers.values() for host in parts})
 
+    @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
         """Invariant 7: a union per host, idempotent and order-free (vLLM's KVOutputAggregator
         merges the workers' reports with it)."""

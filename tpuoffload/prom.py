@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from tpuoffload import counters as C
@@ -21,6 +22,10 @@ def metric_name(counter: str) -> str:
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):
+    """tpuoffload's counters as Prometheus series through vLLM's ``build_prom_metrics``:
+    ``vllm:tpuoffload_<counter>_total`` (bytes as ``_bytes_total``), labelled with vLLM's engine
+    labels plus ``host``."""
+
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
@@ -30,6 +35,7 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         }
         self._children: dict[tuple[int, str, str], Any] = {}
 
+    @override
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # Runs in vLLM's stats logger: anything it cannot use is skipped, never raised.
         for key, value in transfer_stats_data.items():

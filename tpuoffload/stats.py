@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tpuoffload import counters as C
@@ -30,16 +31,23 @@ def make_report(source: str | int, seq: int, values: Mapping[str, int | float]) 
 
 @dataclass
 class OffloadStats(KVConnectorStats):
+    """The connector's stats as vLLM carries them (``KVConnectorStats``): counter name -> value, merged
+    across workers by Counter union (per-key maximum, idempotent and order-free) and reduced for
+    vLLM's log line."""
+
     data: dict[str, int | float] = field(default_factory=dict)
 
+    @override
     def aggregate(self, other: KVConnectorStats) -> "OffloadStats":
         """Invariant 7: Counter union (per-key maximum), idempotent and order-free."""
         merged = Counter(self.data) | Counter(other.data)  # per-key max: idempotent union
         return OffloadStats(dict(merged))
 
+    @override
     def reset(self) -> None:
         self.data = {}
 
+    @override
     def is_empty(self) -> bool:
         return not self.data
 
@@ -49,6 +57,7 @@ class OffloadStats(KVConnectorStats):
             out[key.rsplit("|", 1)[-1]] += value
         return out
 
+    @override
     def reduce(self) -> dict[str, int | float]:
         """The figures an operator logs for the interval."""
         t = self.totals()

@@ -105,11 +105,16 @@ DISK_REMOVED_FOREIGN = "disk_removed_foreign"
 
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
+    """What a chunk file is held under: the save id the disk index gave it and its content hash (the
+    file's header repeats both, and a read checks them)."""
+
     save_id: int
     hash: bytes
 
 
 class ReadError(enum.Enum):
+    """Why a read gave no chunk: each member's comment says when."""
+
     ABSENT = "absent"  # not held under this key: never written, evicted, deleted, failed, other save id
     MISSING = "missing"  # the index held it but the file is gone
     SHORT = "short"  # the file is shorter (or longer) than one chunk
@@ -120,6 +125,8 @@ class ReadError(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class WriteResult:
+    """A write's outcome: written, or the reason it was not (no space, busy, an error)."""
+
     key: ChunkKey
     ok: bool
     error: str | None = None  # "no_space", "busy", or what failed
@@ -136,6 +143,8 @@ class DiskWrite:
 
 @dataclass(frozen=True, slots=True)
 class ReadResult:
+    """A read's outcome: the payload (``ok``), or why there is none."""
+
     key: ChunkKey
     data: np.ndarray | None  # uint8 (slot_bytes,) on success (``out`` if given); None on error
     error: ReadError | None = None
@@ -148,6 +157,8 @@ class ReadResult:
 
 @dataclass(frozen=True, slots=True)
 class ScanReport:
+    """What a start-up scan of the directory did: files adopted and files removed, by reason."""
+
     adopted: int = 0
     removed_tmp: int = 0
     removed_invalid: int = 0
@@ -217,6 +228,11 @@ def decode_header(buf: bytes | memoryview) -> tuple[ChunkKey, int, int]:
 
 
 class DiskTier:
+    """This host's chunk files in one local directory: a checksummed file per chunk, written and read
+    on the tier's threads, never more files than ``capacity_bytes`` holds (the oldest evicted),
+    kept across restarts of the same deployment. Every outcome is a result (``WriteResult``,
+    ``ReadResult``), never an exception out of a thread."""
+
     def __init__(self, path: str, capacity_bytes: int, slot_bytes: int, *, threads: int = 2,
                  fsync: bool = False, faults: DiskFaults | None = None, deployment: str | None = "") -> None:
         if not isinstance(slot_bytes, int) or slot_bytes <= 0:

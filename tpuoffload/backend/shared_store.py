@@ -89,6 +89,10 @@ class ObjectError(enum.Enum):
 
 @dataclass(frozen=True)
 class ObjectId:
+    """The name of one object in the shared store: a 16-byte namespace (the deployment) and key (the
+    chunk), its KV cache group, and which of ``num_shards`` host shards of the chunk it holds;
+    ``name`` is the same string in every backend."""
+
     namespace: bytes
     key: bytes
     group: int

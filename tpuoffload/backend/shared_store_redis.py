@@ -24,6 +24,9 @@ KEY_PREFIX = "tpuo:"
 
 
 class RedisStore(SharedStore):
+    """The shared store on a Valkey/Redis server (``SharedStore``'s contract): an object is published
+    with SET NX, looked up with pipelined EXISTS, every call bounded by ``timeout_s``."""
+
     kind = "redis"
 
     def __init__(self, url: str, *, timeout_s: float = 2.0) -> None:

@@ -41,6 +41,12 @@ def shard_slots(rows: int, shards: int) -> int:
 
 
 class SlotTable:
+    """Which chunk each host slot holds: per slot its save id and the block it was saved from,
+    committed by the engine's background completions and looked up by the main thread. One lock
+    (``_lock``) around the table (invariant 6); the bytes themselves live in the programs'
+    stores. With several batch shards slot ``s`` is row ``s % shard_slots`` of shard ``s //
+    shard_slots``."""
+
     def __init__(self, capacity_bytes: int, slot_bytes: int, shards: int = 1) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"cpu_bytes_to_use must be a positive int, got {capacity_bytes!r}")

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from typing_extensions import override
 import numpy as np
 
 from tpuoffload import counters as C
@@ -199,6 +200,11 @@ class _Wanted:
 
 
 class FetchPlanner:
+    """Brings chunks back from disk into host RAM for requests that wait on the disk tier: per request
+    the wanted chunks of its hit, claimed into host-RAM slots through ``SavePlanner.claim`` (a
+    fetch is a save whose bytes come from disk), planned at most ``MAX_TRIES`` times without a
+    free slot before giving up."""
+
     WANTED, IN_FLIGHT, DONE = 0, 1, 2
     MAX_TRIES = 8  # plans in which no host-RAM slot was free for a wanted fetch before giving up
 
@@ -377,23 +383,29 @@ class DiskTierPlanner(Tier):
         ram.record_evictions()
 
     @property
+    @override
     def blocks_saves(self) -> bool:
         return self._kept is not None
 
+    @override
     def wants(self, request: "Request", local_blocks: int, ram_hits: int) -> bool:
         return self.fetches.wants(request, local_blocks, ram_hits)
 
+    @override
     def forget(self, req_id: str) -> None:
         self.fetches.forget(req_id)
 
+    @override
     def start_step(self, step: int) -> None:
         if self._kept is not None and self.clock() > self._kept_deadline:
             self.counters[C.DISK_RESTORED_DROPPED] += max((len(r) for r in self._kept.values()), default=0)
             self._kept = None  # never adopted: the files are evicted first, a reset deletes them
 
+    @override
     def plan_into_ram(self, step: int) -> None:
         self._fetch = self.fetches.plan(step)
 
+    @override
     def finish_step(self, step: int) -> DiskPlan | None:
         """What this plan evicted from host RAM goes to disk first."""
         self.disk.apply_resolved()
@@ -405,6 +417,7 @@ class DiskTierPlanner(Tier):
             return None
         return DiskPlan(drop, spill, fetch, delete_all, waiting)
 
+    @override
     def on_report(self, parts: dict[int, DiskReport]) -> None:
         for host, part in parts.items():
             if part.saved or part.failed:
@@ -419,9 +432,11 @@ class DiskTierPlanner(Tier):
             logger.info("tpuoffload disk tier: %d chunk files on disk fetchable (%d deleted: not kept alike by "
                         "every host)", adopted, dropped)
 
+    @override
     def on_resolved(self, resolved: "Resolved") -> None:
         self.fetches.resolved(resolved.ready_ids, resolved.dropped_ids)
 
+    @override
     def reset(self, next_save_id: int) -> None:
         """Nothing on disk is fetched again, and every host deletes every chunk file."""
         self.disk.revoke_all()
@@ -429,5 +444,6 @@ class DiskTierPlanner(Tier):
         self._kept = None
         self._delete_all = True
 
+    @override
     def leak_report(self) -> dict[str, int]:
         return self.disk.leak_report()

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
 import numpy as np
 
 from tpuoffload.manager.hash_table import HashKeys
@@ -274,6 +275,7 @@ class TierEvents(ChunkEvents):
         self._restored = restored
         self._width_warned = False
 
+    @override
     def record(self, slots: np.ndarray, positions: np.ndarray, origins: Origins) -> None:
         n = len(slots)
         if not n:
@@ -319,13 +321,16 @@ class TierEvents(ChunkEvents):
         rows["has_parent"][slots] = has_parent
         rows["valid"][slots] = True
 
+    @override
     def rows(self, slots: np.ndarray) -> np.ndarray:
         return self._rows[slots]
 
+    @override
     def copy_in(self, slots: np.ndarray, rows: np.ndarray) -> None:
         if len(slots):
             self._rows[slots] = rows
 
+    @override
     def ready(self, slots: np.ndarray, save_ids: np.ndarray) -> None:
         """Announced in save order (the ledger resolves newest first), so that a request's chunks
         saved together make one chain."""
@@ -334,10 +339,12 @@ class TierEvents(ChunkEvents):
         if len(slots):
             self.log.add(self.medium, True, self._rows[slots])
 
+    @override
     def removed(self, slots: np.ndarray) -> None:
         if len(slots):
             self.log.add(self.medium, False, self._rows[slots])
 
+    @override
     def lookup(self, keys: HashKeys) -> tuple[np.ndarray, np.ndarray]:
         """Records of the restart file (event_meta.RestoredMeta) for ``keys``."""
         if self._restored is None:

@@ -42,6 +42,10 @@ BlockIdsOf = Callable[[str], list[int]]
 
 @dataclass(slots=True)
 class RequestRecord:
+    """What the scheduler half keeps of one admitted request: vLLM's request, the blocks already dealt
+    with (``watermark``), the preemptions applied, and in lazy mode the full blocks computed so
+    far."""
+
     request: "Request"
     # Blocks [0, watermark) were saved, found held, skipped or flushed: never considered again
     # (until a preemption after a connector reset makes the request recompute them).
@@ -53,6 +57,10 @@ class RequestRecord:
 
 
 class RequestLifecycle:
+    """Every admitted request's save progress, and the step's save candidates (the module docstring
+    gives the rules): eager saves in the step of the forward, preempted and finished requests'
+    blocks flushed once, finished requests held until their flush is dispatched (invariant 9)."""
+
     def __init__(self, block_size: int, *, lazy: bool, save_decode_blocks: bool) -> None:
         self.block_size = block_size
         self.lazy = lazy

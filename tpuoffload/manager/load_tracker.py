@@ -55,6 +55,10 @@ class _Planned:
 
 
 class LoadTracker:
+    """Loads from lookup to report (the module docstring gives a load's life): side-effect-free
+    lookups, loads planned at admission, emitted only while vLLM waits for them, pinned while
+    the step's saves are planned, and their failures discarded so they are not offered again."""
+
     def __init__(self, index: ChunkIndex, block_size: int, counters: Counter[str],
                  groups: KVCacheGroups = KVCacheGroups(), view: RankView = RankView(1, 0)) -> None:
         self.index = index

@@ -38,6 +38,7 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
 import numpy as np
 
 from tpuoffload.manager.events import ChunkEvents, Origins
@@ -60,22 +61,28 @@ class RankNews(ChunkEvents):
         self._ready: list[np.ndarray] = []
         self._gone: list[np.ndarray] = []
 
+    @override
     def bind(self, index: "ChunkIndex") -> None:
         self._index = index
         self.inner.bind(index)
 
+    @override
     def record(self, slots: np.ndarray, positions: np.ndarray, origins: Origins) -> None:
         self.inner.record(slots, positions, origins)
 
+    @override
     def rows(self, slots: np.ndarray) -> Any:
         return self.inner.rows(slots)
 
+    @override
     def copy_in(self, slots: np.ndarray, rows: Any) -> None:
         self.inner.copy_in(slots, rows)
 
+    @override
     def lookup(self, keys: HashKeys) -> tuple[Any, np.ndarray]:
         return self.inner.lookup(keys)
 
+    @override
     def ready(self, slots: np.ndarray, save_ids: np.ndarray) -> None:
         self.inner.ready(slots, save_ids)
         keys = self._index.keys_of(slots)
@@ -83,12 +90,14 @@ class RankNews(ChunkEvents):
         rows["slot"], rows["save_id"], rows["k1"], rows["k2"] = slots, save_ids, keys.k1, keys.k2
         self._ready.append(rows)
 
+    @override
     def removed(self, slots: np.ndarray) -> None:
         self.inner.removed(slots)  # (called while the slots still hold their chunk)
         rows = np.empty(len(slots), NEWS_GONE_ROW)
         rows["slot"], rows["save_id"] = slots, self._index.save_ids(slots)
         self._gone.append(rows)
 
+    @override
     def take_news(self, epoch: int) -> ChunkNews:
         if not (self._ready or self._gone):
             return ChunkNews(epoch)

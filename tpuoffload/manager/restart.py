@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from typing_extensions import override
 import numpy as np
 
 from tpuoffload import counters as C
@@ -66,6 +67,11 @@ class _Checkpoint:
 
 
 class WarmRestart(Tier):
+    """The warm-restart tier on the scheduler's side: plans checkpoints (every ``persist_interval_s``,
+    on an operator's request, at shutdown), blocks saves while hosts read their stores, and
+    adopts into the host-RAM index only the rows every host restored alike (``_adopt``,
+    invariant 7)."""
+
     name = "persist"
 
     def __init__(self, persist_path: str, interval_s: float, timeout_s: float, index: ChunkIndex,
@@ -89,16 +95,20 @@ class WarmRestart(Tier):
 
     # ---------------------------------------------------------------- the Tier hooks
     @property
+    @override
     def blocks_saves(self) -> bool:
         return self.saves_blocked
 
+    @override
     def start_step(self, step: int) -> None:
         self._checkpoint_now = self.plan(step)
 
+    @override
     def finish_step(self, step: int) -> PersistPlan | None:
         plan = PersistPlan(self._checkpoint_now, self.saves_blocked, self.take_revoke())
         return plan if plan != PersistPlan() else None
 
+    @override
     def reset(self, next_save_id: int) -> None:
         self.on_reset(next_save_id)
 
@@ -136,6 +146,7 @@ class WarmRestart(Tier):
         self._give_up_restore("a connector reset came first")
 
     # ---------------------------------------------------------------- reports
+    @override
     def on_report(self, parts: dict[int, PersistReport]) -> None:
         for host, part in parts.items():
             if self._restored is not None and part.restored is not None and 0 <= host < self.num_hosts:

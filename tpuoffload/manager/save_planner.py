@@ -60,6 +60,10 @@ class Claim:
 
 
 class SavePlanner:
+    """Turns a step's save candidates into claimed host-RAM slots: deduplicates (invariant 5), cuts to
+    the staging budget (invariant 10), names free or evicted slots and opens one ledger batch.
+    ``claim`` is the only way a host-RAM slot becomes SAVING, for saves and disk fetches alike."""
+
     def __init__(self, index: ChunkIndex, ledger: CompletionLedger, staging: StagingBudget, *,
                  state_chunk_bytes: int = 0,
                  chunk_bytes: int, save_timeout_s: float, clock: Callable[[], float],

@@ -6,7 +6,9 @@ anything else that keeps or moves chunks: the disk tier (``manager/disk_index.py
 fixed list of tiers and calls each hook on every tier, in list order, at fixed points of vLLM's
 hooks; a tier plans into its own part of the step plan (``StepPlan.tiers[name]``) and reads its
 own part of the workers' reports (``OffloadWorkerReport.tiers[name]``). Its worker side
-(``worker/tier.py``) acts on that part on every host. Every hook has a do-nothing default.
+(``worker/tier.py``) acts on that part on every host. A tier must say what it plans, how it reads
+its reports and what a reset does to it (abstract: a tier that leaves one out, or misspells it,
+cannot be built); every other hook has a do-nothing default.
 
 Host-RAM slots are shared: a tier that puts chunks into host RAM (a fetch) takes them like a save
 does, through ``SavePlanner.claim`` (the only way a slot becomes SAVING: staging, eviction, one RAM
@@ -15,6 +17,7 @@ ledger batch), so the RAM ledger makes them READY like any save.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,7 +26,11 @@ if TYPE_CHECKING:
     from tpuoffload.manager.ledger import Resolved
 
 
-class Tier:
+class Tier(abc.ABC):
+    """A tier beside host RAM, on the scheduler's side (the module docstring gives the seam).
+    ``finish_step``, ``on_report`` and ``reset`` must be implemented; the other hooks default to
+    doing nothing."""
+
     #: The key of this tier's parts in step plans and reports.
     name: str = ""
 
@@ -48,16 +55,18 @@ class Tier:
         """While the step's loads are pinned and before its saves: claim host-RAM slots for chunks
         this tier brings back (not called while any tier blocks saves)."""
 
+    @abc.abstractmethod
     def finish_step(self, step: int) -> Any | None:
         """Last: this tier's part of the step plan (None: nothing this step)."""
-        return None
 
+    @abc.abstractmethod
     def on_report(self, parts: dict[int, Any]) -> None:
         """This tier's part of each host's report (host -> part), once per step's merged report."""
 
     def on_resolved(self, resolved: "Resolved") -> None:
         """Host-RAM saves resolved (READY or dropped) by the RAM ledger this step."""
 
+    @abc.abstractmethod
     def reset(self, next_save_id: int) -> None:
         """``reset_cache()``: nothing from before it may be loaded again."""
 

@@ -124,6 +124,9 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class SaveReport:
+    """The outcome of this host's part of one checkpoint: committed or not (with the reason), what it
+    wrote and how long it held the calling thread."""
+
     seq: int
     ok: bool
     reason: str = ""
@@ -155,6 +158,9 @@ class SaveHandle:
 
 @dataclass(frozen=True)
 class Restored:
+    """What a host restored from a checkpoint: its number and path, the slot tags saved with it, the
+    index, the stores (or None when restored into host rows), and what it cost."""
+
     seq: int
     path: str
     tags: np.ndarray  # int64, the shape saved: (num_slots,) or (num_slots, columns); save id EMPTY_SLOT: empty

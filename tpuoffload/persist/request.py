@@ -32,6 +32,9 @@ DONE_NAME = "CHECKPOINT_DONE"
 
 @dataclass(frozen=True)
 class CheckpointRequest:
+    """An operator's checkpoint request (``tpuoffload checkpoint``), written as a file under
+    ``persist_path`` for the scheduler to pick up."""
+
     id: str
     requested_unix: float
     by: str = ""
@@ -39,6 +42,9 @@ class CheckpointRequest:
 
 @dataclass(frozen=True)
 class CheckpointDone:
+    """An operator's checkpoint request answered: committed or not, the checkpoint number, the reason,
+    when."""
+
     id: str
     ok: bool
     seq: int | None

@@ -56,6 +56,9 @@ def _digest(layers) -> str:
 
 
 class ByteAudit:
+    """Simulation only: follows every block a worker saved and loaded, as dispatched, so a test can say
+    which chunk each loaded block must hold and count saves and loads per KV cache group."""
+
     def __init__(self, worker) -> None:
         self._worker = worker
         self._saves: list[_Moved] = []

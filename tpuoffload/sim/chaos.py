@@ -4,7 +4,6 @@ killed in a checkpoint) and the injectors that apply it at the worker's declared
 
 from __future__ import annotations
 
-from typing_extensions import override
 import os
 import random
 import signal
@@ -12,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from typing_extensions import override
 from tpuoffload.backend.disk_tier import DiskFaults
 from tpuoffload.persist import PersistFaults
 from tpuoffload.worker.faults import FaultInjector, FaultPoint

@@ -39,6 +39,9 @@ SIM_LAYOUT = TpuLayoutSpec("bf16-4kv-tp2", num_layers=2, num_blocks=128, block_s
 
 @dataclass
 class EngineSpec:
+    """Simulation only: what ``InProcessEngine`` builds: hosts, cache layout (tpu-inference's), vLLM
+    scheduler limits, connector config and the optional hybrid or GDN model."""
+
     num_hosts: int = 1
     layout: TpuLayoutSpec = SIM_LAYOUT  # its num_blocks and block_size are vLLM's too ...
     num_blocks: int | None = None  # ... unless set here
@@ -88,6 +91,10 @@ def run_waves(engine, waves, on_step=None) -> None:
 
 
 class InProcessEngine:
+    """Simulation only: vLLM's real scheduler with the connector's scheduler half and one worker half
+    per simulated host in one process, synthetic runners on real sharded JAX caches, outputs
+    merged by vLLM's ``KVOutputAggregator``."""
+
     def __init__(self, spec: EngineSpec, faults: Sequence[FaultInjector | None] | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 

@@ -29,6 +29,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from typing_extensions import override
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,15 +159,18 @@ class GdnRunner(SyntheticRunner):
         return self.kv_caches[index][part]
 
     # ------------------------------------------------------------------ SyntheticRunner hooks
+    @override
     def _kv_arrays(self) -> list[jax.Array]:
         return [self.kv_caches[i] for i in self._attn_index]
 
+    @override
     def _store_kv_arrays(self, arrays: Sequence[jax.Array]) -> None:
         caches = list(self.kv_caches)
         for i, a in zip(self._attn_index, arrays):
             caches[i] = a
         self.kv_caches = caches
 
+    @override
     def _forward(self, so, digests: dict[str, int] | None = None) -> dict[str, int]:
         # The state layers first (before the attention step advances num_computed): what they
         # read wrong poisons what the attention layers write and the sampled tokens.
@@ -227,6 +231,7 @@ class GdnRunner(SyntheticRunner):
             caches[index] = tuple(parts)
         self.kv_caches = caches
 
+    @override
     def wrong_reads(self) -> int:
         """Wrong attention positions and wrong state rows read so far."""
         return self.stats.mismatches + self.stats.state_mismatches

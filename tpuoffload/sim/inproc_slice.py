@@ -39,6 +39,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import override
 from tpuoffload.sim.podslice import PodSlice, SliceError, SliceSpec
 from tpuoffload.sim.chaos import Chaos, ChaosInjector, PointFaults
 from tpuoffload.sim.dispatch_marks import mark_hooks
@@ -70,6 +71,7 @@ class InProcSlice(PodSlice):
         super().__init__(spec, chaos, log_dir=log_dir or _LOG_DIR, point_faults=point_faults)
 
     # ---------------------------------------------------------------- hosts
+    @override
     def _start(self) -> None:
         import jax
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -131,6 +133,7 @@ class InProcSlice(PodSlice):
             return state
         raise ValueError(f"unknown message {msg[0]!r}")
 
+    @override
     def _exchange_once(self, msg: Any, timeout: float, what: str) -> list[Any]:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         t0 = time.monotonic()
@@ -151,9 +154,11 @@ class InProcSlice(PodSlice):
                               range(len(self.hosts)))
         return replies
 
+    @override
     def _tail(self, rank: int) -> str:
         return "(an in-process host: its log lines are in this process's log)"
 
+    @override
     def close(self) -> None:
         """Shut every host's connector down (waits for its background writes); safe to call twice."""
         if self.closed:

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class PrefixRepetition:
+    """Simulation only: a seeded prefix-repetition workload (shared prefixes, random suffixes and
+    output lengths, several waves)."""
+
     num_prefixes: int = 4
     prefix_blocks: int = 12  # prefix length in blocks (block_size tokens each)
     suffix_len: tuple[int, int] = (8, 16)  # inclusive range
@@ -40,6 +43,8 @@ class PrefixRepetition:
 
 @dataclass
 class WaveRequest:
+    """Simulation only: one request of a wave: id, prompt tokens, output length."""
+
     req_id: str
     prompt: list[int]
     max_tokens: int
@@ -95,6 +100,9 @@ def expected_output(prompt: list[int], max_tokens: int, vocab: int) -> list[int]
 
 @dataclass
 class WorkloadResult:
+    """Simulation only: what a workload run produced: requests finished and aborted, steps, wrong
+    outputs, the run's stats and the tokens loaded per wave."""
+
     requests: int = 0
     finished: int = 0
     aborted: int = 0

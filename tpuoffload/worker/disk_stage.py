@@ -32,6 +32,7 @@ from concurrent import futures
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from typing_extensions import override
 import numpy as np
 
 from tpuoffload import counters as C
@@ -99,6 +100,7 @@ class DiskStage(WorkerTier):
         return rows.tobytes()
 
     # ---------------------------------------------------------------- per step (main thread)
+    @override
     def act(self, step: int, part: DiskPlan | None) -> None:
         part = part or DiskPlan()
         self._waiting = part.waiting
@@ -171,6 +173,7 @@ class DiskStage(WorkerTier):
             self._pending -= 1
 
     # ---------------------------------------------------------------- reports
+    @override
     def report(self) -> DiskReport | None:
         """Disk ids written and failed since the last call; the kept files (warm restart) until the
         manager stops waiting for them."""
@@ -186,9 +189,11 @@ class DiskStage(WorkerTier):
             return None
         return DiskReport(id_ranges(written), id_ranges(failed), kept)
 
+    @override
     def idle_report(self) -> dict[str, int]:
         return {"disk_pending": self.pending()}
 
+    @override
     def take_counters(self) -> Counter[str]:
         """The tier's counts (registered names only) since the last call."""
         now = Counter({k: v for k, v in self.tier.counters_snapshot().items() if k in C.REGISTRY})
@@ -200,6 +205,7 @@ class DiskStage(WorkerTier):
         with self._lock:
             return self._pending + len(self._fetches)
 
+    @override
     def wait_idle(self, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -209,6 +215,7 @@ class DiskStage(WorkerTier):
             time.sleep(0.005)
         return False
 
+    @override
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.tier.close()

@@ -21,6 +21,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StepDigest:
+    """One step's dispatches: the step number, a digest of its op lines, and the lines."""
+
     step: int
     digest: str
     ops: tuple[str, ...]
@@ -31,6 +33,10 @@ def _line(op: str, fields: dict) -> str:
 
 
 class DispatchLog:
+    """The engine's record of every program it dispatched in the current step: ``record`` keeps each
+    op's fields, ``finish_step`` formats them and returns the step's ``StepDigest`` (the same on
+    every host that dispatched the same programs)."""
+
     def __init__(self) -> None:
         self._step = 0
         self._ops: list[tuple[str, dict]] = []

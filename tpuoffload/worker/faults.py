@@ -21,6 +21,9 @@ import enum
 
 
 class FaultPoint(enum.Enum):
+    """The places a fault can be injected into the engine (``FaultInjector.hit``): each turns rows of a
+    load into load errors or of a save into failures, never a change of what is dispatched."""
+
     LOAD_SLOT_CHECK = "load_slot_check"
     LOAD_PREPARE = "load_prepare"
     SAVE_PROGRAM = "save_program"

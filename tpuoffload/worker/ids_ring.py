@@ -57,6 +57,10 @@ class _Entry:
 
 
 class IdsRing:
+    """Preallocated host buffers for the ids of each program call (the module docstring says why):
+    ``put`` writes a call's ids into a free buffer of their shape, ``read_by`` marks it busy
+    until the programs that read it are done. Main thread only."""
+
     def __init__(self, sharding: NamedSharding, depth: int = 8) -> None:
         self._sharding = sharding  # replicated, in a host memory kind
         self._depth = depth

@@ -31,6 +31,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 
+from typing_extensions import override
 import numpy as np
 
 from tpuoffload.backend.slot_table import EMPTY_SLOT
@@ -94,7 +95,7 @@ class HostPersistence(WorkerTier):
         self.engine = engine
         self.host = host
         self.persister = Persister(path, fingerprint, host=host, barrier_timeout_s=timeout_s, faults=faults)
-        self.keys = SlotKeys(engine.backend.num_slots)
+        self.keys = SlotKeys(engine.slot_table.num_slots)
         self._inflight: SaveHandle | None = None  # main thread only
         self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
         self._done: list[tuple[int, int, bool]] = []  # (step planned, number, ok), not yet reported
@@ -128,7 +129,7 @@ class HostPersistence(WorkerTier):
         held = np.flatnonzero(table[:, 0] != EMPTY_SLOT)
         tags = np.full(len(table), EMPTY_SLOT, np.int64)
         tags[held] = RESTORED_BASE + held
-        self.engine.backend.restore(tags, table[:, 1].copy())
+        self.engine.slot_table.restore(tags, table[:, 1].copy())
         rows = np.zeros(len(held), RESTORED_ROW)
         rows["slot"], rows["save_id"] = held, table[held, 0]
         rows["k1"], rows["k2"] = table[held, 2].view(np.uint64), table[held, 3].view(np.uint64)
@@ -136,6 +137,7 @@ class HostPersistence(WorkerTier):
         logger.info("tpuoffload persist: restored %s on host %d: %d chunks, %.2f GiB in %.1f s",
                     restored.path, self.host, len(held), restored.bytes / 2**30, restored.seconds)
 
+    @override
     def report(self) -> PersistReport | None:
         """This host's news: the restored rows (first report), checkpoints resolved since the last
         report; while the manager still waits (``PersistPlan.waiting``) the rows and the last
@@ -157,22 +159,25 @@ class HostPersistence(WorkerTier):
         return PersistReport(rows, tuple(done))
 
     # ---------------------------------------------------------------- per step
+    @override
     def act(self, step: int, part: PersistPlan | None) -> None:
         part = part or PersistPlan()
         self._waiting = part.waiting
         if part.revoke_below is not None:
-            self.engine.backend.revoke_below(part.revoke_below)
+            self.engine.slot_table.revoke_below(part.revoke_below)
         if part.checkpoint:
             try:
                 self.checkpoint(step)
             except Exception:  # a failed checkpoint never stops serving; it is reported as failed
                 logger.exception("tpuoffload: checkpoint failed on host %d", self.host)
 
+    @override
     def before_donate(self) -> None:
         """A save or an install donates the stores: let the checkpoint that reads them finish first."""
         if self._inflight is not None and not self._inflight.done():
             self._inflight.result()
 
+    @override
     def saving(self, batch: SaveBatch) -> None:
         self.keys.record(batch)
 
@@ -181,7 +186,7 @@ class HostPersistence(WorkerTier):
         host; -1: at shutdown)."""
         self.before_donate()  # one checkpoint at a time
         self.engine.wait_idle()
-        tags, sources = self.engine.backend.table()
+        tags, sources = self.engine.slot_table.table()
         keyed = (self.keys.save_id == tags) & (tags != EMPTY_SLOT)
         table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
         table[:, 0] = np.where(keyed, tags, EMPTY_SLOT)
@@ -197,6 +202,7 @@ class HostPersistence(WorkerTier):
         with self._lock:
             self._done.append((step, report.seq, report.ok))
 
+    @override
     def take_counters(self) -> Counter[str]:
         """The Persister's counts (PERSIST_* names) since the last call."""
         now = Counter(self.persister.counters_snapshot())
@@ -204,6 +210,7 @@ class HostPersistence(WorkerTier):
         return delta
 
     # ---------------------------------------------------------------- shutdown
+    @override
     def close(self) -> None:
         """Clean shutdown: a last checkpoint, waited for, then the Persister's threads go."""
         if self._closed:

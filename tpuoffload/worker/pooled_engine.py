@@ -65,11 +65,11 @@ class PooledEngine:
     @property
     def tables(self) -> tuple[SlotTable, ...]:
         """Each pool's slot table, in pool order."""
-        return tuple(e.backend for e in self.engines)
+        return tuple(e.slot_table for e in self.engines)
 
     def num_slots(self, pool: int) -> int:
         """Slots of pool ``pool``'s store on this host."""
-        return self.engines[pool].backend.num_slots
+        return self.engines[pool].slot_table.num_slots
 
     # ---------------- saves and loads ----------------
     def save(self, kv_caches: Sequence, block_ids: Sequence[int], slots: Sequence[int], save_ids: Sequence[int],
@@ -121,7 +121,7 @@ class PooledEngine:
         parts = [(np.flatnonzero(~state), slots[~state]), (np.flatnonzero(state), slots[state] - boundary)]
         for p, (rows, pool_slots) in enumerate(parts):
             engine, blocks = self.engines[p], block_ids[rows]
-            for name, seq, limit in (("slots", pool_slots, engine.backend.num_slots),
+            for name, seq, limit in (("slots", pool_slots, engine.slot_table.num_slots),
                                      ("block ids", blocks, engine.num_blocks)):
                 if len(seq) and (seq.min() < 0 or seq.max() >= limit):
                     raise ValueError(f"pool {p}'s {name} out of range 0..{limit - 1} (slot boundary {boundary}): "

@@ -6,21 +6,27 @@ and loads), tells every tier before a save or an install donates the host stores
 (``before_donate``), and collects each tier's part of the host's report (``report``). A tier
 dispatches JAX work only in ``act`` (invariant 1: the parts are the same on every host, and the
 order is the tier list's), using the transfer engine's primitives (read rows, install rows, the
-stores); its file I/O runs on its own threads. Every hook has a do-nothing default.
+stores); its file I/O runs on its own threads. ``act`` and ``report`` are abstract (a tier that
+leaves one out, or misspells it, cannot be built); every other hook has a do-nothing default.
 """
 
 from __future__ import annotations
 
+import abc
 from collections import Counter
 from typing import Any
 
 from tpuoffload.messages import SaveBatch
 
 
-class WorkerTier:
+class WorkerTier(abc.ABC):
+    """A tier beside host RAM, on the worker's side (the module docstring gives the seam). ``act`` and
+    ``report`` must be implemented; the other hooks default to doing nothing."""
+
     #: The key of this tier's parts in step plans and reports.
     name: str = ""
 
+    @abc.abstractmethod
     def act(self, step: int, part: Any | None) -> None:
         """This step's part of the plan (None: the plan has none), on the main thread."""
 
@@ -30,18 +36,20 @@ class WorkerTier:
     def saving(self, batch: SaveBatch) -> None:
         """``batch`` is about to be saved into host RAM."""
 
+    @abc.abstractmethod
     def report(self) -> Any | None:
         """This host's part of the step's report (None: nothing to say)."""
-        return None
 
     def take_counters(self) -> Counter[str]:
         """Registered counters since the last call."""
         return Counter()
 
     def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the tier's background work; True once none is left."""
         return True
 
     def idle_report(self) -> dict[str, int]:
+        """Gauges that are zero when the tier is idle."""
         return {}
 
     def close(self) -> None:

@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SaveResult:
+    """One chunk's save outcome on this host: its save id and whether its bytes and record are in
+    place."""
+
     save_id: int
     ok: bool
 
@@ -117,6 +120,12 @@ def _pow2_floor(n: int) -> int:
 
 
 class TransferEngine:
+    """Moves chunks between the runner's KV cache and this host's slot stores (the module docstring
+    gives the threading contract and the invariants it keeps). ``save`` and ``load`` dispatch on
+    the creating thread only; ``slots`` records which chunk each slot holds; ``drain_results``,
+    ``take_counters`` and ``wait_idle`` report what the background completions did. The disk
+    tier and warm restart use ``read_slots``, ``install`` and ``stores``."""
+
     def __init__(
         self,
         kv_caches: Sequence[jax.Array],
@@ -141,11 +150,11 @@ class TransferEngine:
         self._faults = faults or NO_FAULTS
         # A slot row takes device_bytes_per_chunk of this host's memory in the store (replicas
         # included); with several batch shards each device's rows are its own shard's slots.
-        self.backend = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk, _batch_shards(self.layout))
+        self.slot_table = SlotTable(cpu_bytes_to_use, self.layout.device_bytes_per_chunk, _batch_shards(self.layout))
         # Accelerator memory of one gathered (or to-be-scattered) batch is bounded: a larger plan
         # is moved in consecutive pieces, a pure function of its length, so every host splits alike.
         self.max_chunks_per_transfer = _pow2_floor(max(1, transfer_buffer_bytes // self.layout.device_bytes_per_chunk))
-        self._programs = [programs_for(g, host_memory_kind, self.backend.rows, self.backend.shard_slots)
+        self._programs = [programs_for(g, host_memory_kind, self.slot_table.rows, self.slot_table.shard_slots)
                           for g in self.layout.groups]
         row_bytes = sum(p.row_bytes for p in self._programs)  # one chunk, on each device
         self._stores = [p.allocate() for p in self._programs]  # newest version of each store; main thread only
@@ -169,7 +178,7 @@ class TransferEngine:
         self._pool = futures.ThreadPoolExecutor(save_threads, thread_name_prefix="tpuoffload-save")
         # Write-after-write and read-after-write: the completion call that last wrote each slot,
         # and the future of every call not yet seen done; main thread only.
-        self._write_call = np.full(self.backend.num_slots, -1, np.int64)
+        self._write_call = np.full(self.slot_table.num_slots, -1, np.int64)
         self._writes: dict[int, futures.Future] = {}
         # (save ids, positions that failed) of each finished completion; SaveResults are built when
         # drained, on the caller's thread, not on the completion's path to wait_idle.
@@ -180,6 +189,12 @@ class TransferEngine:
         self._inflight: dict[int, tuple[float, int, int, futures.Future]] = {}
         self._lock = threading.Lock()  # guards _results, _inflight and counters
         self.counters: Counter[str] = Counter()  # chunks/bytes saved and loaded, failures, seconds
+
+    @property
+    def backend(self) -> SlotTable:
+        """The old name of ``slot_table``, kept only until worker/offload_worker.py reads
+        ``slot_table`` (issue 34, the lead's refactor of that file); nothing else uses it."""
+        return self.slot_table
 
     # ---------------- checks ----------------
     def _check_owner(self) -> None:
@@ -196,7 +211,7 @@ class TransferEngine:
             raise ValueError(
                 f"block_ids, slots and save_ids differ in length: {len(block_ids)}, {len(slots)}, {len(save_ids)}")
         block_ids, slots, save_ids = _ints(block_ids), _ints(slots), _ints(save_ids)
-        for name, seq, limit in (("block_ids", block_ids, self.num_blocks), ("slots", slots, self.backend.num_slots)):
+        for name, seq, limit in (("block_ids", block_ids, self.num_blocks), ("slots", slots, self.slot_table.num_slots)):
             if len(seq) and (seq.min() < 0 or seq.max() >= limit):
                 raise ValueError(f"{name} out of range 0..{limit - 1}: {seq[(seq < 0) | (seq >= limit)][:8].tolist()}")
         seq = slots if unique == "slots" else block_ids
@@ -245,9 +260,9 @@ class TransferEngine:
     def _check_shards(self, block_ids: np.ndarray, slots: np.ndarray) -> None:
         """With several batch shards a chunk is saved into a slot of its block's shard: its bytes
         exist on that shard's devices only (slot_table.py)."""
-        if self.backend.shards == 1:
+        if self.slot_table.shards == 1:
             return
-        per = self.backend.shard_slots
+        per = self.slot_table.shard_slots
         wrong = self.layout.groups[0].shard_of(block_ids) != slots // per
         if wrong.any():
             raise ValueError(f"slots {slots[wrong][:8].tolist()} are not in the batch shard of blocks "
@@ -282,8 +297,8 @@ class TransferEngine:
         store's size (a load may read slots outside the plan, never past the store). Its slots are
         store rows: with several batch shards a slot's row in its shard (slot_table.py), and a save
         plans each shard's slots apart (no copy spans two shards: ``programs._write_own``)."""
-        if self.backend.shards > 1:
-            per = self.backend.shard_slots
+        if self.slot_table.shards > 1:
+            per = self.slot_table.shard_slots
             slots = np.asarray(slots, np.int64)
             if op == "save":  # a gap after each shard's slots: no run crosses into the next shard
                 plan = save_plan(slots + slots // per, self._copy_cost["save"], self.max_chunks_per_transfer)
@@ -291,7 +306,7 @@ class TransferEngine:
             slots = slots % per
         if op == "save":
             return save_plan(slots, self._copy_cost["save"], self.max_chunks_per_transfer)
-        return load_plan(slots, self._copy_cost["load"], self.max_chunks_per_transfer, self.backend.rows)
+        return load_plan(slots, self._copy_cost["load"], self.max_chunks_per_transfer, self.slot_table.rows)
 
     def _copies_fields(self, prog, op: str, copies) -> dict:
         """What the log says of a program's copies: the widest, how many, the structure."""
@@ -314,7 +329,7 @@ class TransferEngine:
         self._write_call[slots] = call
         with self._lock:  # the completion removes its entry under this lock: never before it is in
             fut = self._pool.submit(self._complete_save, tokens, block_ids, slots, save_ids, previous, missing, call)
-            self._inflight[call] = (time.monotonic(), n, n * self.backend.slot_bytes, fut)
+            self._inflight[call] = (time.monotonic(), n, n * self.slot_table.slot_bytes, fut)
         self._writes[call] = fut
 
     def _earlier_writes(self, slots: np.ndarray) -> dict[int, futures.Future]:
@@ -345,25 +360,25 @@ class TransferEngine:
         failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
         t0 = time.monotonic()
         try:
-            self.backend.invalidate(slots)
+            self.slot_table.invalidate(slots)
             failed |= self._faults.hit(FaultPoint.SAVE_PROGRAM, n)
             jax.block_until_ready(tokens)  # the program, hence its writes into the store, finished
             failed |= self._faults.hit(FaultPoint.SAVE_RECORD, n)
             if failed:
                 ok = np.ones(n, bool)
                 ok[list(failed)] = False
-                self.backend.commit(slots[ok], save_ids[ok], block_ids[ok])
+                self.slot_table.commit(slots[ok], save_ids[ok], block_ids[ok])
             else:
-                self.backend.commit(slots, save_ids, block_ids)
+                self.slot_table.commit(slots, save_ids, block_ids)
         except Exception as exc:  # noqa: BLE001 - any failure makes the whole batch unloadable
             logger.warning("tpuoffload: save of %d chunks failed on this host: %s", n, exc)
             failed = set(range(n))
-            self.backend.invalidate(slots)
+            self.slot_table.invalidate(slots)
         with self._lock:
             self._results.append((save_ids, failed))
             done = n - len(failed)
             self.counters[C.CHUNKS_SAVED] += done
-            self.counters[C.BYTES_SAVED] += done * self.backend.slot_bytes
+            self.counters[C.BYTES_SAVED] += done * self.slot_table.slot_bytes
             self.counters[C.SAVE_FAILURES] += len(failed)
             if done:
                 self.counters[C.SAVE_SECONDS] += time.monotonic() - t0
@@ -439,7 +454,7 @@ class TransferEngine:
             failed = {int(perm[i]) for i in failed}
         with self._lock:
             self.counters[C.CHUNKS_LOADED] += n - len(failed)
-            self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.backend.slot_bytes
+            self.counters[C.BYTES_LOADED] += (n - len(failed)) * self.slot_table.slot_bytes
             self.counters[C.LOAD_ERRORS] += len(failed)
             self.counters[C.CROSS_RANK_CHUNKS_LOADED] += int(moved.sum()) - moved_failed
             self.counters[C.CROSS_RANK_LOAD_ERRORS] += moved_failed
@@ -540,7 +555,7 @@ class TransferEngine:
         reused, even by another DP rank's save), or whose chunk was saved from another batch
         shard than the row's declared source (the store keeps a chunk in its source block's
         batch shard only)."""
-        ok, recorded = self.backend.lookup(slots, save_ids)
+        ok, recorded = self.slot_table.lookup(slots, save_ids)
         for g in self.layout.groups:
             if g.num_shards > 1:
                 ok &= g.shard_of(sources) == g.shard_of(recorded)
@@ -575,8 +590,8 @@ class TransferEngine:
                    for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
 
     def _check_one_shard(self, what: str) -> None:
-        if self.backend.shards > 1:  # config.py:check_dp_config refuses the disk tier with DP
-            raise ValueError(f"{what}: the disk tier runs on one batch shard, not {self.backend.shards}")
+        if self.slot_table.shards > 1:  # config.py:check_dp_config refuses the disk tier with DP
+            raise ValueError(f"{what}: the disk tier runs on one batch shard, not {self.slot_table.shards}")
 
     def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[SlotRows, list[bool]]:
         """Copy ``slots`` out of the stores into device rows, one program per layer group (main
@@ -588,7 +603,7 @@ class TransferEngine:
         self._check_one_shard("read_slots")
         slots = _ints(slots)
         late = self._wait_for_writes(slots)
-        ok, _ = self.backend.lookup(slots, save_ids)
+        ok, _ = self.slot_table.lookup(slots, save_ids)
         valid = [bool(v) and i not in late for i, v in enumerate(ok.tolist())]
         plan = self.copy_plan("load", slots)
         ids = _plan_ids(plan, np.full(len(slots), self.num_blocks, np.int64), 1, self.num_blocks)
