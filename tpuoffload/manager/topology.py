@@ -56,22 +56,46 @@ def reporting_workers(vllm_config: "VllmConfig", override: int | None = None) ->
     return pc.world_size, f"executor {name or 'default'}: one process per rank (world_size {pc.world_size})"
 
 
-def storage_factor(vllm_config: "VllmConfig") -> int:
+def storage_factor(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int:
     """How many times a host stores its share of a block, beyond the share itself.
 
     A worker keeps its slots where its devices' shards live (tpuoffload/worker/programs.py): with
     blocks split over ``D`` batch shards (data / attention-data parallelism) every device keeps a
-    slot row for its own shard, and an MLA latent cache, replicated over the KV-head axes, keeps a
-    copy per replica. tpu-inference records the parallelism on ``vllm_config.sharding_config``
-    (its platform sets it); without it the factor is 1.
+    slot row for its own shard, and an MLA latent cache, sharded ``P(BATCH, KV_CONTEXT)`` and so
+    replicated over the KV-head axes (``model``, ``expert``), keeps a copy per replica.
+    tpu-inference records the parallelism on ``vllm_config.sharding_config`` (its platform sets
+    it); without it the factor is 1.
+
+    Whether the cache is MLA is read from the KV cache config, not from ``model_config.use_mla``:
+    tpu-inference's KVCacheManager reports every attention layer of an MLA model as an
+    ``MLAAttentionSpec`` whose page is one latent copy (``_create_attention_spec``, page from
+    ``get_attention_page_size_bytes(..., use_mla=True)``) and allocates those layers replicated
+    (``create_kv_caches(use_mla=...)``), both from the workers' one ``use_mla`` flag. The spec is
+    the workers' own report of what they allocated; the scheduler process's ``use_mla`` is a second
+    derivation of it (it reads ``VLLM_MLA_DISABLE`` in that process). MLA and non-MLA attention
+    groups in one config are refused: tpu-inference never mixes them, and one factor could not
+    describe both.
     """
     sharding = getattr(vllm_config, "sharding_config", None)
     if sharding is None:
         return 1
     factor = int(sharding.total_dp_size)
-    if getattr(vllm_config.model_config, "use_mla", False):
+    mla = {_is_mla(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups if not _is_state(g.kv_cache_spec)}
+    if mla == {True, False}:
+        raise ValueError("the KV cache config mixes MLA and non-MLA attention groups; tpuoffload sizes a chunk "
+                         "for one or the other (tpu-inference reports every attention layer of an MLA model "
+                         "as MLAAttentionSpec)")
+    if mla == {True}:
         factor *= int(sharding.tp_size) * int(sharding.expert_size)
     return factor
+
+
+def _is_mla(spec) -> bool:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return all(isinstance(s, MLAAttentionSpec) for s in spec.kv_cache_specs.values())
+    return isinstance(spec, MLAAttentionSpec)
 
 
 def _is_state(spec) -> bool:

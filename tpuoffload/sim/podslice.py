@@ -40,8 +40,7 @@ from tpuoffload.sim.engine import absorb_outputs
 from tpuoffload.snapshot import read_rank_snapshots
 from tpuoffload.sim.hybrid_layouts import HYBRID_LAYOUTS, HybridLayoutSpec
 from tpuoffload.sim.hybrid_layouts import kv_cache_config as hybrid_kv_cache_config
-from tpuoffload.sim.tpu_layouts import (LAYOUTS, TpuLayoutSpec, scheduler_kv_shape, sharding_config,
-                                        slice_page_bytes)
+from tpuoffload.sim.tpu_layouts import LAYOUTS, TpuLayoutSpec, kv_cache_spec, sharding_config
 from tpuoffload.sim.chaos import Chaos, PointFaults
 from tpuoffload.sim.dispatch_marks import misplaced_op
 from tpuoffload.sim.launch import WorkerProcess, start_worker
@@ -207,8 +206,9 @@ class PodSlice:
         else:
             self.scheduler = make_scheduler(
                 num_blocks=spec.num_blocks, block_size=spec.block_size,
-                # What tpu-inference's KV cache spec reports: the page of the whole mesh.
-                **scheduler_kv_shape(slice_page_bytes(spec.slice_layout()), spec.block_size), **common)
+                # What tpu-inference's runner reports (MLAAttentionSpec for MLA, its page of the whole
+                # mesh), grouped as vLLM's engine core groups it.
+                kv_cache_spec=kv_cache_spec(spec.slice_layout()), **common)
         #: tpu-inference's DPScheduler runs the scheduler (total_dp_size > 1): one vLLM scheduler
         #: and one tpuoffload scheduler half per DP rank, each in a forked process.
         self.dp_ranks = sharding.total_dp_size if is_dp_scheduler(self.scheduler) else 1

@@ -189,6 +189,12 @@ LAYOUTS: dict[str, TpuLayoutSpec] = {s.name: s for s in (
     TpuLayoutSpec("bf16-hd64-tp4", head_dim=64),
     TpuLayoutSpec("bf16-2kv-tp8", num_kv_heads=2, tp=8),
     TpuLayoutSpec("mla-tp4", use_mla=True, head_dim=576, block_size=64),
+    # DeepSeek-V3-like MLA as tpu-inference serves it: NEW_MODEL_DESIGN, attention data parallelism
+    # (blocks split over the attention-DP ranks, so DPScheduler), each rank's latent cache replicated
+    # over its tensor-parallel devices; 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (tpu-inference's MLA
+    # cache pads it to 640 either way: its KVCacheManager aligns the rope part, the kernel the whole).
+    TpuLayoutSpec("mla-attndp2-tp2", use_mla=True, head_dim=576, attn_dp=2, tp=2, new_model_design=True),
+    TpuLayoutSpec("mla-attndp4-tp2", use_mla=True, head_dim=576, attn_dp=4, tp=2, new_model_design=True),
     TpuLayoutSpec("bf16-dp2-tp4", dp=2),
     TpuLayoutSpec("bf16-attndp4-tp2", attn_dp=4, tp=2, new_model_design=True),
     TpuLayoutSpec("bf16-dcp2-tp2", dcp=2, tp=2, new_model_design=True),
@@ -208,10 +214,12 @@ def scheduler_kv_shape(page_bytes: int, block_size: int) -> dict[str, int]:
     return {"num_layers": 1, "num_kv_heads": 1, "head_size": page_bytes // per_elem}
 
 
-def slice_page_bytes(spec: TpuLayoutSpec) -> int:
-    """Bytes per block over all layers and the whole mesh, as tpu-inference's own
-    ``get_attention_page_size_bytes`` reports it to vLLM (it reads only the mesh's axis sizes, so
-    the scheduler process of a simulated slice, which has no such mesh, can ask too)."""
+def _layer_pages(spec: TpuLayoutSpec) -> list[tuple[int, int, int, int]]:
+    """(layers, KV heads, head size, page bytes) per kind of layer, as tpu-inference's KVCacheManager
+    computes them for its KV cache specs: heads and head size padded as its runner pads them (MLA:
+    one latent "head"), the page from its own ``get_attention_page_size_bytes``. That function reads
+    only the mesh's axis sizes, so a stand-in mesh of those sizes serves the scheduler process of a
+    simulated slice, which has no such mesh."""
     ti = tpu_inference()
     if spec.new_model_design:
         sizes = {"data": spec.dp, "attn_dp": spec.attn_dp, "attn_dp_expert": 1, "expert": 1, "model": spec.tp,
@@ -219,12 +227,45 @@ def slice_page_bytes(spec: TpuLayoutSpec) -> int:
     else:
         sizes = {"data": spec.dp, "model": spec.tp}
     mesh = types.SimpleNamespace(shape=sizes, axis_names=tuple(sizes))
-    total = 0
+    out = []
     with _model_design(spec.new_model_design):
         kv_heads = ti.utils.get_mesh_shape_product(mesh, ti.sharding.ShardingAxisName.KV_HEAD)
         for count, head_dim in ((spec.num_layers, spec.head_dim), *spec.extra_layers):
             heads = 1 if spec.use_mla else ti.utils.get_padded_num_heads(spec.num_kv_heads, kv_heads)
             size = head_dim if spec.use_mla else ti.utils.get_padded_head_dim(head_dim)
-            total += count * ti.kv_cache.get_attention_page_size_bytes(
+            page = ti.kv_cache.get_attention_page_size_bytes(
                 mesh, spec.block_size, heads, size, jax.numpy.dtype(spec.dtype), spec.use_mla)
-    return total
+            out.append((count, heads, size, int(page)))
+    return out
+
+
+def slice_page_bytes(spec: TpuLayoutSpec) -> int:
+    """Bytes per block over all layers and the whole mesh, as tpu-inference's own
+    ``get_attention_page_size_bytes`` reports it to vLLM."""
+    return sum(count * page for count, _, _, page in _layer_pages(spec))
+
+
+def kv_cache_spec(spec: TpuLayoutSpec) -> dict:
+    """The per-layer KV cache specs tpu-inference's runner reports to vLLM for this deployment
+    (``KVCacheManager.get_kv_cache_spec`` on its JAX model path, layers named ``layer.<i>``): each
+    built as its ``_create_attention_spec`` builds one, an ``MLAAttentionSpec`` (one latent "head")
+    for an MLA model, a ``FullAttentionSpec`` otherwise, both with ``page_size_padded`` set to
+    tpu-inference's own page size and its torch dtype. vLLM groups them (``vllm_setup.make_scheduler``
+    with ``kv_cache_spec=``) as its engine core does."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    ti = tpu_inference()
+    dtype = ti.utils.to_torch_dtype(spec.dtype)
+    specs, i = {}, 0
+    for count, heads, size, page in _layer_pages(spec):
+        for _ in range(count):
+            if spec.use_mla:
+                layer = MLAAttentionSpec(block_size=spec.block_size, num_kv_heads=1, head_size=size, dtype=dtype,
+                                         cache_dtype_str="auto" if spec.dtype == "bfloat16" else spec.dtype,
+                                         page_size_padded=page)
+            else:
+                layer = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=heads, head_size=size,
+                                          dtype=dtype, page_size_padded=page)
+            specs[f"layer.{i}"] = layer
+            i += 1
+    return specs

@@ -268,6 +268,23 @@ def make_kv_cache_config(
     return cfg
 
 
+def scheduler_kv_cache_config(vllm_config: VllmConfig, kv_cache_spec: dict, num_blocks: int) -> KVCacheConfig:
+    """The scheduler's KVCacheConfig for the workers' per-layer specs, as vLLM's engine core builds
+    it (``EngineCore._initialize_kv_caches``): vLLM's own ``get_kv_cache_groups`` groups the layers,
+    ``generate_scheduler_kv_cache_config`` keeps one spec per group. No tensors (nothing is
+    allocated here); ``num_blocks`` instead of a memory budget."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_groups
+
+    groups = get_kv_cache_groups(vllm_config, dict(kv_cache_spec))
+    cfg = generate_scheduler_kv_cache_config([KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                                            kv_cache_groups=groups)])
+    block_size = vllm_config.cache_config.block_size
+    # EngineCore resolves these before building the scheduler (core.py:361-374).
+    cfg.hash_block_size = block_size
+    cfg.cache_hit_alignment_tokens = block_size
+    return cfg
+
+
 def make_scheduler(
     num_blocks: int,
     block_size: int,
@@ -291,6 +308,7 @@ def make_scheduler(
     sharding_config=None,
     kv_events: dict | None = None,
     kv_cache_config: KVCacheConfig | None = None,
+    kv_cache_spec: dict | None = None,
 ) -> Scheduler:
     """Build vLLM's real Scheduler (or AsyncScheduler) exactly as EngineCore does,
     minus the executor. The connector (role SCHEDULER) is ``sched.connector``.
@@ -306,7 +324,8 @@ def make_scheduler(
     for tpu-inference on one host (the backend is set after validation, as
     tpu-inference's platform does). The KV cache config describes the page of
     the whole mesh, as tpu-inference reports it; the connector divides it by
-    the number of reporting workers.
+    the number of reporting workers. kv_cache_spec (layer name -> KVCacheSpec, what the workers
+    report: tpu_layouts.kv_cache_spec) builds it as vLLM's engine core does (scheduler_kv_cache_config).
     model_runner_v2=True emulates Model Runner V2's SchedulerOutput shape
     (resumed requests go to scheduled_new_reqs with prefill_token_ids). The
     real switch (VLLM_USE_V2_MODEL_RUNNER=1) fails config validation without
@@ -343,7 +362,9 @@ def make_scheduler(
         update_vllm_config_for_dp_scheduler(vllm_config)
     # EngineCore sets this from the resolved scheduler KV cache config.
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    if kv_cache_config is None:
+    if kv_cache_spec is not None:
+        kv_cache_config = scheduler_kv_cache_config(vllm_config, kv_cache_spec, num_blocks)
+    elif kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(
             num_blocks, block_size, num_layers, num_kv_heads, head_size
         )
