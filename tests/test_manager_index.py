@@ -355,3 +355,93 @@ def test_index_allocate_hands_out_lru_victims_ascending_by_slot():
     assert idx.lru_order() == order[5:]
     idx.add_saving(HashKeys.of([h(10 + i) for i in range(5)]), got, 100)
     assert [idx.slot_of(h(10 + i)) for i in range(5)] == [0, 2, 3, 5, 7]  # i-th new chunk, i-th slot
+
+
+# ---------------------------------------------------------------------------------------- extents
+def test_extent_slots_rule():
+    from tpuoffload.manager import index as index_mod
+
+    assert [index_mod.extent_slots(n) for n in (1, 15, 16, 31, 32, 63, 64, 100, 512, 513, 10**6)] == \
+        [1, 1, 1, 1, 2, 2, 4, 4, 32, 32, 32]
+    assert ChunkIndex(8).extent_of_pool(0) == 1  # small pools: per-chunk LRU
+    two = ChunkIndex(1024 + 64, pools=(1024, 64))
+    assert (two.extent_of_pool(0), two.extent_of_pool(1)) == (32, 1)  # a GDN state pool: per chunk
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extent_store_randomized_invariants(seed):
+    """Eviction by extent (pools of 64 slots: extents of 4) under random saves, confirmations,
+    drops, pins, unpins, discards and resets: ``allocate`` hands out exactly min(n, free +
+    evictable) slots, the victims were READY and unpinned, no slot ever holds two chunks, and the
+    free count matches the states."""
+    rng = random.Random(seed)
+    n = 64
+    idx = ChunkIndex(n)
+    assert idx.extent_of_pool(0) == 4
+    universe = [h(i) for i in range(4 * n)]
+    next_id = 0
+    pinned: list[int] = []
+    for _ in range(2500):
+        op = rng.random()
+        state = np.array([idx.state_of(s) for s in range(n)])
+        pins = np.bincount(np.array(pinned, np.int64), minlength=n)
+        if op < 0.35:
+            fresh = [x for x in dict.fromkeys(rng.sample(universe, rng.randrange(1, 12))) if not idx.contains(x)]
+            evictable = {s for s in range(n) if state[s] == READY and pins[s] == 0}
+            free = int((state == 0).sum())
+            slots = idx.allocate(len(fresh))
+            assert len(slots) == min(len(fresh), free + len(evictable))
+            victims = [s for s in slots.tolist() if state[s] != 0]  # after the free slots, ascending
+            assert len(set(slots.tolist())) == len(slots) and victims == sorted(victims)
+            assert all(s in evictable for s in victims)
+            idx.add_saving(HashKeys.of(fresh[:len(slots)]), slots, next_id)
+            next_id += len(slots)
+        elif op < 0.6:
+            saving = np.flatnonzero((state == SAVING) | (state == REVOKED))
+            if len(saving):
+                pick = rng.sample(saving.tolist(), rng.randrange(1, len(saving) + 1))
+                (idx.mark_ready if rng.random() < 0.85 else idx.drop)(arr(*pick), idx.save_ids(arr(*pick)))
+        elif op < 0.75:
+            ready_ = np.flatnonzero(state == READY).tolist()
+            if ready_:
+                pick = rng.sample(ready_, rng.randrange(1, min(6, len(ready_)) + 1))
+                idx.pin(arr(*pick))
+                pinned += pick
+        elif op < 0.9:
+            if pinned:
+                k = rng.randrange(1, len(pinned) + 1)
+                out, pinned = pinned[:k], pinned[k:]
+                idx.unpin(arr(*out))
+        elif op < 0.98:
+            ready_ = np.flatnonzero(state == READY).tolist()
+            if ready_:
+                s = rng.choice(ready_)
+                assert idx.discard(s, idx.save_id_of(s))
+        else:
+            idx.revoke_all()
+        state = np.array([idx.state_of(s) for s in range(n)])
+        assert idx.num_free_slots == int((state == 0).sum())
+        assert len(idx) == int(((state == SAVING) | (state == READY)).sum())
+        named = idx.named_slots().tolist()
+        keys = idx.keys_of(arr(*named)) if named else None
+        if named:
+            assert len(set(zip(keys.k1.tolist(), keys.k2.tolist()))) == len(named)  # one slot per hash
+
+
+def test_extent_store_keeps_a_churned_store_in_long_runs_negative_control_per_chunk_lru(monkeypatch):
+    """tools/churn_slots.py's steady state (the real ChunkIndex driven as the save planner and the
+    load path drive it) on 1024 slots: with extents (32) a step's saves come in long runs; with
+    extents of one slot (per-chunk LRU, the store before) in short ones."""
+    import sys
+    from pathlib import Path
+
+    from tpuoffload.manager import index as index_mod
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import churn_slots
+
+    runs = churn_slots.simulate(1024, 64, seed=3)["steady"]
+    assert min(runs["save_mean_run_first_half"], runs["save_mean_run_second_half"]) >= 20
+    monkeypatch.setattr(index_mod, "EXTENT_SLOTS", 1)
+    lru = churn_slots.simulate(1024, 64, seed=3)["steady"]
+    assert max(lru["save_mean_run_first_half"], lru["save_mean_run_second_half"]) < 12
