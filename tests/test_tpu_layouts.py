@@ -102,3 +102,29 @@ def test_layout_describes_per_host_part():
     per_layer = int(np.prod(caches[0].shape[1:])) * caches[0].dtype.itemsize
     assert layout.slot_bytes == spec.num_layers * per_layer
     assert layout.groups[0].tile_shape == (spec.block_size, caches[0].shape[2] // spec.tp, 2, 128)
+
+
+@pytest.mark.parametrize("name", ["mla-attndp2-tp2", "mla-attndp4-tp2"])
+def test_mla_attention_dp_is_what_tpu_inference_allocates(name):
+    """DeepSeek-V3-like MLA under attention DP (NEW_MODEL_DESIGN): tpu-inference's create_kv_caches
+    gives 4-D latent arrays sharded ``P(BATCH, KV_CONTEXT)``: axis 0 names its batch axes
+    ('data', 'attn_dp', 'attn_dp_expert'), split over the attention-DP ranks, and the latent is
+    whole on every device (replicated over 'model'): every device of a rank holds the same tile."""
+    from tpuoffload.sim.tpu_layouts import tpu_inference
+
+    spec = LAYOUTS[name]
+    caches, mesh = create_caches(spec)
+    ti = tpu_inference()
+    shape = ti.kv_cache.get_kv_cache_shape_with_mesh(mesh, spec.num_blocks, spec.block_size, 1, spec.head_dim,
+                                                     jax.numpy.dtype(spec.dtype), use_mla=True)
+    assert all(c.shape == shape and c.ndim == 4 for c in caches) and shape[-1] == 640  # 576 padded to 128
+    group = CacheLayout.from_caches(caches).groups[0]
+    assert group.batch_axes == ("data", "attn_dp", "attn_dp_expert") and group.num_shards == spec.attn_dp
+    assert tuple(caches[0].sharding.spec)[1] == ("pcp", "dcp") and len(tuple(caches[0].sharding.spec)) == 2
+    assert mesh.shape["model"] == spec.tp and mesh.shape["attn_dp"] == spec.attn_dp
+    assert len(group.tiles) == 1 and group.tile_shape == shape[1:]  # whole latent on every device
+    assert sorted(group.held) == [(s, 0) for s in range(spec.attn_dp)]
+    # Each device keeps its own copy: tp copies of each rank's block on the slice.
+    layout = CacheLayout.from_caches(caches)
+    per_block = len(caches) * int(np.prod(shape[1:])) * caches[0].dtype.itemsize
+    assert layout.device_bytes_per_chunk == spec.num_devices * per_block
