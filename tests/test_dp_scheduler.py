@@ -60,7 +60,7 @@ def _rank_pids(pod: PodSlice) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)  # three slices, each compiling its programs for its own layout
 def test_dp_and_attention_dp_serve_through_dpscheduler(make_slice):
     """DP 2 x TP 4 and attention-DP 4 x TP 2 over 2 hosts x 4 devices, and the same slice without
     DP, on one repeated-prefix workload: through DPScheduler every request finishes with the right
@@ -191,6 +191,38 @@ def test_a_failed_load_never_stays_in_the_prefix_cache_of_its_rank(make_slice, m
     _assert_clean_end(pod)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("own_ids_only", [True, False], ids=["filtered", "negative-control"])
+def test_lazy_offload_under_dpscheduler_each_rank_frees_only_its_own(make_slice, monkeypatch, own_ids_only):
+    """Lazy offload under DPScheduler (DP 2 x TP 4, 2 hosts): a finished request's blocks are held
+    until its flush is dispatched, and the workers' ``finished_sending`` (every rank's) reaches
+    every rank's vLLM scheduler, which asserts that each id is its own. Each rank's half leaves
+    only its own ids in its copy of the output: every request finishes with the right tokens, the
+    next wave loads the flushed prefixes (cross-rank too), every read is exact, nothing leaks.
+    Negative control: a half that keeps every id (``RequestLifecycle.released`` claiming all of
+    them) makes a rank's vLLM scheduler assert on another rank's request: the slice fails."""
+    if not own_ids_only:
+        from tpuoffload.manager.lifecycle import RequestLifecycle
+
+        released = RequestLifecycle.released
+        monkeypatch.setattr(RequestLifecycle, "released", lambda self, ids: released(self, ids) | set(ids))
+    pod = make_slice(_spec("bf16-dp2-tp4", save_timeout_s=30.0, lazy_offload=True))
+    assert pod.dp_ranks == 2
+    if not own_ids_only:
+        from tpu_inference.core.sched.dp_scheduler import SchedulerWorkerError
+
+        with pytest.raises(SchedulerWorkerError):  # a rank's vLLM scheduler: assert req_id in self.requests
+            run_prefix_repetition(pod, SPREAD)
+        return
+    res = run_prefix_repetition(pod, SPREAD)
+    assert res.finished == res.requests == 2 * SPREAD.num_requests and res.wrong_outputs == [], res
+    totals = pod.stats.totals()
+    assert res.per_wave_loaded[1] > 0 and totals["chunks_saved"] > 0, res.stats
+    assert pod.mismatches == [0, 0], pod.mismatches
+    _assert_clean_end(pod)
+
+
 def _rank_plan(rank: int, blocks_per_rank: int, step: int, num_slots: int, **fields) -> StepPlan:
     """A DP rank's plan after DPScheduler's merge: its local_block_ids entry translated by the rank's
     block offset, as ``_combine_scheduler_outputs`` does."""
@@ -255,13 +287,14 @@ def test_dp_rank_comes_from_tpu_inference_config_and_refuses_what_it_cannot_do()
     assert (rank.ranks, rank.num_blocks, rank.source, rank.failures_by_request) == (2, 48, os.getpid(), True)
     assert DPRank.of(config(1, Scheduler), kv) == DPRank()  # no DP: one scheduler for the whole engine
     assert DPRank.of(config(2, Scheduler), kv) == DPRank()  # DP layout under vLLM's scheduler
-    for key, value in (("lazy_offload", True), ("persist_path", "/tmp/x"), ("disk_path", "/tmp/d")):
+    for key, value in (("persist_path", "/tmp/x"), ("disk_path", "/tmp/d")):
         extra = {"cpu_bytes_to_use": 1 << 22, key: value}
         if key == "disk_path":
             extra["disk_bytes_to_use"] = 1 << 24
         with pytest.raises(ValueError, match=key):
             check_dp_config(parse_config(extra))
     check_dp_config(parse_config({"cpu_bytes_to_use": 1 << 22}))  # eager offload is fine
+    check_dp_config(parse_config({"cpu_bytes_to_use": 1 << 22, "lazy_offload": True}))  # so is lazy
 
 
 def test_every_rank_plan_survives_dpscheduler_merge_whole():
@@ -423,3 +456,47 @@ def test_rank_stats_stay_apart_and_what_dpscheduler_does_with_them():
     combined = sched._combine_scheduler_stats([SchedulerStats(num_running_reqs=1, kv_connector_stats=r.data)
                                                for r in reports])
     assert combined.num_running_reqs == 2 and combined.kv_connector_stats is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("replicas_from_spec", [True, False], ids=["mla-spec", "negative-control"])
+def test_mla_attention_dp_serves_through_dpscheduler(make_slice, monkeypatch, replicas_from_spec):
+    """MLA the way tpu-inference serves it (DeepSeek-V3-like, NEW_MODEL_DESIGN, attention DP 2 x TP
+    2 over 2 hosts x 2 devices, so DPScheduler): the scheduler's KV cache config reports the layers
+    as tpu-inference's ``MLAAttentionSpec`` (one latent copy per page) and each device keeps its
+    rank's latent blocks, replicated over the tensor-parallel devices. With ``cpu_bytes_to_use`` sized
+    the same on both halves, every request finishes with the right tokens, every context position
+    read is exact, a rank loads prefixes another rank saved (cross-rank hits), the hosts dispatch
+    the same programs, nothing leaks. Negative control: the rule before (MLA replicas only when
+    ``model_config.use_mla``, which this scheduler's model config does not set): every rank plans
+    more slots than a host has and the workers refuse at the first step."""
+    from tpuoffload.sim.podslice import SliceError
+
+    if not replicas_from_spec:
+        import tpuoffload.connector as connector
+
+        def old_rule(vllm_config, kv_cache_config):
+            sharding = vllm_config.sharding_config
+            factor = int(sharding.total_dp_size)
+            if getattr(vllm_config.model_config, "use_mla", False):
+                factor *= int(sharding.tp_size) * int(sharding.expert_size)
+            return factor
+
+        monkeypatch.setattr(connector, "storage_factor", old_rule)  # before DPScheduler forks its ranks
+    spec = dataclasses.replace(_spec("mla-attndp2-tp2", save_timeout_s=30.0), devices_per_host=2)
+    if not replicas_from_spec:
+        with pytest.raises(SliceError, match="disagree on the chunk size"):
+            pod = make_slice(spec)
+            run_prefix_repetition(pod, SPREAD)
+        return
+    pod = make_slice(spec)
+    assert pod.dp_ranks == 2 and type(pod.scheduler).__name__ == "DPScheduler"
+    res = run_prefix_repetition(pod, SPREAD)
+    assert res.finished == res.requests == 2 * SPREAD.num_requests and res.wrong_outputs == [], res
+    totals = pod.stats.totals()
+    assert totals["load_errors"] == totals["cross_rank_load_errors"] and totals["save_failures"] == 0, res.stats
+    assert res.per_wave_loaded[1] > 0, res.stats
+    assert totals["cross_rank_chunks_loaded"] > 0 and totals["cross_rank_hit_tokens"] > 0, res.stats
+    assert pod.mismatches == [0, 0], pod.mismatches
+    _assert_clean_end(pod)

@@ -385,8 +385,11 @@ def test_plans_whose_pools_disagree_are_refused(layout, vllm_config):
                            f"plans host slots up to {b + 1} but this host \\(host 0\\) has {b}")):
             with pytest.raises(ValueError, match=msg):
                 conn.bind_connector_metadata(OffloadMetadata([plan]))
-        # An empty plan without state slots is harmless.
-        conn.bind_connector_metadata(OffloadMetadata([StepPlan(step=0, num_slots=b)]))
+        # A plan without state slots is refused even with nothing to do: the plans' shape is checked
+        # once, not at every step, so a later plan of the same shape would not be looked at again.
+        with pytest.raises(ValueError, match="scheduler plans no state slots"):
+            conn.bind_connector_metadata(OffloadMetadata([StepPlan(step=0, num_slots=b)]))
+        conn.bind_connector_metadata(OffloadMetadata([StepPlan(step=0, num_slots=b + s, state_slots=s)]))
         conn.clear_connector_metadata()
         # A row outside its pool is refused whole, before anything is dispatched.
         for boundary_row, msg in (((65, b), "pool 1's block ids out of range 0..64"),

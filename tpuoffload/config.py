@@ -234,10 +234,10 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
 
 
 def check_dp_config(config: OffloadConfig) -> None:
-    """Under tpu-inference's DPScheduler (topology.DPRank) every rank's vLLM scheduler receives every
-    ``finished_sending`` id and asserts it is its own, so nothing may delay freeing a request's
-    blocks (lazy offload does); warm restart and the disk tier are not planned per rank yet."""
-    refused = [key for key, on in (("lazy_offload", config.lazy_offload), ("persist_path", config.persist_path),
+    """Under tpu-inference's DPScheduler (topology.DPRank) warm restart and the tiers beside host RAM
+    are not planned per rank yet. (Lazy offload's delayed frees work: each rank's half keeps only
+    its own ``finished_sending`` ids in the output every rank receives.)"""
+    refused = [key for key, on in (("persist_path", config.persist_path),
                                    ("disk_path", config.disk_path), ("shared_url", config.shared_url)) if on]
     if refused:
         raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with data parallelism (tpu-inference's "

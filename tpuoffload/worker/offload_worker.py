@@ -91,6 +91,7 @@ class OffloadWorker:
         self._boundary = 0  # the step's first state slot (StepPlan.state_slots)
         self._meta: OffloadMetadata | None = None
         self._placed: list[_Placed] = []  # the step's plans in the engine's numbering
+        self._checked_shape: tuple | None = None  # the plans' slot counts and placement, last checked
         self._sources: dict[int, int] = {}  # DP rank -> the source of its scheduler half
         self._news: dict[tuple[int, int], ChunkNews] = {}  # (rank, step) -> the plan's news, to echo
         self._saved = False
@@ -202,7 +203,10 @@ class OffloadWorker:
         if not plans:
             raise ValueError("tpuoffload: the step's metadata carries no plan")
         placed = [_Placed(plan) for plan in plans]
-        self._check_slots(placed)
+        shape = tuple((p.plan.num_slots, p.plan.state_slots, p.plan.num_blocks, p.slot_offset) for p in placed)
+        if shape != self._checked_shape:  # the plans' shape is the deployment's: checked when it changes
+            self._check_slots(placed)
+            self._checked_shape = shape
         if self._snapshot is not None:
             self._snapshot.step_begin()  # the heartbeat now reports this step's age (a hang shows)
         self._meta = meta
@@ -265,7 +269,7 @@ class OffloadWorker:
             raise ValueError("tpuoffload: GDN/mamba state layers are not supported with data parallelism "
                              "(DPScheduler) yet")
         plan, have = placed[0].plan, self.engine.num_slots(1)
-        if not plan.state_slots and (plan.flush or plan.save or plan.loads):
+        if not plan.state_slots:
             raise ValueError(f"the runner's caches hold GDN/mamba state layers ({self._pools.describe()}) but the "
                              "scheduler plans no state slots: the two halves disagree on the cache's pools")
         if plan.state_slots > have:
