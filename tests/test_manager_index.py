@@ -358,22 +358,27 @@ def test_index_allocate_hands_out_lru_victims_ascending_by_slot():
 
 
 # ---------------------------------------------------------------------------------------- extents
-def test_extent_slots_rule():
+def test_extent_slots_rule(monkeypatch):
     from tpuoffload.manager import index as index_mod
 
-    assert [index_mod.extent_slots(n) for n in (1, 15, 16, 31, 32, 63, 64, 100, 512, 513, 10**6)] == \
+    assert [index_mod.extent_slots(n, 32) for n in (1, 15, 16, 31, 32, 63, 64, 100, 512, 513, 10**6)] == \
         [1, 1, 1, 1, 2, 2, 4, 4, 32, 32, 32]
+    assert ChunkIndex(10**4).extent_of_pool(0) == index_mod.EXTENT_SLOTS
+    monkeypatch.setattr(index_mod, "EXTENT_SLOTS", 32)
     assert ChunkIndex(8).extent_of_pool(0) == 1  # small pools: per-chunk LRU
     two = ChunkIndex(1024 + 64, pools=(1024, 64))
     assert (two.extent_of_pool(0), two.extent_of_pool(1)) == (32, 1)  # a GDN state pool: per chunk
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_extent_store_randomized_invariants(seed):
+def test_extent_store_randomized_invariants(seed, monkeypatch):
     """Eviction by extent (pools of 64 slots: extents of 4) under random saves, confirmations,
     drops, pins, unpins, discards and resets: ``allocate`` hands out exactly min(n, free +
     evictable) slots, the victims were READY and unpinned, no slot ever holds two chunks, and the
     free count matches the states."""
+    from tpuoffload.manager import index as index_mod
+
+    monkeypatch.setattr(index_mod, "EXTENT_SLOTS", 32)
     rng = random.Random(seed)
     n = 64
     idx = ChunkIndex(n)
@@ -440,6 +445,7 @@ def test_extent_store_keeps_a_churned_store_in_long_runs_negative_control_per_ch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import churn_slots
 
+    monkeypatch.setattr(index_mod, "EXTENT_SLOTS", 32)
     runs = churn_slots.simulate(1024, 64, seed=3)["steady"]
     assert min(runs["save_mean_run_first_half"], runs["save_mean_run_second_half"]) >= 20
     monkeypatch.setattr(index_mod, "EXTENT_SLOTS", 1)
