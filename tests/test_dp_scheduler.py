@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from tpuoffload.config import check_dp_config, parse_config
+from tpuoffload.config import DP, check_features, parse_config
 from tpuoffload.messages import RANK_SAVE_ID_SHIFT, LoadRequest, OffloadMetadata, SaveBatch, StepPlan
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.sim.podslice import PodSlice, SliceSpec
@@ -292,9 +292,9 @@ def test_dp_rank_comes_from_tpu_inference_config_and_refuses_what_it_cannot_do()
         if key == "disk_path":
             extra["disk_bytes_to_use"] = 1 << 24
         with pytest.raises(ValueError, match=key):
-            check_dp_config(parse_config(extra))
-    check_dp_config(parse_config({"cpu_bytes_to_use": 1 << 22}))  # eager offload is fine
-    check_dp_config(parse_config({"cpu_bytes_to_use": 1 << 22, "lazy_offload": True}))  # so is lazy
+            check_features(parse_config(extra), {DP})
+    check_features(parse_config({"cpu_bytes_to_use": 1 << 22}), {DP})  # eager offload is fine
+    check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "lazy_offload": True}), {DP})  # so is lazy
 
 
 def test_every_rank_plan_survives_dpscheduler_merge_whole():

@@ -233,35 +233,73 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
     return OffloadConfig(**out)
 
 
-def check_dp_config(config: OffloadConfig) -> None:
-    """Under tpu-inference's DPScheduler (topology.DPRank) warm restart and the tiers beside host RAM
-    are not planned per rank yet. (Lazy offload's delayed frees work: each rank's half keeps only
-    its own ``finished_sending`` ids in the output every rank receives.)"""
-    refused = [key for key, on in (("persist_path", config.persist_path),
-                                   ("disk_path", config.disk_path), ("shared_url", config.shared_url)) if on]
-    if refused:
-        raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with data parallelism (tpu-inference's "
-                         "DPScheduler, sharding_config.total_dp_size > 1) yet")
+# ---------------------------------------------------------------------------- what works where
+#: The shapes a deployment can have beside the plain one (one vLLM scheduler, one KV cache group).
+DP = "data parallelism (tpu-inference's DPScheduler)"
+HYBRID = "several KV cache groups (sliding-window hybrids: gpt-oss, Gemma 3)"
+GDN = "GDN/mamba state layers (Qwen3.5)"
+SHAPES = (DP, HYBRID, GDN)
+
+#: The one feature-compatibility table, read by both halves and printed in the README: for each
+#: feature, the shapes it does not work with yet, each with why and what would lift it. A feature
+#: not listed for a shape works there (tested: docs/design.md). A GDN model also has several KV
+#: cache groups, so HYBRID's limits apply to it too.
+LIMITS: dict[str, dict[str, str]] = {
+    "lazy_offload": {
+        HYBRID: "a lazy flush saves block ids remembered while the request ran, and a sliding-window group "
+                "drops blocks before it finishes; lifted by planning flushes per group",
+    },
+    "persist_path": {
+        DP: "a checkpoint holds one scheduler's slots and records; lifted by per-rank checkpoint parts",
+        GDN: "checkpoints hold the KV pool's slots only; lifted by a second array per slot pool",
+    },
+    "disk_path": {
+        DP: "the disk tier's spills and fetches are planned by one scheduler; lifted by per-rank tier plans",
+        GDN: "chunk files hold the KV pool's chunks only; lifted by a file kind per slot pool",
+    },
+    "shared_url": {
+        DP: "the shared tier's probes and fetches are planned by one scheduler; lifted by per-rank tier plans",
+        HYBRID: "objects are keyed by group 0 only; lifted by the group in the key and per-group hits",
+    },
+    DP: {
+        HYBRID: "DPScheduler's merge of per-group block ids is not proven against a hybrid cache yet",
+    },
+}
 
 
-def check_kv_groups_config(config: OffloadConfig, groups, dp_ranks: int) -> None:
-    """With several KV cache groups (vLLM's hybrid KV cache manager), vLLM accepts load failures
-    only by request, for asynchronous loads (``failed_recving``): DPScheduler's synchronous loads
-    cannot report them. Lazy offload would flush a sliding-window group's block ids remembered
-    before vLLM dropped them (and is not planned per group yet)."""
-    if not groups.several:
-        return
-    refused = [key for key, on in (("data parallelism (DPScheduler)", dp_ranks > 1),
-                                   ("lazy_offload", config.lazy_offload),
-                                   ("shared_url", config.shared_url)) if on]
+def refusals(config: OffloadConfig, shapes: set[str]) -> list[str]:
+    """Every feature of ``config`` (and shape) that ``LIMITS`` says cannot be used with ``shapes``,
+    each as "<feature> with <shape>: <why>"."""
+    if GDN in shapes:
+        shapes = shapes | {HYBRID}
+    on = {key for key in LIMITS if key not in SHAPES and getattr(config, key)} | (shapes & {DP})
+    return [f"{feature} with {shape}: {why}" for feature in LIMITS if feature in on
+            for shape, why in LIMITS[feature].items() if shape in shapes]
+
+
+def check_features(config: OffloadConfig, shapes: set[str]) -> None:
+    """Refuse, with every reason at once, what ``LIMITS`` says this deployment cannot use yet."""
+    refused = refusals(config, shapes)
     if refused:
-        raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with several KV cache groups "
-                         f"({groups.describe()}) yet")
-    # GDN/mamba state chunks live in a second slot pool, which neither tier beside host RAM keeps.
-    refused = [key for key, on in (("disk_path", config.disk_path), ("persist_path", config.persist_path)) if on]
-    if refused and groups.num_pools > 1:
-        raise ValueError(f"tpuoffload: {', '.join(refused)} cannot be used with GDN/mamba state layers "
-                         f"({groups.describe()}) yet")
+        raise ValueError("tpuoffload: not supported yet: " + "; ".join(refused))
+
+
+def feature_table() -> str:
+    """``LIMITS`` as the README's markdown table (tests/test_config.py keeps the README's copy
+    equal to it)."""
+    cols = ("one scheduler", "DPScheduler", "hybrid", "GDN")
+    lines = ["| feature | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for feature, limits in LIMITS.items():
+        name = "DPScheduler" if feature == DP else f"`{feature}`"
+        cells = ["—" if feature == DP else "yes"]
+        for shape in SHAPES:
+            refused = shape in limits or (shape == GDN and HYBRID in limits)
+            cells.append("—" if feature == shape else "no" if refused else "yes")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"* {feature if feature == DP else f'`{feature}`'} with {shape}: {why}."
+              for feature, limits in LIMITS.items() for shape, why in limits.items()]
+    return "\n".join(lines)
 
 
 ENGINE_DIRS = ("stats_dir", "persist_path", "disk_path")

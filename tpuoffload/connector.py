@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tpuoffload.config import check_dp_config, parse_config, per_engine
+from tpuoffload.config import parse_config, per_engine
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.manager import OffloadScheduler
 from tpuoffload.manager.events import event_format
@@ -70,7 +70,6 @@ class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError("TPUOffloadConnector needs the KV cache config on the scheduler side")
             dp = DPRank.of(vllm_config, kv_cache_config)
             if dp.ranks > 1:
-                check_dp_config(self.config)
                 published = publish_as_dp_rank(vllm_config, dp)
                 if published is not None:
                     logger.info("tpuoffload: this DPScheduler rank publishes KV events as data parallel rank %d "

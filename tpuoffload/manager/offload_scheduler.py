@@ -31,7 +31,7 @@ import numpy as np
 from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
-from tpuoffload.config import OffloadConfig, check_kv_groups_config
+from tpuoffload.config import DP, GDN, HYBRID, OffloadConfig, check_features
 from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
@@ -90,7 +90,8 @@ class OffloadScheduler:
         self.dp = dp or DPRank()
         # vLLM's KV cache groups (HMA): a chunk is keyed by content hash and group (kv_groups.py).
         self.kv_groups = kv_groups
-        check_kv_groups_config(config, kv_groups, self.dp.ranks)
+        check_features(config, {shape for shape, on in ((DP, self.dp.ranks > 1), (HYBRID, kv_groups.several),
+                                                        (GDN, kv_groups.num_pools > 1)) if on})
         # vLLM takes load failures by block id (``invalid_block_ids``) or by request
         # (``failed_recving``): by request when block ids do not say whose (several KV cache
         # groups; rank-local ids under DPScheduler).
@@ -318,7 +319,7 @@ class OffloadScheduler:
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager (``SupportsHMA``) calls this instead of
         ``request_finished``, with the block ids of every group. Lazy offload (the only user of
-        the block ids) runs with one group only (config.check_kv_groups_config)."""
+        the block ids) runs with one group only (config.LIMITS)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ------------------------------------------------------------------ reports from workers

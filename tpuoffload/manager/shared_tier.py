@@ -96,7 +96,7 @@ class _Wait:
 
 class SharedTierPlanner(Tier):
     """The shared tier as a ``Tier`` (module doc). One KV cache group only
-    (config.check_kv_groups_config refuses several)."""
+    (config.LIMITS refuses several)."""
 
     name = "shared"
     PROBING, WANTED, IN_FLIGHT, DONE = 0, 1, 2, 3

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.config import OffloadConfig, check_fits_in_ram
+from tpuoffload.config import DP, GDN, OffloadConfig, check_features, check_fits_in_ram
 from tpuoffload.layout import CacheLayout, CachePools, KVGroupMap
 from tpuoffload.messages import (
     RANK_SAVE_ID_SHIFT,
@@ -115,9 +115,9 @@ class OffloadWorker:
         caches = list(runner.kv_caches)
         pools = CachePools.of(caches)
         layouts = [CacheLayout.from_caches(pools.arrays(caches, p)) for p in range(pools.num)]
-        if pools.num > 1 and (self.config.disk_path or self.config.persist_path):
-            raise ValueError("tpuoffload: disk_path and persist_path cannot be used with GDN/mamba state layers yet "
-                             f"(runner.kv_caches: {pools.describe()})")
+        # The batch axes split the blocks (data parallelism: DPScheduler) where the first group does.
+        batch_split = any(g.num_shards > 1 for g in layouts[0].groups)
+        check_features(self.config, {shape for shape, on in ((DP, batch_split), (GDN, pools.num > 1)) if on})
         self._check_kv_groups(runner, pools, len(caches))
         pool_bytes = self.config.pool_bytes(layouts[0].device_bytes_per_chunk, pools.num)
         check_fits_in_ram(sum(pool_bytes))
@@ -229,9 +229,6 @@ class OffloadWorker:
         if unknown:
             raise ValueError(f"the scheduler plans work for tier(s) {sorted(unknown)} that host {self.host_id} "
                              "does not have: the two halves were configured differently")
-        if len(plans) > 1 and any(p.tiers for p in plans):
-            raise ValueError("tpuoffload: tiers beside host RAM are not supported with several scheduler plans "
-                             "per step (DPScheduler)")
         for t in self.tiers:
             t.act(plans[0].step, plans[0].tiers.get(t.name))
 
@@ -265,9 +262,6 @@ class OffloadWorker:
                 raise ValueError("the scheduler plans state slots (GDN/mamba state layers) but the runner's caches "
                                  "hold none: the two halves disagree on the cache's pools")
             return
-        if len(placed) > 1 or placed[0].plan.num_blocks:
-            raise ValueError("tpuoffload: GDN/mamba state layers are not supported with data parallelism "
-                             "(DPScheduler) yet")
         plan, have = placed[0].plan, self.engine.num_slots(1)
         if not plan.state_slots:
             raise ValueError(f"the runner's caches hold GDN/mamba state layers ({self._pools.describe()}) but the "

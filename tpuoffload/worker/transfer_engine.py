@@ -590,7 +590,7 @@ class TransferEngine:
                    for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
 
     def _check_one_shard(self, what: str) -> None:
-        if self.slot_table.shards > 1:  # config.py:check_dp_config refuses the disk tier with DP
+        if self.slot_table.shards > 1:  # config.py:LIMITS refuses the disk tier with DP
             raise ValueError(f"{what}: the disk tier runs on one batch shard, not {self.slot_table.shards}")
 
     def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[SlotRows, list[bool]]:
