@@ -89,7 +89,7 @@ def poisoned(hashes, digest):
 
 
 @functools.lru_cache(maxsize=8)
-def _step_programs(rests, dtypes, shardings, mesh, serves):
+def _step_programs(rests, dtypes, shardings, mesh, serves, packs):
     """The runner's two jitted programs for one cache layout, shared by every runner with that
     layout (simulated hosts and soak runs compile them once per padded size). ``serves[i]``: the
     (KV cache group, layer) pairs array i holds, each reached through its group's row of the block
@@ -101,13 +101,19 @@ def _step_programs(rests, dtypes, shardings, mesh, serves):
     against what the prefix hashes imply: per position, whether it read wrong, and a word of how
     what it read differs (0 when right), summed over the layers; the host folds the words into
     each request's digest. Two programs of one size each, not one of both sizes: far fewer
-    compilations as contexts grow."""
+    compilations as contexts grow. ``packs[i] > 1``: array i packs a block's token positions over
+    axes 1 and 2 (tpu-inference's MLA latent cache, ``(blocks, ceil(block_size / p), p, dim)``):
+    position t is at ``[t // p, t % p]``."""
+
+    def at(p, blk, off):
+        return (blk, off // p, off % p) if p > 1 else (blk, off)
 
     def write(caches, w_blk, w_off, w_hash):
         out = []
         for i, cache in enumerate(caches):
             for group, layer in serves[i]:
-                cache = cache.at[w_blk[group], w_off].set(kv_values(w_hash, layer, rests[i], dtypes[i]), mode="drop")
+                cache = cache.at[at(packs[i], w_blk[group], w_off)].set(
+                    kv_values(w_hash, layer, rests[i], dtypes[i]), mode="drop")
             out.append(cache)
         return tuple(out)
 
@@ -117,7 +123,7 @@ def _step_programs(rests, dtypes, shardings, mesh, serves):
         diff = jnp.zeros(rows, jnp.uint32)
         for i, cache in enumerate(caches):
             for group, layer in serves[i]:
-                got = cache[r_blk[group], r_off]
+                got = cache[at(packs[i], r_blk[group], r_off)]
                 want = kv_values(r_hash, layer, rests[i], dtypes[i])
                 wrong = r_ok[group] & jnp.any(got.reshape(rows, -1) != want.reshape(rows, -1), axis=1)
                 bad = bad | wrong
@@ -172,7 +178,9 @@ class SyntheticRunner:
         self.blocks_per_rank = self.num_blocks // dp_ranks
         self.vocab = vocab
         self.kv_caches: list[jax.Array] = list(kv_caches)
-        self._rests = [tuple(c.shape[2:]) for c in kv_caches]
+        # An axis 1 shorter than a block: token positions packed over axes 1 and 2 (MLA latent caches).
+        self._packs = tuple(c.shape[2] if c.shape[1] < block_size else 1 for c in kv_caches)
+        self._rests = [tuple(c.shape[3:] if p > 1 else c.shape[2:]) for c, p in zip(kv_caches, self._packs)]
         self._dtypes = [c.dtype for c in kv_caches]
         self.serves = tuple(tuple(map(tuple, s)) for s in serves) if serves is not None else \
             tuple(((0, i),) for i in range(len(kv_caches)))
@@ -182,7 +190,8 @@ class SyntheticRunner:
         self._reqs: dict[str, _Req] = {}
         self.stats = RunnerStats()
         self._write_fn, self._read_fn = _step_programs(tuple(self._rests), tuple(self._dtypes),
-                                                       tuple(c.sharding for c in self.kv_caches), mesh, self.serves)
+                                                       tuple(c.sharding for c in self.kv_caches), mesh, self.serves,
+                                                       self._packs)
 
     # ------------------------------------------------------------------ one engine step
     def execute(self, scheduler_output, connector=None) -> ModelRunnerOutput:
