@@ -21,7 +21,8 @@ varies between replays (background save threads): ``--repeat N`` runs a seed N t
 With ``--dp`` the slice is a data-parallel layout of 8 devices (DP 2 x TP 4 or attention DP 4 x
 TP 2, ``any``: the seed picks; 2 hosts x 4 devices in pod-slice mode, one host in fast mode), scheduled by tpu-inference's own ``DPScheduler`` (one vLLM
 scheduler and one tpuoffload scheduler half per rank, in forked processes), with a block pool that
-keeps every rank busy and chaos that also aborts requests right after their load failed.
+keeps every rank busy (and host RAM above the rows each device keeps spare per batch shard) and
+chaos that also aborts requests right after their load failed.
 
 The synthetic model's written KV and sampled tokens depend on every context position it read
 (tpuoffload/sim/runner.py), so a wrong read anywhere taints everything computed after it. A run
@@ -212,7 +213,7 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
     if dp is not None:
         # 8 devices on 2 hosts; every rank gets the block pool a scenario without DP would (a tiny
         # one for preemption storms included), so every rank is busy; chaos also aborts requests
-        # right after their load failed. Lazy offload is refused under DPScheduler.
+        # right after their load failed.
         from tpuoffload.sim.tpu_layouts import LAYOUTS
 
         dp_layout = DP_LAYOUTS[dp] if dp != "any" else rng.choice(sorted(DP_LAYOUTS.values()))
@@ -221,7 +222,12 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
         # in-process slice holds separate per-host caches, so one host with all 8 devices.
         hosts, devices_per_host = (2, 4) if mode == "podslice" else (1, 8)
         num_blocks *= ranks
-        extra["lazy_offload"] = False
+        # Lazy offload works under DPScheduler; small host RAM keeps its eviction, above the rows
+        # every device keeps spare per batch shard (backend/slot_table.py:SHARD_SPARE_ROWS).
+        from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
+
+        if extra["num_cpu_chunks"] < 512:
+            extra["num_cpu_chunks"] += SHARD_SPARE_ROWS
         chaos["abort_failed_load_rate"] = maybe(0.6, round(rng.uniform(0.3, 1.0), 2))
         if chaos["lose_slot_host"] is None and rng.random() < 0.5:  # failed loads to abort after
             chaos.update(lose_slot_host=rng.randrange(hosts), lose_slot_rate=round(rng.uniform(0.2, 0.6), 2))
