@@ -78,6 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpuoffload.backend.files import fsync_dir, unlink_if_present
 from tpuoffload.counters import (DISK_ADOPTED, DISK_EVICTED, DISK_READ_BYTES, DISK_READ_CHUNKS, DISK_READ_FAILED,
                                  DISK_WRITE_FAILED, DISK_WRITE_NO_SPACE, DISK_WRITTEN_BYTES, DISK_WRITTEN_CHUNKS)
 
@@ -362,7 +363,7 @@ class DiskTier:
         tmp = os.path.join(self.path, f".{file_name(key.hash)}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
         try:
             for victim in victims:
-                _unlink(os.path.join(self.path, file_name(victim.key.hash)))
+                unlink_if_present(os.path.join(self.path, file_name(victim.key.hash)))
         except OSError as e:  # the victim's file may still be there: keep its unit counted for good
             with self._lock:
                 del self._writing[key.hash]
@@ -387,9 +388,9 @@ class DiskTier:
             self._faults.before_commit(key, tmp)
             os.replace(tmp, final)
             if self.fsync:
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
         except BaseException as e:  # noqa: BLE001 - any failure is this chunk's write error
-            _unlink(tmp)
+            unlink_if_present(tmp)
             with self._lock:
                 del self._writing[key.hash]
                 self._units -= 1
@@ -502,7 +503,7 @@ class DiskTier:
         return True
 
     def _unlink_doomed(self, entry: _Entry) -> None:
-        _unlink(os.path.join(self.path, file_name(entry.key.hash)))
+        unlink_if_present(os.path.join(self.path, file_name(entry.key.hash)))
         with self._lock:
             del self._doomed[entry.key.hash]
             self._units -= 1
@@ -537,25 +538,25 @@ class DiskTier:
         for name, dirent in names:
             full = os.path.join(self.path, name)
             if name.endswith(TMP_SUFFIX):
-                _unlink(full)
+                unlink_if_present(full)
                 removed_tmp += 1
                 continue
             if not name.endswith(SUFFIX):
                 continue  # not ours: left alone, not counted
             if foreign:
-                _unlink(full)
+                unlink_if_present(full)
                 removed_foreign += 1
                 continue
             key = self._valid_file(full, name, dirent)
             if key is None:
-                _unlink(full)
+                unlink_if_present(full)
                 removed_invalid += 1
             else:
                 found.append((dirent.stat().st_mtime, name, key))
         found.sort(key=lambda t: (t[0], t[1]))  # oldest first
         keep = found[max(0, len(found) - self.capacity_chunks):]
         for _, name, _ in found[: len(found) - len(keep)]:
-            _unlink(os.path.join(self.path, name))
+            unlink_if_present(os.path.join(self.path, name))
             removed_over += 1
         for _, _, key in keep:
             self._entries[key.hash] = _Entry(key)
@@ -581,7 +582,7 @@ class DiskTier:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, record)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def _valid_file(self, full: str, name: str, dirent: os.DirEntry) -> ChunkKey | None:
         try:
@@ -637,21 +638,6 @@ def _read_text(path: str) -> str:
             return f.read()
     except FileNotFoundError:
         return ""
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["ChunkKey", "DiskFaults", "DiskTier", "DiskTierError", "DiskWrite", "ReadError", "ReadResult",

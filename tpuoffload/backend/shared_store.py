@@ -61,6 +61,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from typing_extensions import override
 
+from tpuoffload.backend.files import fsync_dir, unlink_if_present
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TPUOKVS1"
@@ -372,9 +374,9 @@ class FileStore(SharedStore):
             except FileExistsError:
                 return False  # another writer published it first: theirs stays
             if self.fsync:
-                _fsync_dir(folder)
+                fsync_dir(folder)
         finally:
-            _unlink(tmp)
+            unlink_if_present(tmp)
         size = len(header) + memoryview(payload).nbytes
         self._account(size)
         return True
@@ -451,7 +453,7 @@ class FileStore(SharedStore):
             if self.budget_bytes is not None and total > self.high * self.budget_bytes:
                 files.sort()
                 target = self.low * self.budget_bytes
-                unlink = self.faults.evict_unlink or _unlink
+                unlink = self.faults.evict_unlink or unlink_if_present
                 for _, size, path in files:
                     if total <= target:
                         break
@@ -481,7 +483,7 @@ class FileStore(SharedStore):
                 except FileNotFoundError:
                     continue
                 if name.startswith(TMP_PREFIX) and st.st_mtime < stale:
-                    _unlink(path)
+                    unlink_if_present(path)
                     continue
                 out.append((st.st_mtime, st.st_size, path))
         return out
@@ -498,21 +500,6 @@ def _write_all(fd: int, bufs: list) -> None:
             else:
                 views[0] = views[0][n:]
                 n = 0
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["FileFaults", "FileStore", "HEADER_BYTES", "ObjectError", "ObjectId", "SharedStore", "SharedURL",
