@@ -24,7 +24,7 @@ SHAPE = "tp2-2hosts"
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    return run_child(str(tmp_path_factory.mktemp("serve")), SHAPE, timeout_s=1500)
+    return run_child(str(tmp_path_factory.mktemp("serve")), SHAPE, timeout_s=2400)
 
 
 @pytest.fixture(scope="module")
