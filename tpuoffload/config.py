@@ -19,6 +19,9 @@ MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    """``kv_connector_extra_config`` parsed and validated (``parse_config``); every field below is a
+    key of it, with its default. What each feature cannot be combined with is ``LIMITS``."""
+
     # Host RAM per host for offloaded KV, in bytes (exact: whole chunks that fit, never more).
     cpu_bytes_to_use: int | None = None
     # Alternative to cpu_bytes_to_use, in chunks (tpu-inference's TPU_OFFLOAD_NUM_CPU_CHUNKS).

@@ -75,6 +75,11 @@ def waits_for_load(request: "Request") -> bool:
 
 
 class OffloadScheduler:
+    """The scheduler half of one vLLM scheduler (one per DP rank under DPScheduler): turns vLLM's
+    scheduler hooks into one ``StepPlan`` per step and the workers' reports into what is loadable.
+    The shape of the deployment (save policy and KV cache groups: ``StepSaves``; DP placement:
+    ``DPRank``; tiers: ``Tier``) is decided once here, at construction."""
+
     def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
                  hosts_source: str = "", clock: Callable[[], float] = time.monotonic,
                  dp: DPRank | None = None, kv_groups: KVCacheGroups = KVCacheGroups(),
@@ -299,7 +304,7 @@ class OffloadScheduler:
             self._snapshot.maybe_write()
         return OffloadMetadata([plan])
 
-    def _skip_saves(self, block_ids, hashes, step: int, origins=()) -> SaveBatch:
+    def _skip_saves(self, block_ids, hashes, step: int, origins=(), pools=None) -> SaveBatch:
         """While a checkpoint is written no save is planned (it would donate the stores)."""
         self.counters[C.SKIPPED_CHECKPOINT] += len(hashes)
         return NO_SAVES

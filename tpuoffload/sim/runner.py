@@ -148,6 +148,9 @@ class _Req:
 
 @dataclass
 class RunnerStats:
+    """What one host's synthetic runner did and read: steps, positions written and verified, every
+    wrong read (``mismatches``, by request) and the request steps computed from a wrong read."""
+
     steps: int = 0
     tokens_written: int = 0
     positions_verified: int = 0

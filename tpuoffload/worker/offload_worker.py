@@ -76,6 +76,11 @@ class CacheOwner(Protocol):
 
 
 class OffloadWorker:
+    """The worker half on one host: executes each step's plans (``bind`` .. ``clear``, in vLLM's
+    mixin order) on this host's shard of the KV cache through one ``PooledEngine``, and reports
+    what happened (save outcomes, loads finished or failed, each tier's part). It decides nothing:
+    every dispatch is a function of the plans, so every host dispatches alike (invariants 1, 2)."""
+
     def __init__(self, config: OffloadConfig, host_id: int | None = None, faults: FaultInjector | None = None,
                  digest_history: int = 64, deployment: Deployment = Deployment(),
                  disk_faults: DiskFaults | None = None, persist_faults: PersistFaults | None = None,
@@ -148,7 +153,7 @@ class OffloadWorker:
             self._snapshot = SnapshotWriter(self.config.stats_dir, f"host-{self.host_id}.json",
                                             self.config.stats_interval_s, self.snapshot, build_when_idle=True)
         for p, (engine, layout) in enumerate(zip(self.engine.engines, layouts)):
-            table = engine.backend
+            table = engine.slot_table
             logger.info("tpuoffload worker %d, pool %d: %d host slots of %d bytes (%d bytes of host RAM); accelerator "
                         "transfer buffer <= %d bytes (%d chunks per transfer, transfer_buffer_bytes=%d); cache: %s",
                         self.host_id, p, table.num_slots, table.slot_bytes, table.nbytes,

@@ -190,12 +190,6 @@ class TransferEngine:
         self._lock = threading.Lock()  # guards _results, _inflight and counters
         self.counters: Counter[str] = Counter()  # chunks/bytes saved and loaded, failures, seconds
 
-    @property
-    def backend(self) -> SlotTable:
-        """The old name of ``slot_table``, kept only until worker/offload_worker.py reads
-        ``slot_table`` (issue 34, the lead's refactor of that file); nothing else uses it."""
-        return self.slot_table
-
     # ---------------- checks ----------------
     def _check_owner(self) -> None:
         if threading.get_ident() != self._owner:
