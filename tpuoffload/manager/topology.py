@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tpuoffload.backend.slot_table import shard_slots
+from tpuoffload.compat import is_tpu_inference_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,10 +46,10 @@ def reporting_workers(vllm_config: "VllmConfig", override: int | None = None) ->
     name = _backend_name(backend)
     if name == "uni":
         return 1, "the 'uni' executor: one worker process"
-    if name.startswith("tpu_inference.") and name.endswith(".MultiprocExecutor"):
+    if is_tpu_inference_name(name) and name.endswith(".MultiprocExecutor"):
         pp = pc.pipeline_parallel_size
         return pp, f"tpu-inference's MultiprocExecutor: one process per pipeline stage ({pp})"
-    if name.startswith("tpu_inference.") and getattr(backend, "uses_ray", False):
+    if is_tpu_inference_name(name) and getattr(backend, "uses_ray", False):
         group = getattr(pc, "placement_group", None)
         bundles = getattr(group, "bundle_specs", None)
         if bundles:
@@ -219,7 +220,7 @@ def dp_scheduler_rank() -> int | None:
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_scheduler_worker_process" and \
-                frame.f_globals.get("__name__") == "tpu_inference.core.sched.dp_scheduler":
+                is_tpu_inference_name(frame.f_globals.get("__name__", ""), "core.sched.dp_scheduler"):
             rank = frame.f_locals.get("rank")
             return rank if isinstance(rank, int) else None
         frame = frame.f_back
