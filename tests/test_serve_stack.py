@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import pytest
 
-from tpuoffload.sim.serve_stack import SHAPES, Workload, run_child
+import os
+import subprocess
+import sys
+import time
 
-pytestmark = pytest.mark.slow  # one Ray cluster, two server start-ups
+from tpuoffload.sim.serve_stack import MARKER_ENV, Workload, run_child, run_processes, sweep, write_tokenizer
 
 SHAPE = "tp2-2hosts"
+slow = pytest.mark.slow  # one Ray cluster, two server start-ups: about 10 minutes on an idle 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +36,7 @@ def runs(report):
     return report["runs"]["baseline"], report["runs"]["connector"]
 
 
+@slow
 def test_the_real_stack_ran(runs):
     for run in runs:
         # as the running EngineCore printed them
@@ -39,6 +44,7 @@ def test_the_real_stack_ran(runs):
         assert run["classes"]["scheduler"] == "vllm.v1.core.sched.async_scheduler.AsyncScheduler", run["classes"]
 
 
+@slow
 def test_every_request_succeeds(runs):
     w = Workload()
     for run in runs:
@@ -47,6 +53,7 @@ def test_every_request_succeeds(runs):
             assert all(c["ok"] for c in rnd["completions"]), rnd["completions"]
 
 
+@slow
 def test_greedy_tokens_equal_without_the_connector(runs):
     base, conn = runs
     for rb, rc in zip(base["rounds"], conn["rounds"]):
@@ -57,6 +64,7 @@ def test_greedy_tokens_equal_without_the_connector(runs):
     assert [c["text"] for c in base["rounds"][0]["completions"]] == [c["text"] for c in base["rounds"][1]["completions"]]
 
 
+@slow
 def test_second_round_hits_host_ram(runs):
     base, conn = runs
     assert conn["reset"][0] == 200 and base["reset"][0] == 200
@@ -65,6 +73,7 @@ def test_second_round_hits_host_ram(runs):
     assert base["rounds"][1]["external"]["vllm:external_prefix_cache_hits_total"] == 0
 
 
+@slow
 def test_the_connectors_prometheus_series(runs):
     base, conn = runs
     assert "vllm:tpuoffload_chunks_saved_total" in conn["tpuoffload_series"], conn["tpuoffload_series"]
@@ -72,6 +81,7 @@ def test_the_connectors_prometheus_series(runs):
     assert base["tpuoffload_series"] == []
 
 
+@slow
 def test_dispatch_digests_identical_on_every_host(runs):
     _, conn = runs
     hosts = {name: snap for name, snap in conn["snapshots"].items() if snap.get("kind") == "host"}
@@ -83,6 +93,7 @@ def test_dispatch_digests_identical_on_every_host(runs):
     assert hosts["host-0.json"]["totals"]["chunks_saved"] > 0
 
 
+@slow
 def test_every_host_and_scheduler_half_idle_at_the_end(runs):
     _, conn = runs
     for name, snap in conn["snapshots"].items():
@@ -93,5 +104,38 @@ def test_every_host_and_scheduler_half_idle_at_the_end(runs):
     assert any(s.get("kind") == "scheduler" for s in conn["snapshots"].values()), sorted(conn["snapshots"])
 
 
+@slow
 def test_no_ray_or_worker_process_left(report):
     assert report["leaks"] == [] and report["left_after"] == [], (report["leaks"], report["left_after"])
+
+
+def test_the_tokenizer_round_trips_any_ids(tmp_path):
+    """prefix_repetition draws random ids and needs decode -> encode to give them back."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    write_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = [random.Random(0).randrange(512) for _ in range(400)]
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids and tok.vocab_size == 512
+
+
+def test_a_process_left_behind_is_found_and_killed(tmp_path):
+    """The leak check's negative control: a process of the run (its marker in the environment, in
+    its own session, as the launcher starts them) is listed and then killed by pid."""
+    run = tmp_path / "run"
+    env = dict(os.environ, **{MARKER_ENV: str(run)})
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not run_processes(str(run)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid, _ in run_processes(str(run))] == [proc.pid]
+        assert [pid for pid, _ in sweep(str(run))] == [proc.pid]
+        assert proc.wait(timeout=10) == -9
+        assert run_processes(str(run)) == []
+        assert run_processes(str(tmp_path / "other")) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -309,6 +309,7 @@ class Shape:
     model: str = QWEN3.name
     env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()
+    sharding: tuple[tuple[str, Any], ...] = ()  # more of tpu-inference's sharding_strategy (additional_config)
 
     @property
     def about(self) -> str:
@@ -317,13 +318,17 @@ class Shape:
 
 
 #: The shapes of issue 33: (a) tensor parallel across 2 hosts (the model axis spans them); (b) data
-#: parallel 2 over 2 hosts through tpu-inference's DPScheduler (one engine: TPU_MULTIPROCESS_DP=0);
+#: parallel through tpu-inference's DPScheduler on 2 hosts: attention DP (``enable_dp_attention``, TP 4
+#: over 2 KV heads: 2 attention-DP ranks of TP 2), the way `vllm serve` reaches DPScheduler (with
+#: ``--data-parallel-size 2`` and TPU_MULTIPROCESS_DP=0 the API server folds DP into one engine of DP 1,
+#: and the EngineCore's second config pass, after its handshake, then finds DP 1: see docs);
 #: (c) the hybrid sliding-window + full-attention model, tensor parallel across 2 hosts; (d) `vllm
 #: serve --data-parallel-size 2` without attention DP on one host, which tpu-inference runs as 2
 #: engines (TPU_MULTIPROCESS_DP=1, its default for serving; no Ray: the uni executor per engine).
 SHAPES = {
     "tp2-2hosts": Shape("tp2-2hosts", hosts=2, devices_per_host=1, tp=2),
-    "dp2-2hosts": Shape("dp2-2hosts", hosts=2, devices_per_host=1, tp=1, dp=2, env=(("TPU_MULTIPROCESS_DP", "0"),)),
+    "attndp2-2hosts": Shape("attndp2-2hosts", hosts=2, devices_per_host=2, tp=4,
+                            sharding=(("enable_dp_attention", True),)),
     "hybrid-tp2-2hosts": Shape("hybrid-tp2-2hosts", hosts=2, devices_per_host=1, tp=2, model="hybrid"),
     "dp2-1host-engines": Shape("dp2-1host-engines", hosts=0, devices_per_host=1, tp=1, dp=2,
                                env=(("TPU_MULTIPROCESS_DP", "1"),)),
@@ -388,7 +393,8 @@ class Server:
                # the runner's explicit device order (CPU devices have no TPU coordinates to sort by; on
                # several hosts engine_shims 11 hands the worker the slice's devices, kept in this order)
                "--additional-config", json.dumps({"sharding": {"sharding_strategy": {
-                   "device_indexes": list(range(s.devices_per_host * max(s.hosts, 1)))}}}), *s.extra_args]
+                   "device_indexes": list(range(s.devices_per_host * max(s.hosts, 1))), **dict(s.sharding)}}}),
+               *s.extra_args]
         if self.connector:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.stats_dir, w.cpu_bytes))]
         return cmd
