@@ -11,8 +11,10 @@ runs is only the host store the connector's code is taken from:
 
   lru        the connector of git revision ``--old-rev`` (exported with ``git archive`` into a
              temporary directory, first on that run's ``sys.path``): per-chunk LRU
-  extents    this tree's connector (manager/index.py: eviction by extent); ``--extents`` runs it
-             with ``index.EXTENT_SLOTS`` set to each value (1: per-chunk LRU, which must equal lru)
+  extents    the same revision with this tree's host store (``STORE_FILES``: manager/index.py,
+             eviction by extent, and its parts) in place of its own; ``--extents`` runs it with
+             ``index.EXTENT_SLOTS`` set to each value (1: per-chunk LRU, which must equal lru)
+             (without ``--old-rev``: this tree as it is)
 
 Each store runs in its own process. The hit rate is the prompt blocks loaded from host RAM over the
 prompt blocks of the requests after the first ``--warmup`` ones (vLLM's own HBM hits are shown
@@ -42,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +52,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# This tree's host store: what the 'extents' runs take from it (the rest of the connector: --old-rev's).
+STORE_FILES = ("tpuoffload/manager/index.py", "tpuoffload/manager/recency.py", "tpuoffload/manager/slot_pool.py",
+               "tpuoffload/manager/kernels.py", "tpuoffload/manager/hash_table.py")
 WORKLOADS = ("prefix-repetition", "prefix-zipf", "multi-turn", "multi-turn-recent")
 
 
@@ -152,7 +158,15 @@ def run_store(a) -> dict:
             return _orig(meta)
 
         sim._ack_tpu = ack
-        objs = {}
+        computed: dict[str, int] = {}  # tokens vLLM found computed (its HBM hit + host RAM) at admission
+        orig_emulate = sim.emulate
+
+        def emulate(so, _orig=orig_emulate):
+            for nr in so.scheduled_new_reqs:
+                computed.setdefault(nr.req_id, nr.num_computed_tokens)
+            return _orig(so)
+
+        sim.emulate = emulate
         nxt = 0
         t0 = time.perf_counter()
         steps = 0
@@ -160,7 +174,6 @@ def run_store(a) -> dict:
             while nxt < len(reqs) and len(sched.requests) < a.concurrency:
                 prompt, max_tokens = reqs[nxt]
                 r = make_request(f"r{nxt}", prompt, max_tokens=max_tokens, block_size=a.block_size)
-                objs[r.request_id] = r
                 sched.add_request(r)
                 nxt += 1
             sim.step(None)
@@ -168,7 +181,7 @@ def run_store(a) -> dict:
         measured = [f"r{i}" for i in range(a.warmup, len(reqs))]
         prompt_blocks = sum(len(reqs[i][0]) // a.block_size for i in range(a.warmup, len(reqs)))
         host = sum(loaded.get(r, 0) for r in measured)
-        hbm = sum(max(0, objs[r].num_cached_tokens // a.block_size - loaded.get(r, 0)) for r in measured)
+        hbm = sum(max(0, computed.get(r, 0) // a.block_size - loaded.get(r, 0)) for r in measured)
         extent = ix.extent_of_pool(0) if hasattr(ix, "extent_of_pool") else 1
         out["workloads"][name] = {
             "prompt_blocks": prompt_blocks, "host_hit_blocks": host, "hbm_hit_blocks": hbm,
@@ -190,7 +203,8 @@ def child(a, store: str, tree: str | None, extent: int | None) -> dict:
         argv += ["--tree", tree]
     if extent is not None:
         argv += ["--extent", str(extent)]
-    res = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
+    env = dict(os.environ, PYTHONHASHSEED="0")  # set and dict orders alike in every store's run
+    res = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True, env=env)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -200,14 +214,22 @@ def main(argv=None) -> int:
         print(json.dumps(run_store(a)), flush=True)
         return 0
     runs = []
-    with tempfile.TemporaryDirectory(prefix="replay-old-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
+        old = new = None  # None: this tree as it is
         if a.old_rev:
+            # The old revision as it was, and the same revision with this tree's host-store modules
+            # (STORE_FILES) in place of its own: the two runs differ in the store alone.
+            old, new = os.path.join(tmp, "old"), os.path.join(tmp, "new")
             archive = subprocess.run(["git", "-C", ROOT, "archive", a.old_rev, "tpuoffload"], check=True,
                                      stdout=subprocess.PIPE).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-            runs.append(child(a, f"lru@{a.old_rev}", tmp, None))
+            for d in (old, new):
+                os.makedirs(d)
+                subprocess.run(["tar", "-x", "-C", d], input=archive, check=True)
+            for f in STORE_FILES:
+                shutil.copy(os.path.join(ROOT, f), os.path.join(new, f))
+            runs.append(child(a, f"lru@{a.old_rev}", old, None))
         for e in a.extents:
-            runs.append(child(a, f"extents<={e}", None, e))
+            runs.append(child(a, f"extents<={e}", new, e))
     print(f"\nhost-RAM hit rate (prompt blocks loaded from host RAM / prompt blocks), {a.cpu_chunks} chunks of host RAM, "
           f"{a.hbm_blocks} HBM blocks, {a.requests - a.warmup} requests measured after {a.warmup}")
     head = f"{'workload':<20} {'HBM hits':>9} " + " ".join(f"{r['store']:>16}" for r in runs)
