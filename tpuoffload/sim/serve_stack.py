@@ -24,8 +24,10 @@ workers run ``vllm_cli.ray_worker_setup`` as Ray's ``worker_process_setup_hook``
 EngineCore's ``ray.init()`` adds to the job through ``RAY_RUNTIME_ENV_HOOK``.
 
 Processes: every Ray node (``ray start --block``: its GCS, raylet and worker processes) and the
-server run in their own sessions; ``stop()`` kills those process groups by id and then looks for
-anything left under this launcher's Ray temp dir or with its server's pid as parent (``leaks()``).
+server run in their own sessions; ``stop()`` kills those process groups by id. Every process of a
+run carries ``TPUOFFLOAD_SIM_SERVE_RUN=<run dir>`` in its environment (Ray's own agents do not: they
+are found through the nodes' process groups, listed in ``cluster/pgids.txt``); ``run_processes()``
+lists what is alive, ``sweep()`` kills it by pid (``run_child``'s outside timeout, and after every run).
 
 Test and demo code (``tests/test_serve*.py``, ``python -m tpuoffload.demo``); product code never
 imports it.
@@ -211,7 +213,10 @@ class RayHosts:
 
     @property
     def temp_dir(self) -> str:
-        return os.path.join(self.workdir, "ray")
+        """Ray's session directory: short (its socket paths must fit AF_UNIX's 107 bytes), one per run."""
+        import hashlib
+
+        return f"/tmp/tpo-ray-{hashlib.blake2b(os.path.abspath(self.workdir).encode(), digest_size=5).hexdigest()}"
 
     @property
     def address(self) -> str:
@@ -283,6 +288,7 @@ class RayHosts:
         for p in reversed(self.procs):
             _kill_group(p)
         self.procs = []
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def wait_gone(self, grace_s: float) -> list[tuple[int, str]]:
         """After ``stop()``: the run's processes still alive ``grace_s`` later (Ray's workers exit on
