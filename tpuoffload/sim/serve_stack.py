@@ -223,6 +223,7 @@ class RayHosts:
         return f"127.0.0.1:{self.gcs_port}"
 
     def start(self, timeout_s: float = 300.0) -> None:
+        os.makedirs(self.workdir, exist_ok=True)
         os.makedirs(self.temp_dir, exist_ok=True)
         self.gcs_port = free_port()
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
