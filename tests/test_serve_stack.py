@@ -24,11 +24,13 @@ from tpuoffload.sim.serve_stack import MARKER_ENV, Workload, run_child, run_proc
 
 SHAPE = "tp2-2hosts"
 slow = pytest.mark.slow  # one Ray cluster, two server start-ups: about 10 minutes on an idle 2-core machine
+# the first test that asks for the report waits for the whole run (its own outside timeout: run_child's)
+TIMEOUT_S = 2700
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    return run_child(str(tmp_path_factory.mktemp("serve")), SHAPE, timeout_s=2400)
+    return run_child(str(tmp_path_factory.mktemp("serve")), SHAPE, timeout_s=TIMEOUT_S - 60)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,7 @@ def runs(report):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_the_real_stack_ran(runs):
     for run in runs:
         # as the running EngineCore printed them
@@ -45,6 +48,7 @@ def test_the_real_stack_ran(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_every_request_succeeds(runs):
     w = Workload()
     for run in runs:
@@ -54,6 +58,7 @@ def test_every_request_succeeds(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_greedy_tokens_equal_without_the_connector(runs):
     base, conn = runs
     for rb, rc in zip(base["rounds"], conn["rounds"]):
@@ -65,6 +70,7 @@ def test_greedy_tokens_equal_without_the_connector(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_second_round_hits_host_ram(runs):
     base, conn = runs
     assert conn["reset"][0] == 200 and base["reset"][0] == 200
@@ -74,6 +80,7 @@ def test_second_round_hits_host_ram(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_the_connectors_prometheus_series(runs):
     base, conn = runs
     assert "vllm:tpuoffload_chunks_saved_total" in conn["tpuoffload_series"], conn["tpuoffload_series"]
@@ -82,6 +89,7 @@ def test_the_connectors_prometheus_series(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_dispatch_digests_identical_on_every_host(runs):
     _, conn = runs
     hosts = {name: snap for name, snap in conn["snapshots"].items() if snap.get("kind") == "host"}
@@ -94,6 +102,7 @@ def test_dispatch_digests_identical_on_every_host(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_every_host_and_scheduler_half_idle_at_the_end(runs):
     _, conn = runs
     for name, snap in conn["snapshots"].items():
@@ -105,6 +114,7 @@ def test_every_host_and_scheduler_half_idle_at_the_end(runs):
 
 
 @slow
+@pytest.mark.timeout(TIMEOUT_S)
 def test_no_ray_or_worker_process_left(report):
     assert report["leaks"] == [] and report["left_after"] == [], (report["leaks"], report["left_after"])
 

@@ -649,9 +649,13 @@ def run_child(workdir: str, shape: str, timeout_s: float, only: str | None = Non
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc, grace_s=30.0)  # its finally stops Ray and the server
+            _kill_group(proc, grace_s=30.0)
             killed = sweep(workdir)
             raise RuntimeError(f"serve_stack {shape} ran past {timeout_s} s; killed {killed}; log {log_path}")
+        except BaseException:  # interrupted (a test runner's own timeout, ^C): nothing may outlive it
+            _kill_group(proc, grace_s=5.0)
+            sweep(workdir)
+            raise
     time.sleep(2.0)
     left = sweep(workdir)
     if rc != 0:
