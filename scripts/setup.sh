@@ -27,6 +27,10 @@ if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.fi
   .venv/bin/pip install -q --no-deps "qwix==0.1.2" "tokamax==0.0.12" "einshape==1.0" "jaxtyping==0.3.11" \
     "wadler_lindig==0.1.8" "typeguard==2.13.3" "immutabledict==4.3.1" "tensorboardX==2.6.5"
 fi
+# The test command runs the suite on both cores (pytest-xdist, a test file per worker).
+if ! .venv/bin/python -c "import xdist" 2>/dev/null; then
+  .venv/bin/pip install -q "pytest-xdist==3.8.0"
+fi
 # The shared KV tier (issue 37): the `redis` client for its Valkey/Redis backend, and Debian's
 # redis-server, which its tests start on a free port. No silent fallback: without apt the install
 # fails loudly, naming what to install.

@@ -152,8 +152,11 @@ def test_a_state_load_that_is_skipped_is_caught():
         finally:
             pooled_engine.PooledEngine.load = orig
         eng.settle()
-        assert eng.runners[0].stats.state_mismatches >= 3
-        assert eng.runners[0].stats.mismatches == 0  # the attention blocks did load
+        st = eng.runners[0].stats
+        assert st.state_mismatches >= 3
+        # The attention blocks did load: the only wrong attention reads are of KV that requests
+        # computed after their wrong state read (the model's outputs depend on what it read).
+        assert st.mismatched_requests <= st.state_mismatched_requests, st
     finally:
         eng.close()
 
@@ -197,7 +200,9 @@ def test_a_lost_state_row_on_one_host_is_recomputed_on_every_host(async_scheduli
         assert [(h, ld.req_id) for h, ld, _ in loads] == [(h, f"1{i}") for h in (0, 1) for i in range(3)]
         assert t["hit_tokens"] == sum(len(p) for p in prefixes), t  # admitted hits, the lost one included
         a, b = (r.stats for r in eng.runners)
-        assert a.states_verified == b.states_verified == 2 * len(eng.runners[0].state_slots)  # 2 requests' rows
+        # Every state row read was checked, alike on both hosts (every step of every request that has
+        # computed tokens reads one), and none was wrong.
+        assert a.states_verified == b.states_verified > 0 and a.state_mismatches == b.state_mismatches == 0
         assert (a.steps, a.tokens_written, a.states_written) == (b.steps, b.tokens_written, b.states_written)
         _check_clean(eng)
     finally:
