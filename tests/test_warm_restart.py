@@ -334,6 +334,10 @@ def _serve(pod):
 def test_podslice_restart_hits_restored_host_ram_byte_exact(make_slice, tmp_path, num_hosts, devices_per_host):
     persist = str(tmp_path / "ckpt")
     spec = _slice_spec(num_hosts, devices_per_host, persist)
+    # Every save must resolve as confirmed, never expire, for the checkpoint to hold exactly what the
+    # hosts saved: a generous timeout keeps a busy machine's slow steps (4 processes on 2 cores, with
+    # another test file beside them) from expiring saves. Expiry under chaos: test_podslice_restart_under_chaos.
+    spec.extra_config["save_timeout_s"] = 60.0
     first = make_slice(spec)
     cold_loaded, _ = _serve(first)
     saved = first.stats.totals()[C.CHUNKS_SAVED]
