@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpuoffload.backend.files import fsync_dir, unlink_if_present
+from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_all
 from tpuoffload.counters import (DISK_ADOPTED, DISK_EVICTED, DISK_READ_BYTES, DISK_READ_CHUNKS, DISK_READ_FAILED,
                                  DISK_WRITE_FAILED, DISK_WRITE_NO_SPACE, DISK_WRITTEN_BYTES, DISK_WRITTEN_CHUNKS)
 
@@ -380,7 +380,7 @@ class DiskTier:
             header = encode_header(key, len(payload), zlib.crc32(payload))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                _write_all(fd, [header, payload])
+                write_all(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -606,19 +606,6 @@ def _as_bytes_view(arr: np.ndarray, nbytes: int, writable: bool = False) -> memo
     if writable and not arr.flags.writeable:
         raise ValueError("out must be writable")
     return memoryview(arr.reshape(-1).view(np.uint8)).cast("B")
-
-
-def _write_all(fd: int, bufs: list) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.writev(fd, views)
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
 
 
 def _read_all(fd: int, view: memoryview, offset: int) -> int:

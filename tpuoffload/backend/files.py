@@ -20,3 +20,18 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, bufs: list) -> None:
+    """Write every buffer of ``bufs`` to ``fd``, in order, through ``writev`` (retried until a
+    short write has written everything)."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.writev(fd, views)
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0

@@ -61,7 +61,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from typing_extensions import override
 
-from tpuoffload.backend.files import fsync_dir, unlink_if_present
+from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ class FileStore(SharedStore):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                _write_all(fd, [header, payload])
+                write_all(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -487,19 +487,6 @@ class FileStore(SharedStore):
                     continue
                 out.append((st.st_mtime, st.st_size, path))
         return out
-
-
-def _write_all(fd: int, bufs: list) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.writev(fd, views)
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
 
 
 __all__ = ["FileFaults", "FileStore", "HEADER_BYTES", "ObjectError", "ObjectId", "SharedStore", "SharedURL",
