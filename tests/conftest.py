@@ -77,3 +77,25 @@ def load_program_shape(monkeypatch):
     yield set_
     monkeypatch.undo()
     programs.programs_for.cache_clear()  # no program built with patched constants outlives the test
+
+
+# ---- one-process engines (tpuoffload.sim.engine): shared by test_disk_wiring.py and test_shared_tier.py ----
+def assert_engine_clean(engine) -> None:
+    """No wrong KV byte was read, nothing leaked in the scheduler half and every host is idle."""
+    assert engine.mismatches() == 0
+    leaks = engine.offload.leak_report()
+    assert all(v == 0 for v in leaks.values()), leaks
+    for conn in engine.connectors:
+        assert all(v == 0 for v in conn.worker.idle_report().values()), conn.worker.idle_report()
+
+
+@pytest.fixture(params=["file", "redis"])
+def shared_url(request, tmp_path):
+    """A shared-tier URL of each backend: a directory, or a Redis server of its own for the test."""
+    if request.param == "file":
+        yield f"file://{tmp_path}/shared?timeout_s=30"
+    else:
+        from tpuoffload.sim.redis_server import RedisServer
+
+        with RedisServer() as server:
+            yield f"{server.url}?timeout_s=30"

@@ -15,6 +15,7 @@ import os
 import time
 
 import pytest
+from conftest import assert_engine_clean
 
 from tpuoffload import counters as C
 from tpuoffload.manager.disk_index import DiskIndex
@@ -64,14 +65,6 @@ def _until_restored(engine, timeout: float = 60.0) -> None:
         engine.settle()
 
 
-def _assert_clean(engine) -> None:
-    assert engine.mismatches() == 0
-    leaks = engine.offload.leak_report()
-    assert all(v == 0 for v in leaks.values()), leaks
-    for conn in engine.connectors:
-        assert all(v == 0 for v in conn.worker.idle_report().values()), conn.worker.idle_report()
-
-
 @pytest.mark.parametrize("num_hosts", [1, 2])
 def test_prefixes_come_back_from_disk_byte_exact(tmp_path, num_hosts):
     engine = _engine(tmp_path, num_hosts)
@@ -85,7 +78,7 @@ def test_prefixes_come_back_from_disk_byte_exact(tmp_path, num_hosts):
     assert totals[C.FETCHES_ISSUED] > 0 and totals[C.FETCHES_FAILED] == 0
     assert totals[C.DISK_READ_CHUNKS] == num_hosts * totals[C.FETCHES_ISSUED]
     assert totals[C.HIT_TOKENS] > 0 and totals[C.LOAD_ERRORS] == 0
-    _assert_clean(engine)
+    assert_engine_clean(engine)
     engine.close()
 
 
@@ -109,7 +102,7 @@ def test_a_prefix_split_between_disk_and_host_ram_comes_back_whole(tmp_path):
     totals = engine.stats.totals()
     assert totals[C.FETCHES_ISSUED] == 4 and totals[C.FETCHES_FAILED] == 0, totals
     assert totals[C.HIT_TOKENS] == 12 * 16, totals
-    _assert_clean(engine)
+    assert_engine_clean(engine)
     engine.close()
 
 
@@ -133,7 +126,7 @@ def test_corrupt_chunk_files_fail_the_fetch_everywhere_and_are_recomputed(tmp_pa
     assert totals[C.FETCHES_FAILED] == totals[C.FETCHES_ISSUED]  # each fetched once, failed, forgotten
     assert totals[C.DISK_READ_FAILED] > 0
     assert totals[C.LOAD_ERRORS] == 0  # a failed fetch never became loadable, so nothing loads garbage
-    _assert_clean(engine)
+    assert_engine_clean(engine)
     engine.close()
 
 
@@ -157,7 +150,7 @@ def test_disk_tier_and_warm_restart_together(tmp_path):
     assert totals[C.RESTORED_READY] > 0 and totals[C.DISK_RESTORED_READY] == on_disk > 0, totals
     assert totals[C.FETCHES_ISSUED] > 0 and totals[C.FETCHES_FAILED] == 0, totals
     assert totals[C.HIT_TOKENS] > 0 and totals[C.LOAD_ERRORS] == 0 and totals[C.SPILLS_CONFIRMED] > 0, totals
-    _assert_clean(second)
+    assert_engine_clean(second)
     second.close()
     assert sum(_files(tmp_path).values()) > 0
     third = _engine(tmp_path)

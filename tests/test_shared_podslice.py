@@ -52,17 +52,6 @@ def _table_row(backend: str, a, b) -> str:
             f"read by B {b[C.SHARED_READ_BYTES]}")
 
 
-@pytest.fixture(params=["file", "redis"])
-def shared_url(request, tmp_path):
-    if request.param == "file":
-        yield f"file://{tmp_path}/lustre-kv?timeout_s=30"
-    else:
-        from tpuoffload.sim.redis_server import RedisServer
-
-        with RedisServer() as server:
-            yield f"{server.url}?timeout_s=30"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_slices_share_prefixes_through_the_store(make_slice, shared_url):

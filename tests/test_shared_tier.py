@@ -10,6 +10,7 @@ import glob
 import os
 
 import pytest
+from conftest import assert_engine_clean
 
 from tpuoffload import counters as C
 
@@ -42,45 +43,26 @@ def _serve(engine, requests) -> dict[str, list[int]]:
     return {rid[1:]: toks for rid, toks in engine.outputs.items()}
 
 
-def _assert_clean(engine) -> None:
-    assert engine.mismatches() == 0
-    leaks = engine.offload.leak_report()
-    assert all(v == 0 for v in leaks.values()), leaks
-    for conn in engine.connectors:
-        assert all(v == 0 for v in conn.worker.idle_report().values()), conn.worker.idle_report()
-
-
 def _objects(root: str) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "*", "*", "*", "*.kv")))
 
 
-@pytest.fixture(params=["file", "redis"])
-def store_url(request, tmp_path):
-    if request.param == "file":
-        yield f"file://{tmp_path}/shared?timeout_s=20"
-    else:
-        from tpuoffload.sim.redis_server import RedisServer
-
-        with RedisServer() as server:
-            yield f"{server.url}?timeout_s=20"
-
-
-def test_a_prefix_computed_on_engine_a_is_served_on_engine_b_byte_exact(store_url):
-    a = _engine(store_url)
+def test_a_prefix_computed_on_engine_a_is_served_on_engine_b_byte_exact(shared_url):
+    a = _engine(shared_url)
     out_a = _serve(a, _wave("a"))
     ta = a.stats.totals()
     assert ta[C.SHARED_WRITTEN_CHUNKS] > 0 and ta[C.SHARED_WRITTEN_CHUNKS] == 2 * ta[C.SHARED_PUBLISH_ISSUED] - ta[C.SHARED_WRITE_EXISTS], ta
-    _assert_clean(a)
+    assert_engine_clean(a)
     a.close()
 
-    b = _engine(store_url)
+    b = _engine(shared_url)
     out_b = _serve(b, _wave("b"))
     tb = b.stats.totals()
     assert tb[C.SHARED_FETCHES_READY] > 0 and tb[C.SHARED_FETCHES_FAILED] == 0, tb
     assert tb[C.HIT_TOKENS] >= tb[C.SHARED_FETCHES_READY] * 16 > 0, tb
     assert tb[C.SHARED_READ_CHUNKS] == 2 * tb[C.SHARED_FETCHES_READY], tb  # both hosts read their shard
     assert tb[C.LOAD_ERRORS] == 0 and tb[C.SHARED_PUBLISH_ISSUED] == 0  # what came from the store is not sent back
-    _assert_clean(b)
+    assert_engine_clean(b)
     b.close()
 
     control = _engine(None)  # the same prompts recomputed, no shared tier
@@ -154,7 +136,7 @@ def test_damaged_objects_are_a_miss_on_every_host(populated, tmp_path, hazard):
     out = _serve(b, _wave("b"))
     t = b.stats.totals()
     _host_digests_agree(b)
-    _assert_clean(b)
+    assert_engine_clean(b)
     b.close()
     assert out == populated[1]  # the tokens A computed: recomputed where the store failed
     if hazard.startswith("no damage"):
@@ -205,7 +187,7 @@ def test_two_engines_writing_the_same_chunks_at_once(tmp_path):
     c = _engine(url)
     _serve(c, _wave("c"))
     t = c.stats.totals()
-    _assert_clean(c)
+    assert_engine_clean(c)
     c.close()
     assert t[C.SHARED_FETCHES_READY] > 0 and t[C.SHARED_FETCHES_FAILED] == 0, t
 
@@ -232,7 +214,7 @@ def test_the_store_going_away_mid_run_and_coming_back():
         server.start()
         out = _serve(b, _wave("d", seed=4))  # new prompts: published to the server that came back
         assert b.stats.totals()[C.SHARED_WRITTEN_CHUNKS] > 0
-        _assert_clean(b)
+        assert_engine_clean(b)
         b.close()
         c = _engine(url)
         assert _serve(c, _wave("e", seed=4)) == out

@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_all
+from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_new_file
 from tpuoffload.counters import (DISK_ADOPTED, DISK_EVICTED, DISK_READ_BYTES, DISK_READ_CHUNKS, DISK_READ_FAILED,
                                  DISK_WRITE_FAILED, DISK_WRITE_NO_SPACE, DISK_WRITTEN_BYTES, DISK_WRITTEN_CHUNKS)
 
@@ -378,13 +378,7 @@ class DiskTier:
         try:
             self._faults.before_write(key)
             header = encode_header(key, len(payload), zlib.crc32(payload))
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                write_all(fd, [header, payload])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_new_file(tmp, [header, payload], self.fsync)
             self._faults.before_commit(key, tmp)
             os.replace(tmp, final)
             if self.fsync:

@@ -35,3 +35,15 @@ def write_all(fd: int, bufs: list) -> None:
             else:
                 views[0] = views[0][n:]
                 n = 0
+
+
+def write_new_file(path: str, bufs: list, fsync: bool) -> None:
+    """Create ``path`` (it must not exist: ``O_EXCL``), write ``bufs`` into it and close it, with an
+    ``fsync`` of its bytes when asked. Publishing it (rename or link) is the caller's step."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        write_all(fd, bufs)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)

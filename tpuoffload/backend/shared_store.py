@@ -61,7 +61,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from typing_extensions import override
 
-from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_all
+from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_new_file
 
 logger = logging.getLogger(__name__)
 
@@ -361,14 +361,8 @@ class FileStore(SharedStore):
         folder = os.path.dirname(final)
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f"{TMP_PREFIX}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            try:
-                write_all(fd, [header, payload])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_new_file(tmp, [header, payload], self.fsync)
             try:
                 os.link(tmp, final)
             except FileExistsError:
