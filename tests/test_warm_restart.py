@@ -201,10 +201,10 @@ def test_a_report_of_restored_rows_only_survives_vllms_aggregator():
     for host in range(2):
         out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
         out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=OffloadWorkerReport(
-            tiers={"persist": {host: PersistReport(restored=rows((host, 1, 5)))}}))
+            tiers={"persist": {(0, host): PersistReport(restored=rows((host, 1, 5)))}}))
         outs.append(out)
     merged = agg.aggregate(outs, output_rank=0).kv_connector_output.kv_connector_worker_meta
-    assert isinstance(merged, OffloadWorkerReport) and sorted(merged.tiers["persist"]) == [0, 1]
+    assert isinstance(merged, OffloadWorkerReport) and sorted(merged.tier_parts("persist", 0)) == [0, 1]
 
 
 # ---------------------------------------------------------------------------- one host, in process

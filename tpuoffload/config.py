@@ -257,7 +257,6 @@ LIMITS: dict[str, dict[str, str]] = {
         GDN: "checkpoints hold the KV pool's slots only; lifted by a second array per slot pool",
     },
     "disk_path": {
-        DP: "the disk tier's spills and fetches are planned by one scheduler; lifted by per-rank tier plans",
         GDN: "chunk files hold the KV pool's chunks only; lifted by a file kind per slot pool",
     },
     "shared_url": {

@@ -276,9 +276,11 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     saved: dict[tuple[int, int], tuple[Range, ...]] = field(default_factory=dict)
     failed: dict[tuple[int, int], tuple[Range, ...]] = field(default_factory=dict)
-    # The tiers beside host RAM: each tier's part of each host's report, ``tiers[name][host]``
-    # (``DiskReport``, ``PersistReport``), merged per host by the part's own ``merge``.
-    tiers: dict[str, dict[int, Any]] = field(default_factory=dict)
+    # The tiers beside host RAM: each tier's part of each host's report for the scheduler half
+    # ``source`` that planned it, ``tiers[name][source, host]`` (``DiskReport``, ``PersistReport``;
+    # under DPScheduler each rank's tier reports to its own half), merged per key by the part's own
+    # ``merge``.
+    tiers: dict[str, dict[tuple[int, int], Any]] = field(default_factory=dict)
     # Under DPScheduler: the DP rank of each scheduler half (source -> rank), as the workers placed
     # its plans, so a half can name itself in its stats file and logs.
     ranks: dict[int, int] = field(default_factory=dict)
@@ -299,6 +301,10 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
             if src == source:
                 yield host, self.saved.get((src, host), ()), self.failed.get((src, host), ())
 
+    def tier_parts(self, name: str, source: int) -> dict[int, Any]:
+        """Tier ``name``'s part of each host's report for the half ``source`` (host -> part)."""
+        return {host: part for (src, host), part in self.tiers.get(name, {}).items() if src == source}
+
     def __len__(self) -> int:
         """Save outcomes carried (a host's confirmation of a save counts one)."""
         return sum(b - a for m in (self.saved, self.failed) for rs in m.values() for a, b in rs)
@@ -311,7 +317,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     def hosts(self) -> set[int]:
         return ({host for _, host in self.saved} | {host for _, host in self.failed}
-                | {host for parts in self.tiers.values() for host in parts})
+                | {host for parts in self.tiers.values() for _, host in parts})
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerReport":
@@ -321,8 +327,8 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         tiers = {name: dict(parts) for name, parts in self.tiers.items()}
         for name, parts in other.tiers.items():
             mine = tiers.setdefault(name, {})
-            for host, part in parts.items():
-                mine[host] = mine[host].merge(part) if host in mine else part
+            for key, part in parts.items():
+                mine[key] = mine[key].merge(part) if key in mine else part
         return OffloadWorkerReport(_merge_maps(self.saved, other.saved), _merge_maps(self.failed, other.failed),
                                    tiers, {**self.ranks, **other.ranks}, {**self.news, **other.news})
 

@@ -77,6 +77,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from typing_extensions import override
 
 from tpuoffload.backend.files import fsync_dir, unlink_if_present, write_new_file
 from tpuoffload.counters import (DISK_ADOPTED, DISK_EVICTED, DISK_READ_BYTES, DISK_READ_CHUNKS, DISK_READ_FAILED,
@@ -199,6 +200,16 @@ def file_name(chunk_hash: bytes) -> str:
 def file_bytes_for(slot_bytes: int) -> int:
     """Bytes one chunk occupies on disk (header included)."""
     return HEADER_BYTES + slot_bytes
+
+
+def files_per_rank(disk_bytes: int, host_chunk_bytes: int, ranks: int = 1) -> int:
+    """Chunk files each scheduler half may keep within a host's ``disk_bytes`` (both halves use
+    this one rule). With one scheduler: ``disk_bytes // (HEADER_BYTES + host_chunk_bytes)``. Under
+    DPScheduler each of the ``ranks`` ranks keeps this many files in its own directory, of
+    ``HEADER_BYTES`` plus its chunk's bytes on the host (its batch shard's devices' pieces), and
+    those pieces of every rank add up to at most ``host_chunk_bytes``: so every rank's files
+    together take at most ``files * (ranks * HEADER_BYTES + host_chunk_bytes) <= disk_bytes``."""
+    return disk_bytes // (ranks * HEADER_BYTES + host_chunk_bytes)
 
 
 def encode_header(key: ChunkKey, payload_len: int, payload_crc: int) -> bytes:
@@ -623,3 +634,59 @@ def _read_text(path: str) -> str:
 
 __all__ = ["ChunkKey", "DiskFaults", "DiskTier", "DiskTierError", "DiskWrite", "ReadError", "ReadResult",
            "ScanReport", "WriteResult", "file_bytes_for"]
+
+
+class NoChunkFiles(DiskTier):
+    """The files of chunks of which this host holds no byte (under DPScheduler, a rank whose batch
+    shard has no device on this host): every write succeeds with nothing written, every read of a
+    key is an empty payload, nothing is kept. So such a host confirms a rank's spills and fetches
+    like any other (the scheduler's disk ledger counts every host) and dispatches the same install
+    programs (of zero-width rows for its devices, which are another shard's)."""
+
+    def __init__(self, path: str) -> None:  # noqa: D107 - no directory, no thread, no lock file
+        self.path = os.path.abspath(path)
+        self.slot_bytes = 0
+        self.file_bytes = 0
+        self.capacity_bytes = 0
+        self.capacity_chunks = 0
+        self.deployment = None
+        self.scan_report = ScanReport()
+
+    @override
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @override
+    def __len__(self) -> int:
+        return 0
+
+    @override
+    def contains(self, key: ChunkKey) -> bool:
+        return False
+
+    @override
+    def counters_snapshot(self) -> dict[str, int]:
+        return {}
+
+    @override
+    def keys(self) -> list[ChunkKey]:
+        return []
+
+    @override
+    def write(self, key: ChunkKey, row: np.ndarray) -> DiskWrite:
+        return self._done_write(key, None)
+
+    @override
+    def read(self, key: ChunkKey, out: np.ndarray | None = None) -> Future:
+        future: Future = Future()
+        future.set_result(ReadResult(key, np.zeros(0, np.uint8)))
+        return future
+
+    @override
+    def delete(self, chunk_hash: bytes) -> bool:
+        return False
+
+    @override
+    def close(self) -> None:
+        pass

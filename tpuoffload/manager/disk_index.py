@@ -34,6 +34,7 @@ from typing_extensions import override
 import numpy as np
 
 from tpuoffload import counters as C
+from tpuoffload.backend.disk_tier import files_per_rank
 from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, Range, pack_keys
 from tpuoffload.manager.events import NO_EVENTS, ChunkEvents
 from tpuoffload.manager.hash_table import HashKeys, PackedHashes
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from tpuoffload.manager.ledger import Resolved
-
-FILE_HEADER_BYTES = 4096  # backend/disk_tier.py HEADER_BYTES: a chunk file is the header + one chunk
 
 _EMPTY_BATCH = DiskBatch()
 
@@ -71,8 +70,10 @@ class DiskIndex:
         self._drops: list[np.ndarray] = []  # (n, 2) hash keys of chunk files the hosts must delete
 
     @staticmethod
-    def capacity(disk_bytes: int, chunk_bytes: int) -> int:
-        return disk_bytes // (FILE_HEADER_BYTES + chunk_bytes)
+    def capacity(disk_bytes: int, chunk_bytes: int, ranks: int = 1) -> int:
+        """Chunk files this half keeps on each host (``ranks``: DP ranks, each with its own files;
+        backend/disk_tier.py:files_per_rank, the rule the workers' tiers apply too)."""
+        return files_per_rank(disk_bytes, chunk_bytes, ranks)
 
     # ---------------------------------------------------------------- spills
     def spill(self, slots: np.ndarray, save_ids: np.ndarray, keys: HashKeys, records, step: int) -> DiskBatch:

@@ -172,7 +172,8 @@ class OffloadScheduler:
     def _make_tiers(self, config: OffloadConfig, num_hosts: int) -> list[Tier]:
         """The tiers beside host RAM, in the order their hooks run (manager/tier.py)."""
         tiers: list[Tier] = []
-        disk_chunks = DiskIndex.capacity(config.disk_bytes_to_use, self.chunk_bytes) if config.disk_path else 0
+        disk_chunks = (DiskIndex.capacity(config.disk_bytes_to_use, self.chunk_bytes, self.dp.ranks)
+                       if config.disk_path else 0)
         disk_events = self._sink(disk_chunks, MEDIUM_STORAGE)
         if config.persist_path is not None:
             tiers.append(WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
@@ -353,7 +354,7 @@ class OffloadScheduler:
                 self.ledger.report(host, ok=saved, failed=failed)
             self.view.apply(report.news)
             for t in self.tiers:
-                t.on_report(report.tiers.get(t.name, {}))
+                t.on_report(report.tier_parts(t.name, self.dp.source))
             self._apply_resolved()
         # A chunk that failed to load on some host is not offered again (vLLM recomputes it).
         # Failures by request (several KV cache groups, DPScheduler): every chunk its load read goes.

@@ -18,8 +18,14 @@ host; a failed read or write only changes what is reported (a fetch whose read f
 installs zeros there, is reported failed, and never becomes loadable anywhere). File I/O and
 checksums run on the tier's own threads (backend/disk_tier.py).
 
-Not supported yet: layouts whose blocks are split across hosts by data parallelism (the chunk
-file would have to record which batch shard it came from); ``register_runner`` refuses them.
+Under DPScheduler each DP rank has its own stage (``rank``), acting on its rank's plan only, with
+its own files in its own directory (``rank-<r>`` under the host's ``disk_path``): each rank's disk
+index numbers its disk ids from 0 and names files by content hash, so two ranks' chunks of one
+hash, or under one disk id, never meet in a file. A rank's chunk lives on the devices of its batch
+shard (backend/slot_table.py), so its file holds those devices' pieces (``TransferEngine.
+rows_to_payloads``) and its install writes them into that shard's rows only
+(``TransferEngine.install``); a host with no device of the shard keeps no file for the rank
+(``NoChunkFiles``) but dispatches the same programs and confirms like every host.
 """
 
 from __future__ import annotations
@@ -36,9 +42,9 @@ from typing_extensions import override
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.backend.disk_tier import ChunkKey, DiskFaults, DiskTier
+from tpuoffload.backend.disk_tier import ChunkKey, DiskFaults, DiskTier, NoChunkFiles, file_bytes_for
 from tpuoffload.messages import DISK_ROW, DiskBatch, DiskPlan, DiskReport, id_ranges, unpack_keys
-from tpuoffload.worker.tier import WorkerTier
+from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,15 @@ logger = logging.getLogger(__name__)
 def _hashes(batch: DiskBatch) -> list[bytes]:
     """The 16 bytes of each chunk's hash keys: its name in the tier."""
     return [row.tobytes() for row in unpack_keys(batch.keys)]
+
+
+def _placed(batch: DiskBatch, placement: Placement) -> DiskBatch:
+    """A spill or fetch in the engine's numbering: its host-RAM slots and save ids moved by the
+    plan's offsets (its disk ids are the rank's own, as are its files)."""
+    if not len(batch) or placement == Placement():
+        return batch
+    s, i = placement
+    return DiskBatch(tuple(x + s for x in batch.slots), tuple(x + i for x in batch.save_ids), batch.disk_ids, batch.keys)
 
 
 @dataclass
@@ -61,18 +76,20 @@ class DiskStage(WorkerTier):
 
     name = "disk"
 
-    def __init__(self, engine: TransferEngine, path: str, capacity_bytes: int, read_timeout_s: float,
+    def __init__(self, engine: TransferEngine, path: str, files: int, read_timeout_s: float,
                  faults: DiskFaults | None = None, deployment: str | None = None,
-                 before_donate: Callable[[], None] = lambda: None) -> None:
-        """``deployment``: with warm restart, the fingerprint that chunk files kept from an earlier
-        start must have been written under (None: none is kept, see DiskTier); the kept files are
-        reported until the manager has them. ``before_donate``: called before an install donates
-        the stores (the other tiers' ``before_donate``)."""
-        if any(g.num_shards > 1 for g in engine.layout.groups):
-            raise ValueError("the disk tier does not support layouts whose blocks are split across hosts by data "
-                             "parallelism yet; unset disk_path")
+                 before_donate: Callable[[], None] = lambda: None, rank: int = 0) -> None:
+        """``files``: chunk files the tier may keep (backend/disk_tier.py:files_per_rank, the
+        scheduler's disk index has as many entries). ``deployment``: with warm restart, the
+        fingerprint that chunk files kept from an earlier start must have been written under
+        (None: none is kept, see DiskTier); the kept files are reported until the manager has them.
+        ``before_donate``: called before an install donates the stores (the other tiers'
+        ``before_donate``). ``rank``: the DP rank (batch shard) whose chunks it keeps (module doc)."""
         self.engine = engine
-        self.tier = DiskTier(path, capacity_bytes, engine.disk_chunk_bytes, faults=faults, deployment=deployment)
+        self.rank = rank
+        payload = engine.disk_chunk_bytes(rank)
+        self.tier = (DiskTier(path, files * file_bytes_for(payload), payload, faults=faults, deployment=deployment)
+                     if payload else NoChunkFiles(path))
         self.read_timeout_s = read_timeout_s
         self._fetches: list[_Fetch] = []  # main thread only
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="disk-spill")
@@ -101,13 +118,13 @@ class DiskStage(WorkerTier):
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
-    def act(self, step: int, part: DiskPlan | None) -> None:
+    def act(self, step: int, part: DiskPlan | None, placement: Placement = Placement()) -> None:
         part = part or DiskPlan()
         self._waiting = part.waiting
         if part.delete_all:
             self.delete_all()
         try:
-            self.run(step, part.drop, part.spill, part.fetch)
+            self.run(step, part.drop, _placed(part.spill, placement), _placed(part.fetch, placement))
         except Exception:  # what failed is reported by the stage (failed spills, failed fetches)
             logger.exception("tpuoffload: disk-tier step failed")
 
@@ -144,7 +161,7 @@ class DiskStage(WorkerTier):
                     result = None
                 payloads.append(result.data if result is not None and result.ok else None)
             for piece in self.engine.pieces(len(f.batch.slots)):
-                self.engine.install(payloads[piece], f.batch.slots[piece], f.batch.save_ids[piece])
+                self.engine.install(payloads[piece], f.batch.slots[piece], f.batch.save_ids[piece], self.rank)
 
     def _spill(self, batch: DiskBatch) -> None:
         hashes = _hashes(batch)
@@ -159,7 +176,7 @@ class DiskStage(WorkerTier):
     def _write(self, rows, ok: list[bool], keys: list[ChunkKey]) -> None:
         written, failed = [], [k.save_id for k, good in zip(keys, ok) if not good]
         try:
-            payloads = self.engine.rows_to_payloads(rows)
+            payloads = self.engine.rows_to_payloads(rows, self.rank)
             writes = [(k, self.tier.write(k, p)) for k, p, good in zip(keys, payloads, ok) if good]
             for key, w in writes:
                 (written if w.future.result().ok else failed).append(key.save_id)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -53,13 +54,13 @@ from tpuoffload.snapshot import SnapshotWriter
 from tpuoffload.stats import OffloadStats, make_report
 from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
-from tpuoffload.backend.disk_tier import DiskFaults
+from tpuoffload.backend.disk_tier import DiskFaults, files_per_rank
 from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage
 from tpuoffload.worker.shared_stage import SharedStage
 from tpuoffload.backend.shared_store import SharedURL
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
-from tpuoffload.worker.tier import WorkerTier
+from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.pooled_engine import PooledEngine
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class OffloadWorker:
         if self.config.persist_path:
             self.tiers.append(self._start_persistence(deployment))
         if self.config.disk_path:
-            self.tiers.append(self._start_disk(deployment))
+            self.tiers += self._start_disk(deployment)
         if self.config.shared_url:  # the store every replica shares (worker/shared_stage.py)
             self.tiers.append(SharedStage(self.engine.engines[0], SharedURL.parse(self.config.shared_url), self.host_id,
                                           json.dumps(deployment.to_json(), sort_keys=True), before_donate=self._before_donate))
@@ -188,13 +189,20 @@ class OffloadWorker:
         persistence.restore()
         return persistence
 
-    def _start_disk(self, deployment: Fingerprint) -> DiskStage:
-        """The disk tier; with warm restart it keeps the chunk files of the same deployment, and the
-        manager indexes those that every host kept alike (manager/disk_index.py)."""
+    def _start_disk(self, deployment: Fingerprint) -> list[DiskStage]:
+        """The disk tier: one stage, or under DPScheduler one per rank (batch shard), each with its
+        own files under ``rank-<r>`` (worker/disk_stage.py); with warm restart it keeps the chunk
+        files of the same deployment, and the manager indexes those that every host kept alike
+        (manager/disk_index.py)."""
         keep = json.dumps(deployment.to_json(), sort_keys=True) if self.config.persist_path else None
-        return DiskStage(self.engine.engines[0], self.config.disk_path.replace("{host}", str(self.host_id)),
-                         self.config.disk_bytes_to_use, self.config.load_wait_timeout_s, self._disk_faults,
-                         deployment=keep, before_donate=self._before_donate)
+        engine = self.engine.engines[0]
+        ranks = engine.slot_table.shards
+        path = self.config.disk_path.replace("{host}", str(self.host_id))
+        files = files_per_rank(self.config.disk_bytes_to_use, sum(engine.disk_chunk_bytes(r) for r in range(ranks)),
+                               ranks)
+        return [DiskStage(engine, path if ranks == 1 else os.path.join(path, f"rank-{r}"), files,
+                          self.config.load_wait_timeout_s, self._disk_faults, deployment=keep,
+                          before_donate=self._before_donate, rank=r) for r in range(ranks)]
 
     def _before_donate(self) -> None:
         for t in self.tiers:
@@ -224,18 +232,25 @@ class OffloadWorker:
         plan = plans[0]
         self._boundary = plan.num_slots - plan.state_slots  # one pool: unused (every slot is pool 0's)
         self.engine.log.record("step", n=plan.step)
-        self._act_tiers(plans)
+        self._act_tiers(placed)
         self._save(_concat_saves([p.flush for p in placed]))
         self._load(placed)
 
-    def _act_tiers(self, plans: list[StepPlan]) -> None:
-        """Every tier acts on its part of the plan, in tier order, before the step's saves and loads."""
-        unknown = {name for p in plans for name in p.tiers} - {t.name for t in self.tiers}
+    def _act_tiers(self, placed: list["_Placed"]) -> None:
+        """Every tier acts on its part of its rank's plan, in tier order, before the step's saves
+        and loads."""
+        unknown = {(p.rank, name) for p in placed for name in p.plan.tiers} - {(t.rank, t.name) for t in self.tiers}
         if unknown:
-            raise ValueError(f"the scheduler plans work for tier(s) {sorted(unknown)} that host {self.host_id} "
-                             "does not have: the two halves were configured differently")
+            raise ValueError(f"the scheduler plans work for tier(s) {sorted(unknown)} (rank, name) that host "
+                             f"{self.host_id} does not have: the two halves were configured differently")
+        by_rank = {p.rank: p for p in placed}
+        step = placed[0].plan.step
         for t in self.tiers:
-            t.act(plans[0].step, plans[0].tiers.get(t.name))
+            p = by_rank.get(t.rank)
+            if p is None:
+                t.act(step, None)
+            else:
+                t.act(step, p.plan.tiers.get(t.name), Placement(p.slot_offset, p.id_offset))
 
     def _check_slots(self, placed: list["_Placed"]) -> None:
         """Each plan's slots fit this host's stores: pool 0 takes ``num_slots - state_slots`` of
@@ -365,7 +380,7 @@ class OffloadWorker:
         for t in self.tiers:
             part = t.report()
             if part is not None:
-                report.tiers[t.name] = {self.host_id: part}
+                report.tiers.setdefault(t.name, {})[self._sources.get(t.rank, 0), self.host_id] = part
         return report if report else None
 
     def _save_report(self, saved: list[int], failed: list[int]) -> OffloadWorkerReport:
@@ -470,7 +485,8 @@ class _Placed:
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
-        self.block_offset, self.slot_offset, id_offset = plan.placement()
+        self.block_offset, self.slot_offset, self.id_offset = plan.placement()
+        id_offset = self.id_offset
         self.rank = id_offset >> RANK_SAVE_ID_SHIFT
         if not (self.block_offset or self.slot_offset or id_offset):  # one scheduler: nothing moves
             self.flush, self.save, self.loads = plan.flush, plan.save, plan.loads

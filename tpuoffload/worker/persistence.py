@@ -38,7 +38,7 @@ from tpuoffload.backend.slot_table import EMPTY_SLOT
 from tpuoffload.layout import CacheLayout
 from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch, unpack_keys
 from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle
-from tpuoffload.worker.tier import WorkerTier
+from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class HostPersistence(WorkerTier):
 
     # ---------------------------------------------------------------- per step
     @override
-    def act(self, step: int, part: PersistPlan | None) -> None:
+    def act(self, step: int, part: PersistPlan | None, placement: Placement = Placement()) -> None:
         part = part or PersistPlan()
         self._waiting = part.waiting
         if part.revoke_below is not None:

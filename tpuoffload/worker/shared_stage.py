@@ -42,7 +42,7 @@ from tpuoffload import counters as C
 from tpuoffload.backend.shared_store import (FORMAT_VERSION, ObjectError, ObjectId, SharedStore, SharedURL,
                                              StoreUnavailable, decode_object, encode_header, open_store)
 from tpuoffload.messages import DiskBatch, SharedPlan, SharedReport, id_ranges, unpack_keys
-from tpuoffload.worker.tier import WorkerTier
+from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SharedStage(WorkerTier):
         self.store = store if store is not None else open_store(spec)
         self.host = host
         self.deployment = deployment
-        self.payload_bytes = engine.disk_chunk_bytes
+        self.payload_bytes = engine.disk_chunk_bytes()
         self._before_donate = before_donate
         self._namespaces: dict[tuple[str, int], bytes] = {}  # (scope, hosts) -> namespace; main thread
         self._slots: dict[int, int] = {}  # fetch save id -> host-RAM slot; main thread
@@ -107,7 +107,7 @@ class SharedStage(WorkerTier):
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
-    def act(self, step: int, part: SharedPlan | None) -> None:
+    def act(self, step: int, part: SharedPlan | None, placement: Placement = Placement()) -> None:
         if part is None:
             return
         try:

@@ -1,10 +1,11 @@
 """The seam every tier beside host RAM plugs into, on the worker's side (manager/tier.py is the other).
 
 ``OffloadWorker`` holds the host's tiers in a fixed order and, each step, on the engine's main
-thread: hands each tier its part of the step plan (``act``, in ``bind``, before the step's flush
-and loads), tells every tier before a save or an install donates the host stores
-(``before_donate``), and collects each tier's part of the host's report (``report``). A tier
-dispatches JAX work only in ``act`` (invariant 1: the parts are the same on every host, and the
+thread: hands each tier its part of the step plan of its rank (``act``, in ``bind``, before the
+step's flush and loads; under DPScheduler a per-rank tier exists once per rank, ``rank``), tells
+every tier before a save or an install donates the host stores (``before_donate``), and
+collects each tier's part of the host's report (``report``, under its rank's scheduler half). A
+tier dispatches JAX work only in ``act`` (invariant 1: the parts are the same on every host, and the
 order is the tier list's), using the transfer engine's primitives (read rows, install rows, the
 stores); its file I/O runs on its own threads. ``act`` and ``report`` are abstract (a tier that
 leaves one out, or misspells it, cannot be built); every other hook has a do-nothing default.
@@ -14,9 +15,18 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpuoffload.messages import SaveBatch
+
+
+class Placement(NamedTuple):
+    """Where the plan a tier acts on sits in the engine's numbering (``StepPlan.placement``): the
+    offset of its slots and of its save ids (both 0 with one scheduler; under DPScheduler those of
+    the tier's rank)."""
+
+    slot_offset: int = 0
+    id_offset: int = 0
 
 
 class WorkerTier(abc.ABC):
@@ -25,10 +35,15 @@ class WorkerTier(abc.ABC):
 
     #: The key of this tier's parts in step plans and reports.
     name: str = ""
+    #: The scheduler half whose plans this tier acts on and whose reports it writes: with one
+    #: scheduler 0; under DPScheduler a tier that keeps a rank's chunks (the disk tier) exists once
+    #: per rank, and acts on that rank's plan only (the worker routes each plan's parts).
+    rank: int = 0
 
     @abc.abstractmethod
-    def act(self, step: int, part: Any | None) -> None:
-        """This step's part of the plan (None: the plan has none), on the main thread."""
+    def act(self, step: int, part: Any | None, placement: Placement = Placement()) -> None:
+        """This step's part of the plan of the tier's rank (None: the plan has none), on the main
+        thread; ``placement``: that plan's offsets in the engine's numbering."""
 
     def before_donate(self) -> None:
         """A save or an install is about to donate the host stores: finish reading them first."""

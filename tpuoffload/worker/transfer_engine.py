@@ -566,35 +566,48 @@ class TransferEngine:
         return set(np.flatnonzero(np.isin(self._write_call[slots], late)).tolist()) if late else set()
 
     # ---------------- the disk tier (tpuoffload/worker/disk_stage.py) ----------------
-    def _row_pieces(self, n: int) -> list[list[tuple[jax.Device, tuple[int, ...]]]]:
-        """Per layer group: (device, local piece shape) of a rows array of ``n`` chunks, this
-        host's devices in id order (replicas included: each device holds its own copy)."""
+    # A chunk's bytes on this host, as the disk tier keeps them, are the local pieces of its rows on
+    # the devices of its batch shard (``shard``): with one scheduler every device (one shard); under
+    # DPScheduler rank r's chunks sit on the devices of batch shard r only (slot_table.py), so rank
+    # r's files hold those devices' pieces, and a host without a device of shard r holds none.
+    def _row_pieces(self, n: int, shard: int) -> list[list[tuple[jax.Device, tuple[int, ...], bool]]]:
+        """Per layer group: (device, local piece shape, whether the device is in batch shard
+        ``shard``) of a rows array of ``n`` chunks, this host's devices in id order (replicas
+        included: each device holds its own copy)."""
         out = []
         for prog in self._programs:
             shape = (prog.group.num_shards, n, *prog.store_shape[2:])
             piece = prog.device_sharding.shard_shape(shape)
+            index = prog.device_sharding.addressable_devices_indices_map(shape)
             devices = sorted(prog.device_sharding.addressable_devices, key=lambda d: d.id)
-            out.append([(d, piece) for d in devices])
+            out.append([(d, piece, (index[d][0].start or 0) == shard) for d in devices])
         return out
 
-    @property
-    def disk_chunk_bytes(self) -> int:
-        """Bytes of one chunk on this host as the disk tier keeps it: every local piece of its rows."""
+    def disk_chunk_bytes(self, shard: int = 0) -> int:
+        """Bytes of one chunk of batch shard ``shard`` on this host as the disk tier keeps it: the
+        local pieces of its rows on that shard's devices (0: this host holds none of them)."""
         return sum(int(np.prod(shape)) // shape[1] * prog.wire.dtype.itemsize
-                   for prog, pieces in zip(self._programs, self._row_pieces(1)) for _, shape in pieces)
+                   for prog, pieces in zip(self._programs, self._row_pieces(1, shard))
+                   for _, shape, mine in pieces if mine)
 
-    def _check_one_shard(self, what: str) -> None:
-        if self.slot_table.shards > 1:  # config.py:LIMITS refuses the disk tier with DP
-            raise ValueError(f"{what}: the disk tier runs on one batch shard, not {self.slot_table.shards}")
+    def _shard_block(self, shard: int) -> int:
+        """The block an install names as its rows' source: the first of batch shard ``shard``, so
+        the rows land in that shard's store rows only and its loads accept them."""
+        return shard * self.layout.groups[0].blocks_per_shard
+
+    def _check_shard(self, slots: np.ndarray, shard: int) -> None:
+        per = self.slot_table.shard_slots
+        if len(slots) and not (slots // per == shard).all():
+            raise ValueError(f"slots {slots[slots // per != shard][:8].tolist()} are not batch shard {shard}'s "
+                             f"(each shard has {per} slots)")
 
     def read_slots(self, slots: Sequence[int], save_ids: Sequence[int]) -> tuple[SlotRows, list[bool]]:
         """Copy ``slots`` out of the stores into device rows, one program per layer group (main
         thread; the stores are read, not donated), by the copies a load of those slots would use
         (``copy_plan``). ``ok[i]``: the slot held chunk ``save_ids[i]`` and no write to it was
         late (otherwise its bytes must not be used). Turn the rows into bytes with
-        ``rows_to_payloads``."""
+        ``rows_to_payloads`` (the pieces of the slots' batch shard)."""
         self._check_owner()
-        self._check_one_shard("read_slots")
         slots = _ints(slots)
         late = self._wait_for_writes(slots)
         ok, _ = self.slot_table.lookup(slots, save_ids)
@@ -607,27 +620,40 @@ class TransferEngine:
         first[plan.rows[listed[::-1]]] = listed[::-1]  # the first program row that moves each slot
         return SlotRows(arrays, first), valid
 
-    def rows_to_payloads(self, rows: SlotRows) -> list[np.ndarray]:
+    def rows_to_payloads(self, rows: SlotRows, shard: int = 0) -> list[np.ndarray]:
         """This host's bytes of each chunk of ``read_slots`` rows, in the listed order (uint8,
-        ``disk_chunk_bytes`` each). Waits for the program; any thread (no dispatch)."""
+        ``disk_chunk_bytes(shard)`` each: the pieces of batch shard ``shard``'s devices, whose rows
+        hold the slots' chunks; the other shards' rows at those slots are other chunks). Waits for
+        the program; any thread (no dispatch)."""
         parts = []
         for arr in rows.arrays:
-            for shard in sorted(arr.addressable_shards, key=lambda sh: sh.device.id):
-                data = np.asarray(shard.data)[:, rows.order]  # (shards, n, layers, *tile)
+            shard_of = {d: (i[0].start or 0) for d, i in arr.sharding.addressable_devices_indices_map(arr.shape).items()}
+            for piece in sorted(arr.addressable_shards, key=lambda sh: sh.device.id):
+                if shard_of[piece.device] != shard:
+                    continue
+                data = np.asarray(piece.data)[:, rows.order]  # (1, n, layers, *tile)
                 parts.append(np.moveaxis(data, 1, 0).reshape(len(rows.order), -1).view(np.uint8))
+        if not parts:
+            return [np.zeros(0, np.uint8) for _ in rows.order]
         return list(np.concatenate(parts, axis=1))
 
-    def install(self, payloads: Sequence[np.ndarray | None], slots: Sequence[int], save_ids: Sequence[int]) -> None:
-        """Write chunks read back from disk into ``slots`` under ``save_ids``, like a save whose
-        rows come from host memory: one H2D copy per device and one program per layer group, by
-        the copies a save of those slots would use (``copy_plan``), then the background completion
-        records the slots. A None payload (a failed read on this host) writes zeros and is
-        reported failed. Main thread; the same dispatch on every host."""
+    def install(self, payloads: Sequence[np.ndarray | None], slots: Sequence[int], save_ids: Sequence[int],
+                shard: int = 0) -> None:
+        """Write chunks read back from disk into ``slots`` (of batch shard ``shard``) under
+        ``save_ids``, like a save whose rows come from host memory: one H2D copy per device and one
+        program per layer group, by the copies a save of those slots would use (``copy_plan``),
+        then the background completion records the slots. The rows are written as blocks of
+        ``shard`` (its first block: ``programs._write_own`` writes them into that shard's store
+        rows only, the other shards' devices into their spare rows), and the slot table records
+        that block as their source, so a load checks them like any chunk of the shard. A None
+        payload (a failed read on this host) writes zeros and is reported failed. Main thread; the
+        same dispatch on every host."""
         self._check_owner()
-        self._check_one_shard("install")
         n = len(slots)
-        _, slots, save_ids = self._plan_arrays([0] * n, slots, save_ids, unique="slots")
-        width = self.disk_chunk_bytes
+        source = self._shard_block(shard)
+        _, slots, save_ids = self._plan_arrays([source] * n, slots, save_ids, unique="slots")
+        self._check_shard(slots, shard)
+        width = self.disk_chunk_bytes(shard)
         host = np.zeros((n, width), np.uint8)
         missing = frozenset(i for i, p in enumerate(payloads) if p is None or len(p) != width)
         for i, p in enumerate(payloads):
@@ -636,16 +662,19 @@ class TransferEngine:
         plan = self.copy_plan("save", slots)
         host = host[plan.rows]  # program row i writes plan row plan.rows[i] (a repeat: the same bytes)
         p_rows = len(plan.rows)
-        ids, entry = self._ids.put(_plan_ids(plan, np.zeros(n, np.int64), 1))
+        ids, entry = self._ids.put(_plan_ids(plan, np.full(n, source, np.int64), 1))
         offset, tokens = 0, []
-        for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(p_rows))):
+        for i, (prog, pieces) in enumerate(zip(self._programs, self._row_pieces(p_rows, shard))):
             arrays = []
-            for device, shape in pieces:
+            for device, shape, mine in pieces:
                 size = int(np.prod(shape)) // p_rows * prog.wire.dtype.itemsize
-                chunk = host[:, offset:offset + size].copy().view(prog.wire.dtype)
-                chunk = np.moveaxis(chunk.reshape(p_rows, shape[0], *shape[2:]), 0, 1)
+                if mine:
+                    chunk = host[:, offset:offset + size].copy().view(prog.wire.dtype)
+                    chunk = np.moveaxis(chunk.reshape(p_rows, shape[0], *shape[2:]), 0, 1)
+                    offset += size
+                else:  # another shard's device: its copy goes to its spare rows (``_write_own``)
+                    chunk = np.zeros(shape, prog.wire.dtype)
                 arrays.append(jax.device_put(np.ascontiguousarray(chunk), device))
-                offset += size
             shape = (prog.group.num_shards, p_rows, *prog.store_shape[2:])
             rows = jax.make_array_from_single_device_arrays(shape, prog.device_sharding, arrays)
             self._stores[i], token = prog.install(rows, self._stores[i], ids, copies=plan.copies)
@@ -653,7 +682,7 @@ class TransferEngine:
                             slots=slots)
             tokens.append(token)
         self._ids.read_by(entry, tokens)
-        self._complete_in_background(tokens, np.zeros(n, np.int64), slots, save_ids, missing)
+        self._complete_in_background(tokens, np.full(n, source, np.int64), slots, save_ids, missing)
 
     # ---------------- warm restart (tpuoffload/worker/persistence.py) ----------------
     def stores(self) -> dict[str, jax.Array]:

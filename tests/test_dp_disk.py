@@ -1,0 +1,145 @@
+"""The disk tier under tpu-inference's DPScheduler (issue 36): each DP rank's scheduler half plans its
+own spills and fetches (its own disk index, disk ids from 0), and each rank's files are its own.
+
+A rank's chunk lives on the devices of its batch shard only (backend/slot_table.py), so on a host
+its file holds those devices' pieces and a fetch writes them back into that shard's store rows.
+What these tests prove, on tpu-inference's own DP cache layout:
+
+* the workers (one host holding both batch shards of DP 2 x TP 4): two ranks spill chunks of the
+  same hash under the same disk id in the same step and fetch them back, each its own bytes; two
+  negative controls remove one mechanism each: ranks sharing one file namespace (the second
+  rank's spill of the hash is taken as written, its fetch serves the first rank's bytes), and
+  installs not routed to the rank's batch shard (a fetch overwrites the other rank's slot row);
+* through tpu-inference's own DPScheduler (its forked rank processes, a 2-process pod slice):
+  host RAM too small for the workload, prefixes spilled to each rank's disk and fetched back by
+  that rank, byte-exact on every host, identical dispatch digests, per-rank files within the
+  budget, nothing leaked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from tpuoffload import counters as C
+from tpuoffload.backend.disk_tier import NoChunkFiles
+from tpuoffload.config import parse_config
+from tpuoffload.messages import DiskBatch, DiskPlan, LoadRequest, OffloadMetadata, SaveBatch, StepPlan, pack_keys
+from tpuoffload.manager.disk_index import DiskIndex
+from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.worker.offload_worker import OffloadWorker
+
+KEY = pack_keys(np.array([0x1234_5678], np.uint64), np.array([0x9ABC], np.uint64))  # one hash, both ranks
+DISK_BYTES = 1 << 24
+
+
+def _worker(tmp_path):
+    """One host holding both batch shards of tpu-inference's DP 2 x TP 4 cache, random contents,
+    the disk tier on."""
+    caches, mesh = create_caches(LAYOUTS["bf16-dp2-tp4"])
+    rng = np.random.default_rng(36)
+    caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
+    original = [np.asarray(c) for c in caches]
+    runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
+    config = parse_config({"cpu_bytes_to_use": 1 << 23, "disk_path": str(tmp_path / "disk-{host}"),
+                           "disk_bytes_to_use": DISK_BYTES})
+    worker = OffloadWorker(config, host_id=0)
+    worker.register_runner(runner)
+    return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
+
+
+def _plan(rank: int, bpr: int, step: int, per_rank: int, **fields) -> StepPlan:
+    """A rank's plan as DPScheduler's merge hands it to the workers (test_dp_scheduler.py)."""
+    return StepPlan(step, per_rank, source=1000 + rank, num_blocks=bpr, failures_by_request=True,
+                    local_block_ids=[rank * bpr], **fields)
+
+
+def _step(worker, plans) -> set[str]:
+    worker.bind(OffloadMetadata(plans))
+    worker.wait_for_save()
+    worker.get_finished()
+    failed = worker.take_failed_recving()
+    worker.clear()
+    assert worker.wait_idle(30)
+    return failed
+
+
+def _spill_and_fetch(worker, per_rank: int, bpr: int) -> tuple[dict, set[str]]:
+    """Both ranks, in the same steps and with the same local numbers: save local block 3 into slot
+    0, spill it to disk as disk id 0 under one hash, fetch it into slot 1, load slot 1 into local
+    block 9. Returns each rank's disk report and the requests whose load failed."""
+    both = range(2)
+    _step(worker, [_plan(r, bpr, 0, per_rank, save=SaveBatch((3,), (0,), (0,))) for r in both])
+    worker.build_report()
+    spill = DiskBatch((0,), (0,), (0,), KEY)
+    _step(worker, [_plan(r, bpr, 1, per_rank, tiers={"disk": DiskPlan(spill=spill)}) for r in both])
+    report = worker.build_report()
+    disk = {r: report.tier_parts("disk", 1000 + r) for r in both}
+    fetch = DiskBatch((1,), (1,), (0,), KEY)
+    _step(worker, [_plan(r, bpr, 2, per_rank, tiers={"disk": DiskPlan(fetch=fetch)}) for r in both])
+    _step(worker, [_plan(r, bpr, 3, per_rank) for r in both])  # the fetches are installed
+    assert {s for r in both for s in worker.build_report().outcomes(1000 + r)} == {(0, ((1, 2),), ())}
+    failed = _step(worker, [_plan(r, bpr, 4, per_rank, loads=(LoadRequest(f"r{r}", (9,), (1,), (1,)),))
+                            for r in both])
+    return disk, failed
+
+
+def _rank_blocks(runner, original, bpr: int) -> list[bool]:
+    """Whether each rank's local block 9 holds its own local block 3's bytes, in every layer."""
+    return [all(np.array_equal(np.asarray(c)[r * bpr + 9], o[r * bpr + 3]) for c, o in zip(runner.kv_caches, original))
+            for r in range(2)]
+
+
+def test_each_rank_spills_and_fetches_its_own_bytes(tmp_path):
+    worker, runner, original, per_rank, bpr = _worker(tmp_path)
+    stages = [t for t in worker.tiers if t.name == "disk"]
+    assert [s.rank for s in stages] == [0, 1]
+    files = DiskIndex.capacity(DISK_BYTES, worker.engine.tables[0].slot_bytes, 2)
+    # Each rank's chunk on this host is the pieces of its 4 devices: half the host's bytes.
+    assert [s.tier.capacity_chunks for s in stages] == [files, files]
+    assert 2 * files * (4096 + stages[0].tier.slot_bytes) <= DISK_BYTES
+    disk, failed = _spill_and_fetch(worker, per_rank, bpr)
+    assert disk == {r: {0: dataclasses.replace(disk[r][0], saved=((0, 1),))} for r in range(2)}, disk
+    assert failed == set()
+    assert _rank_blocks(runner, original, bpr) == [True, True]
+    names = {r: [os.path.basename(p) for p in glob.glob(str(tmp_path / "disk-0" / f"rank-{r}" / "*.kv"))]
+             for r in range(2)}
+    assert len(names[0]) == 1 and names[0] == names[1], names  # one hash: a file of that name per rank
+    counters = worker.take_stats().reduce()
+    assert counters[C.DISK_WRITTEN_CHUNKS] == 2 and counters[C.DISK_READ_CHUNKS] == 2, counters
+    worker.close()
+
+
+def test_negative_control_ranks_sharing_one_file_namespace_serve_the_wrong_bytes(tmp_path):
+    """The two ranks' stages on one set of files: rank 1's spill of the hash under the same disk id
+    is taken as written (the file is rank 0's), and its fetch installs rank 0's bytes."""
+    worker, runner, original, per_rank, bpr = _worker(tmp_path)
+    stages = [t for t in worker.tiers if t.name == "disk"]
+    stages[1].tier.close()
+    stages[1].tier = stages[0].tier
+    _, failed = _spill_and_fetch(worker, per_rank, bpr)
+    assert failed == set()  # nothing noticed ...
+    assert _rank_blocks(runner, original, bpr) == [True, False]  # ... and rank 1 got rank 0's bytes
+    assert all(np.array_equal(np.asarray(c)[bpr + 9], o[3]) for c, o in zip(runner.kv_caches, original))
+    stages[1].tier = NoChunkFiles(str(tmp_path))  # the shared files are closed once, by stage 0
+    worker.close()
+
+
+def test_negative_control_installs_not_routed_to_the_ranks_shard_overwrite_another_rank(tmp_path, monkeypatch):
+    """Installs written as blocks of shard 0 (what one scheduler's disk tier did): rank 1's fetch,
+    installed after rank 0's in the same step, is written into shard 0's store row of the same
+    local slot (its rows for shard 0's devices: none of its bytes, zeros), over rank 0's fetched
+    chunk, whose record still says it is there: rank 0 loads zeros, silently."""
+    worker, runner, original, per_rank, bpr = _worker(tmp_path)
+    monkeypatch.setattr(worker.engine.engines[0], "_shard_block", lambda shard: 0)
+    _, failed = _spill_and_fetch(worker, per_rank, bpr)
+    assert _rank_blocks(runner, original, bpr) == [False, False]
+    assert all(not np.asarray(c)[9].any() for c in runner.kv_caches), "rank 0's row was overwritten"
+    assert failed == {"r1"}  # rank 1's slot record names shard 0: only its own load is refused
+    worker.close()
