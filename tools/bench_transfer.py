@@ -53,6 +53,7 @@ bf16, sharded ``P("data", None, "model")`` on a 1x1 mesh. ``--layout 4d`` uses
     python tools/bench_transfer.py --expect-platform gpu                     # 64 MiB, 512 MiB, 2 GiB
     python tools/bench_transfer.py --expect-platform gpu --sizes-mib 512 --json out.json
     JAX_PLATFORMS=cpu python tools/bench_transfer.py --expect-platform cpu --sizes-mib 8 --layers 4
+    python tools/bench_transfer.py --expect-platform gpu --deployments llama-70b-tp8 --devices 2   # TP over 2 devices
 
 JAX is never pointed at a platform here: the run uses whatever JAX picks (the GPU when present), and
 refuses to measure anything unless that is ``--expect-platform``.
@@ -149,6 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verify-blocks", type=int, default=16, help="blocks compared after every load (0: all)")
     p.add_argument("--no-per-block", action="store_true", help="skip the per-block floor")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--devices", type=int, default=1,
+                   help="tensor parallelism over this many devices of the host, as on a TPU host: a (1, N) mesh, "
+                        "each device holding the layout's per-device share (KV heads sharded over 'model', an MLA "
+                        "latent replicated); sizes, slots and GiB/s stay per device, every path moves N shares")
     p.add_argument("--transfer-buffer-mib", type=float, default=None,
                    help="the engine's transfer_buffer_bytes (default: the engine's default or the step "
                         "rounded up to a power of two of blocks, whichever is larger: no step is split "
@@ -180,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("layers", "block_size", "kv_heads", "head_dim"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if a.devices < 1:
+        p.error("--devices must be >= 1")
     if a.iters < 7:
         p.error("--iters must be >= 7 (medians of at least 7)")
     if a.verify_blocks < 0:
@@ -203,10 +210,13 @@ def main(argv=None) -> int:
     platform = jax.default_backend()
     dev = jax.devices()[0]
     print(f"platform {platform} | device {dev.device_kind} | jax {jax.__version__} | "
-          f"{len(jax.devices())} device(s), using 1", flush=True)
+          f"{len(jax.devices())} device(s), using {args.devices}", flush=True)
     if platform != args.expect_platform:
         print(f"refusing to measure: JAX's platform is {platform!r}, --expect-platform is {args.expect_platform!r}",
               file=sys.stderr)
+        return 2
+    if args.devices > len(jax.devices()):
+        print(f"--devices {args.devices}: this host has {len(jax.devices())}", file=sys.stderr)
         return 2
 
     configs = []  # (name, block shape of one device, dtype, layers, mla)
@@ -243,12 +253,17 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for cfg_name, block_shape, dtype_name, num_layers, no_head_axis in configs:
         dtype = jnp.dtype(dtype_name)
-        mesh = Mesh(np.array([dev]).reshape(1, 1), ("data", "model"))
+        mesh = Mesh(np.array(jax.devices()[:args.devices]).reshape(1, args.devices), ("data", "model"))
         # tpu-inference's specs: P(BATCH, KV_CONTEXT, KV_HEAD); MLA P(BATCH, KV_CONTEXT).
         cache_spec = P("data", None) if no_head_axis else P("data", None, "model")
         cache_sharding = NamedSharding(mesh, cache_spec)
-        dev_sharding = NamedSharding(mesh, P())
-        host_sharding = NamedSharding(mesh, P(), memory_kind="pinned_host")
+        # The whole cache's block: heads times the devices (each holds block_shape); an MLA latent whole.
+        global_shape = tuple(block_shape) if no_head_axis else (
+            block_shape[0], block_shape[1] * args.devices, *block_shape[2:])
+        # Rows (n, layers, *block) sharded as the cache's blocks: each device moves its own share.
+        rows_spec = P() if no_head_axis else P(None, None, None, "model")
+        dev_sharding = NamedSharding(mesh, rows_spec)
+        host_sharding = NamedSharding(mesh, rows_spec, memory_kind="pinned_host")
         layer_block_bytes = int(np.prod(block_shape)) * dtype.itemsize
         chunk_bytes = num_layers * layer_block_bytes  # one block, every layer
         out_shardings = tuple(cache_sharding for _ in range(num_layers))
@@ -267,7 +282,7 @@ def main(argv=None) -> int:
         pick_jit = jax.jit(lambda cs, ids: jnp.stack([c[ids] for c in cs], axis=1))
 
         def make_caches(num_blocks: int) -> list:
-            shape = (num_blocks, *block_shape)
+            shape = (num_blocks, *global_shape)
             caches = []
             for key in jax.random.split(jax.random.key(0), num_layers):
                 if jnp.issubdtype(dtype, jnp.integer):
@@ -286,7 +301,7 @@ def main(argv=None) -> int:
                              failures, jax=jax, jnp=jnp, np=np, dev_sharding=dev_sharding,
                              host_sharding=host_sharding, gather_jit=gather_jit, scatter_jit=scatter_jit,
                              scatter_unique_jit=scatter_unique_jit, zero_jit=zero_jit, pick_jit=pick_jit,
-                             make_caches=make_caches, TransferEngine=TransferEngine)
+                             make_caches=make_caches, TransferEngine=TransferEngine, global_shape=global_shape)
             if row is None:
                 return 2
             results.append(row)
@@ -298,6 +313,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"platform": platform, "device_kind": dev.device_kind, "jax": jax.__version__,
+                       "devices": args.devices,
                        "argv": sys.argv if argv is None else list(argv), "iters": args.iters,
                        "verified": not failures, "failures": failures, "results": results}, f, indent=1)
     if failures:
@@ -418,7 +434,7 @@ def churn_pattern(args, num_slots: int, n: int, churn_data: dict, label: str) ->
 
 def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, size_mib, churn_data, failures, *,
                jax, jnp, np, dev_sharding, host_sharding, gather_jit, scatter_jit, scatter_unique_jit, zero_jit,
-               pick_jit, make_caches, TransferEngine) -> dict | None:
+               pick_jit, make_caches, TransferEngine, global_shape) -> dict | None:
     """One layout and step size: raw, floor, the engine on each slot pattern, per-block; a row."""
     def median_ms(xs):
         return statistics.median(xs) * 1e3
@@ -455,8 +471,9 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
     caches = make_caches(2 * n)
     expect = np.asarray(pick_jit(caches, src_s)).view(np.uint8)  # source blocks: never written
     settle_probe = np.zeros(8, np.int32)
+    probe_sharding = jax.sharding.NamedSharding(dev_sharding.mesh, jax.sharding.PartitionSpec())
     # The floor: one device_put of a contiguous array of the step's bytes each way.
-    flat_dev = jax.device_put(jnp.zeros((n, num_layers, *block_shape), dtype), dev_sharding)
+    flat_dev = jax.device_put(jnp.zeros((n, num_layers, *global_shape), dtype), dev_sharding)
     flat_dev.block_until_ready()
 
     times = {k: [] for k in ("raw_save", "raw_save_main", "raw_load", "raw_unique_load", "floor_save", "floor_load",
@@ -477,7 +494,7 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
         # after 512 MiB, landing in whichever path is timed next, raw or engine). One tiny
         # transfer here takes it, outside every timed region; its time is reported.
         t0 = time.perf_counter()
-        jax.device_put(settle_probe, dev_sharding).block_until_ready()
+        jax.device_put(settle_probe, probe_sharding).block_until_ready()
         times["settle"].append(time.perf_counter() - t0)
 
     def fresh_dst(cs):
@@ -493,7 +510,8 @@ def run_config(args, cfg_name, block_shape, dtype, num_layers, n, chunk_bytes, s
 
     buffer = int(args.transfer_buffer_mib * 2**20) if args.transfer_buffer_mib else \
         max(DEFAULT_BUFFER, (1 << (n - 1).bit_length()) * chunk_bytes)
-    engine = TransferEngine(caches, num_slots * chunk_bytes, transfer_buffer_bytes=buffer)
+    # The store and the transfer buffer hold every device's share (layout.device_bytes_per_chunk).
+    engine = TransferEngine(caches, num_slots * chunk_bytes * args.devices, transfer_buffer_bytes=buffer * args.devices)
     next_id = iter(range(1, 1 << 62))
 
     def timed_save(pat: str, slots) -> tuple[list[int], float, float] | None:

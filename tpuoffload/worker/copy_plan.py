@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numba
 import numpy as np
 
 Copies = tuple[tuple[int, int], ...]
@@ -39,6 +40,7 @@ Copies = tuple[tuple[int, int], ...]
 # Counts are rounded up to k * 2**j with COUNT_STEPS <= k < 2 * COUNT_STEPS (every count up to
 # 2 * COUNT_STEPS kept): at most 1 / COUNT_STEPS of a width's copies are padding.
 COUNT_STEPS = 4
+COUNT_STEPS_BITS = COUNT_STEPS.bit_length()
 
 
 class CopyPlan(NamedTuple):
@@ -83,19 +85,9 @@ def structure_bound(cap: int) -> tuple[int, int]:
     return len(loads), len(saves)
 
 
-def _runs(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(order, starts, lens, first)``: the plan rows in ascending slot order (stable), and the
-    maximal runs of consecutive slots in that order: their positions, lengths and first slots."""
-    order = np.argsort(slots, kind="stable")
-    ss = slots[order]
-    starts = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1] + 1)))
-    lens = np.diff(np.concatenate((starts, [len(ss)])))
-    return order, starts, lens, ss[starts]
-
-
 def _one_run(s: np.ndarray) -> bool:
     """Whether ``s`` is one ascending run listed in order (a fresh store's plan)."""
-    return bool(s[-1] - s[0] == len(s) - 1 and (len(s) == 1 or (np.diff(s) == 1).all()))
+    return bool(_is_one_run(s))
 
 
 def _shifted(plan: CopyPlan, first: int) -> CopyPlan:
@@ -103,15 +95,20 @@ def _shifted(plan: CopyPlan, first: int) -> CopyPlan:
     return plan._replace(slots=plan.slots + first)
 
 
+def _slots(slots) -> np.ndarray:
+    """The plan's slots as the compiled planners take them: one contiguous int64 array."""
+    return np.ascontiguousarray(slots, np.int64).ravel()
+
+
 def load_plan(slots, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
     """A load's copies: one width ``W`` for every run (``ceil(L / W)`` copies each, reading past a
     run shorter than ``W``, kept within the store's ``num_slots``), ``W`` the cheapest of
     ``widths(min(cap, num_slots))`` with counts rounded up to the ladder. One ascending run whose
     copies cannot reach the store's end (a fresh store) takes its cached plan, shifted."""
-    s = np.asarray(slots, np.int64).ravel()
+    s = _slots(slots)
     if not len(s):
         return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
-    if _one_run(s) and s[0] + max(len(s), min(cap, num_slots)) <= num_slots:
+    if _is_one_run(s) and s[0] + max(len(s), min(cap, num_slots)) <= num_slots:
         return _shifted(_load_run(len(s), copy_cost, cap, num_slots), int(s[0]))
     return _load_plan(s, copy_cost, cap, num_slots)
 
@@ -122,25 +119,21 @@ def _load_run(n: int, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
 
 
 def _load_plan(s: np.ndarray, copy_cost: float, cap: int, num_slots: int) -> CopyPlan:
-    order, starts, lens, first = _runs(s)
-    ladder = np.array(widths(min(cap, num_slots)), np.int64)
-    need = count_bucket((-(-lens[None, :] // ladder[:, None])).sum(axis=1))  # copies per width, on the ladder
-    # Width 1 always fits the cap (a plan has at most ``cap`` rows, a power of two on the ladder).
-    k = int(np.argmin(np.where(need * ladder <= cap, need * (copy_cost + ladder), np.inf)))
-    w = int(ladder[k])
-    return _plan(s, order, starts, lens, first, -(-lens // w), w, int(need[k]), num_slots)
+    rows, slots, w, count = _load_kernel(s, _order(s), float(copy_cost), int(cap), int(num_slots))
+    return CopyPlan(rows, slots, ((int(w), int(count)),))
 
 
 def save_plan(slots, copy_cost: float, cap: int) -> CopyPlan:
     """A save's copies: copies of one width ``W`` within the runs (``ceil(L / W)`` per run, the
     last reaching back, or ``L // W`` and the rest as single rows, whichever costs less), single
     rows for runs shorter than ``W``; ``W`` the cheapest of ``widths(cap)``, counts rounded up to
-    the ladder. The slots must be distinct (the engine checks). One ascending run (a fresh
-    store) takes its cached plan, shifted."""
-    s = np.asarray(slots, np.int64).ravel()
+    the ladder. Raises ValueError if a slot is listed twice (two chunks in one slot): the check
+    rides on the plan's own sort. One ascending run (a fresh store) takes its cached plan,
+    shifted."""
+    s = _slots(slots)
     if not len(s):
         return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
-    if _one_run(s):
+    if _is_one_run(s):
         return _shifted(_save_run(len(s), copy_cost, cap), int(s[0]))
     return _save_plan(s, copy_cost, cap)
 
@@ -150,6 +143,12 @@ def _save_run(n: int, copy_cost: float, cap: int) -> CopyPlan:
     return _frozen(_save_plan(np.arange(n, dtype=np.int64), copy_cost, cap))
 
 
+def _order(s: np.ndarray) -> np.ndarray:
+    """The plan rows in ascending slot order (stable: numpy's sort of integers, faster than a
+    compiled one)."""
+    return np.argsort(s, kind="stable")
+
+
 def _frozen(plan: CopyPlan) -> CopyPlan:
     """A plan whose arrays are read-only (a cached plan, shared by every caller)."""
     plan.rows.flags.writeable = plan.slots.flags.writeable = False
@@ -157,61 +156,192 @@ def _frozen(plan: CopyPlan) -> CopyPlan:
 
 
 def _save_plan(s: np.ndarray, copy_cost: float, cap: int) -> CopyPlan:
-    order, starts, lens, first = _runs(s)
-    ladder = np.array(widths(cap), np.int64)[:, None]
-    wide, single = _save_split(lens[None, :], ladder, copy_cost)  # (widths, runs)
-    nw, ns = count_bucket(wide.sum(axis=1)), count_bucket(single.sum(axis=1))
-    w_ = ladder[:, 0]
-    # Width 1 always fits the cap (no single rows then).
-    k = int(np.argmin(np.where(nw * w_ + ns <= cap, nw * (copy_cost + w_) + ns * (copy_cost + 1), np.inf)))
-    w, wide, single, ns = int(w_[k]), wide[k], single[k], int(ns[k])
-    plan = _plan(s, order, starts, lens, first, wide, w, int(nw[k]), None)
-    if not ns:
-        return plan
-    # Single rows: the rows of each run that its wide copies leave (the run's last ``single``).
-    run_of = np.repeat(np.arange(len(lens)), single)
-    within = np.arange(int(single.sum())) - np.repeat(np.cumsum(single) - single, single)
-    pos = starts[run_of] + lens[run_of] - single[run_of] + within
-    pos = np.concatenate((pos, np.full(ns - len(pos), pos[-1])))  # the ladder's padding repeats the last row
-    return CopyPlan(np.concatenate((plan.rows, order[pos])), np.concatenate((plan.slots, s[order[pos]])),
-                    plan.copies + ((1, ns),))
+    rows, slots, w, nw, ns = _save_kernel(s, _order(s), float(copy_cost), int(cap))
+    if ns < 0:
+        raise ValueError("slots repeat within one save")
+    copies = tuple((int(v), int(c)) for v, c in ((w, nw), (1, ns)) if c)
+    return CopyPlan(rows, slots, copies)
 
 
-def _save_split(lens: np.ndarray, w, copy_cost: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per run: copies of width ``w`` and single rows. A run of ``q * w + r`` slots (``q >= 1``)
-    takes ``q + 1`` copies (the last reaching back) where one copy costs less than ``r`` single
-    ones, else ``q`` copies and ``r`` single rows; a shorter run takes single rows only."""
-    q, r = lens // w, lens % w
-    cover = (q > 0) & (r > 0) & (copy_cost + w < r * (copy_cost + 1))
-    return q + cover, np.where(cover, 0, r)
+# ---------------------------------------------------------------- compiled planners
+# The plans above are computed by the compiled loops below, one call per plan: a plan of a churned
+# store has a few hundred runs, and written as numpy calls (a few dozen of them, each costing
+# microseconds whatever its size) it cost the dispatching thread more than the program's own
+# dispatch (docs/performance.md, "save()'s main thread"). Each loop is the direct statement of the
+# rule in the module docstring; every float is computed in the same order as a numpy expression
+# of the same rule would, so the choice of width is the same on every host. Compiled at the first
+# plan of a process with fixed argument types (int64 slots, float cost, int sizes), machine code
+# cached on disk (``cache=True``).
+
+@numba.njit(cache=True)
+def _is_one_run(s):
+    for i in range(1, len(s)):
+        if s[i] != s[i - 1] + 1:
+            return False
+    return True
 
 
-def _plan(s, order, starts, lens, first, per_run, w: int, count: int, num_slots: int | None) -> CopyPlan:
-    """Program rows of ``per_run[i]`` copies of width ``w`` for each run ``i`` (its first rows),
-    then copies repeating the last one up to ``count``. Copy ``j`` of a run starts ``j * w`` into
-    it, the last one ending at the run's end. A load (``num_slots``, the store's size, given) may
-    read past a run shorter than ``w`` (moved back to fit the store), and a copy's rows beyond
-    those it moves first are -1; a save's copies stay within their runs."""
-    n_copies = int(per_run.sum())
-    if not n_copies:
-        return CopyPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), ())
-    run = np.repeat(np.arange(len(per_run)), per_run)
-    j = np.arange(n_copies) - np.repeat(np.cumsum(per_run) - per_run, per_run)
-    length = lens[run]
-    offset = np.minimum(j * w, np.maximum(length - w, 0))  # the run's last copy ends at its end
-    start = first[run] + offset
-    if num_slots is not None:
-        start = np.minimum(start, num_slots - w)  # a load reading past the store's end moves back
-    lo, hi = j * w, np.minimum((j + 1) * w, length)  # the run offsets this copy moves first
-    pad = count - n_copies
-    if pad:
-        run, start, lo, hi = (np.concatenate((a, np.full(pad, a[-1]))) for a in (run, start, lo, hi))
-        lo[n_copies:] = hi[n_copies:] = 0  # a repeated copy moves no row first
-    slot = np.repeat(start, w) + np.tile(np.arange(w), count)
-    at = slot - np.repeat(first[run], w)  # offset into the copy's run
-    inside = (at >= 0) & (at < np.repeat(lens[run], w))
-    pos = np.repeat(starts[run], w) + np.where(inside, at, 0)
-    rows = order[pos]
-    if num_slots is not None:
-        rows = np.where((at >= np.repeat(lo, w)) & (at < np.repeat(hi, w)), rows, -1)
-    return CopyPlan(rows, slot, ((w, count),))
+@numba.njit(cache=True, inline="always")
+def _bucket(c):
+    """``count_bucket`` of one count."""
+    if c <= 2 * COUNT_STEPS:
+        return c
+    bits = 0
+    x = c
+    while x:
+        bits += 1
+        x >>= 1
+    shift = bits - COUNT_STEPS_BITS
+    return (-((-c) >> shift)) << shift
+
+
+@numba.njit(cache=True)
+def _runs(s, order):
+    """``(starts, lens, first, repeat)``: the maximal runs of consecutive slots in ascending
+    slot order (``order``: the plan rows sorted by slot, stable), their positions, lengths and
+    first slots, and whether a slot repeats."""
+    n = len(s)
+    starts = np.empty(n, np.int64)
+    lens = np.empty(n, np.int64)
+    first = np.empty(n, np.int64)
+    runs = 0
+    repeat = False
+    for i in range(n):
+        v = s[order[i]]
+        if i and v == s[order[i - 1]] + 1:
+            lens[runs - 1] += 1
+            continue
+        if i and v == s[order[i - 1]]:
+            repeat = True
+        starts[runs] = i
+        lens[runs] = 1
+        first[runs] = v
+        runs += 1
+    return starts[:runs], lens[:runs], first[:runs], repeat
+
+
+@numba.njit(cache=True)
+def _plan_rows(s, order, starts, lens, first, per_run, w, count, num_slots, rows, slots):
+    """Fill ``rows`` and ``slots`` (``count * w`` of each) with ``per_run[i]`` copies of width
+    ``w`` for each run ``i``, then copies repeating the last one up to ``count``. Copy ``j`` of a
+    run starts ``j * w`` into it, the last one ending at the run's end. A load (``num_slots`` >= 0,
+    the store's size) may read past a run shorter than ``w`` (moved back to fit the store), and a
+    copy's rows beyond those it moves first are -1; a save's (``num_slots`` < 0) copies stay
+    within their runs."""
+    c = 0
+    last_run, last_start = 0, 0
+    for r in range(len(per_run)):
+        length = lens[r]
+        for j in range(per_run[r]):
+            offset = min(j * w, max(length - w, 0))  # the run's last copy ends at its end
+            start = first[r] + offset
+            if num_slots >= 0:
+                start = min(start, num_slots - w)  # a load reading past the store's end moves back
+            lo, hi = j * w, min((j + 1) * w, length)  # the run offsets this copy moves first
+            _copy_rows(s, order, starts, lens, first, r, start, lo, hi, w, c, num_slots, rows, slots)
+            last_run, last_start = r, start
+            c += 1
+    while c < count:  # a repeated copy moves no row first
+        _copy_rows(s, order, starts, lens, first, last_run, last_start, 0, 0, w, c, num_slots, rows, slots)
+        c += 1
+
+
+@numba.njit(cache=True, inline="always")
+def _copy_rows(s, order, starts, lens, first, r, start, lo, hi, w, c, num_slots, rows, slots):
+    for t in range(w):
+        slot = start + t
+        at = slot - first[r]  # offset into the copy's run
+        pos = starts[r] + (at if 0 <= at < lens[r] else 0)
+        row = order[pos]
+        if num_slots >= 0 and not (lo <= at < hi):
+            row = -1
+        rows[c * w + t] = row
+        slots[c * w + t] = slot
+
+
+@numba.njit(cache=True)
+def _load_kernel(s, order, copy_cost, cap, num_slots):
+    starts, lens, first, _ = _runs(s, order)
+    top = max(min(cap, num_slots), 1)
+    best_w, best_count, best = 1, 0, np.inf
+    w = 1
+    while w <= top:  # the widths of ``widths(top)``, narrowest first: the first cheapest wins
+        need = 0
+        for r in range(len(lens)):
+            need += -(-lens[r] // w)
+        need = _bucket(need)
+        # Width 1 always fits the cap (a plan has at most ``cap`` rows, a power of two on the ladder).
+        cost = need * (copy_cost + w) if need * w <= cap else np.inf
+        if w == 1 or cost < best:
+            best_w, best_count, best = w, need, cost
+        w *= 2
+    w = best_w
+    per_run = np.empty(len(lens), np.int64)
+    for r in range(len(lens)):
+        per_run[r] = -(-lens[r] // w)
+    rows = np.empty(best_count * w, np.int64)
+    slots = np.empty(best_count * w, np.int64)
+    _plan_rows(s, order, starts, lens, first, per_run, w, best_count, num_slots, rows, slots)
+    return rows, slots, w, best_count
+
+
+@numba.njit(cache=True, inline="always")
+def _save_split(length, w, copy_cost):
+    """Copies of width ``w`` and single rows of a run of ``length`` slots: ``q * w + r`` slots
+    (``q >= 1``) take ``q + 1`` copies (the last reaching back) where one copy costs less than
+    ``r`` single ones, else ``q`` copies and ``r`` single rows; a shorter run takes single rows
+    only."""
+    q, r = length // w, length % w
+    if q > 0 and r > 0 and copy_cost + w < r * (copy_cost + 1):
+        return q + 1, 0
+    return q, r
+
+
+@numba.njit(cache=True)
+def _save_kernel(s, order, copy_cost, cap):
+    """``(rows, slots, W, wide copies, single rows)``; single rows -1: a slot repeats."""
+    starts, lens, first, repeat = _runs(s, order)
+    if repeat:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 1, 0, -1
+    best_w, best_nw, best_ns, best = 1, 0, 0, np.inf
+    w = 1
+    while w <= max(cap, 1):  # the widths of ``widths(cap)``, narrowest first: the first cheapest wins
+        nw, ns = 0, 0
+        for r in range(len(lens)):
+            a, b = _save_split(lens[r], w, copy_cost)
+            nw += a
+            ns += b
+        nw, ns = _bucket(nw), _bucket(ns)
+        # Width 1 always fits the cap (no single rows then).
+        cost = nw * (copy_cost + w) + ns * (copy_cost + 1) if nw * w + ns <= cap else np.inf
+        if w == 1 or cost < best:
+            best_w, best_nw, best_ns, best = w, nw, ns, cost
+        w *= 2
+    w, nw, ns = best_w, best_nw, best_ns
+    per_run = np.empty(len(lens), np.int64)
+    single = np.empty(len(lens), np.int64)
+    for r in range(len(lens)):
+        per_run[r], single[r] = _save_split(lens[r], w, copy_cost)
+    wide = 0
+    for r in range(len(lens)):
+        wide += per_run[r]
+    rows = np.empty((nw * w if wide else 0) + ns, np.int64)
+    slots = np.empty(len(rows), np.int64)
+    if wide:
+        _plan_rows(s, order, starts, lens, first, per_run, w, nw, -1, rows, slots)
+    else:
+        nw = 0
+    # Single rows: the rows of each run that its wide copies leave (the run's last ``single``), the
+    # ladder's padding repeating the last one.
+    k = nw * w
+    for r in range(len(lens)):
+        for t in range(single[r]):
+            pos = starts[r] + lens[r] - single[r] + t
+            rows[k] = order[pos]
+            slots[k] = s[order[pos]]
+            k += 1
+    while k < len(rows):
+        rows[k] = rows[k - 1]
+        slots[k] = slots[k - 1]
+        k += 1
+    return rows, slots, w, nw, ns

@@ -90,6 +90,16 @@ def _ints(seq) -> np.ndarray:
     return np.fromiter(seq, np.int64, len(seq))
 
 
+def _snapshot(seq: Sequence[int]) -> Sequence[int]:
+    """``seq`` as it is now, for a later conversion by ``_ints``: immutable sequences as they are,
+    an array or a list copied (cheap: no per-element conversion), anything else as a tuple."""
+    if isinstance(seq, (tuple, range)):
+        return seq
+    if isinstance(seq, np.ndarray):
+        return seq.copy()
+    return list(seq)
+
+
 def _plan_ids(plan: CopyPlan, block_ids: np.ndarray, valid: np.ndarray | int, pad_block: int | None = None) -> np.ndarray:
     """``(3, rows)`` int32 ids of a program moving ``plan``: row ``i`` moves plan row
     ``plan.rows[i]`` at slot ``plan.slots[i]``. A load's rows of no plan row (``pad_block``
@@ -197,23 +207,27 @@ class TransferEngine:
                 "TransferEngine dispatches JAX work only from the thread that created it; "
                 f"called from {threading.current_thread().name!r}")
 
-    def _plan_arrays(self, block_ids, slots, save_ids, *, unique: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A plan as fresh int64 arrays, validated; ``unique`` names the argument that must not
-        repeat ("slots" for a save: two chunks in one slot; "block_ids" for a load: two chunks
-        into one block). A load may read one slot into several blocks."""
+    def _plan_arrays(self, block_ids, slots, save_ids, *, save: bool) -> tuple[np.ndarray, np.ndarray, Sequence[int]]:
+        """A plan's block ids and slots as fresh int64 arrays, validated, and its save ids. A load
+        (``save`` False) may read one slot into several blocks but never two chunks into one block;
+        its save ids come back as an array. A save's slots must not repeat (two chunks in one
+        slot): ``save_plan`` refuses that on its own sort, before any dispatch; its save ids come
+        back as given (a snapshot: the caller's list may change), for the completion to convert
+        off the calling thread (``_record_save``)."""
         if not (len(block_ids) == len(slots) == len(save_ids)):
             raise ValueError(
                 f"block_ids, slots and save_ids differ in length: {len(block_ids)}, {len(slots)}, {len(save_ids)}")
-        block_ids, slots, save_ids = _ints(block_ids), _ints(slots), _ints(save_ids)
+        block_ids, slots = _ints(block_ids), _ints(slots)
         for name, seq, limit in (("block_ids", block_ids, self.num_blocks), ("slots", slots, self.slot_table.num_slots)):
             if len(seq) and (seq.min() < 0 or seq.max() >= limit):
                 raise ValueError(f"{name} out of range 0..{limit - 1}: {seq[(seq < 0) | (seq >= limit)][:8].tolist()}")
-        seq = slots if unique == "slots" else block_ids
-        if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():  # ascending: distinct, no sort
-            srt = np.sort(seq)
+        if save:
+            return block_ids, slots, _snapshot(save_ids)
+        if len(block_ids) > 1 and not (block_ids[1:] > block_ids[:-1]).all():  # ascending: distinct, no sort
+            srt = np.sort(block_ids)
             if (srt[1:] == srt[:-1]).any():
-                raise ValueError(f"{unique} repeat within one {'save' if unique == 'slots' else 'load'}")
-        return block_ids, slots, save_ids
+                raise ValueError("block_ids repeat within one load")
+        return block_ids, slots, _ints(save_ids)
 
     def _check_caches(self, kv_caches) -> None:
         """The layout check, skipped for the very arrays the last call checked or produced (the
@@ -238,14 +252,16 @@ class TransferEngine:
         program finished. Results come back via ``drain_results``."""
         self._check_owner()
         self._check_caches(kv_caches)
-        block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, unique="slots")
+        block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, save=True)
         if not len(slots):
             return
         self._check_shards(block_ids, slots)
         pieces = self.pieces(len(slots))
         if len(pieces) > 1:  # pieces of a plan sorted by slot: runs stay whole across the pieces (rows' order is free)
             perm = np.argsort(slots, kind="stable")
-            block_ids, slots, save_ids = block_ids[perm], slots[perm], save_ids[perm]
+            block_ids, slots, save_ids = block_ids[perm], slots[perm], _ints(save_ids)[perm]
+            if (slots[1:] == slots[:-1]).any():  # one piece's plan refuses a repeat itself (save_plan)
+                raise ValueError("slots repeat within one save")
         tokens = []
         for piece in pieces:
             tokens += self._dispatch_save(kv_caches, block_ids[piece], slots[piece])
@@ -348,7 +364,8 @@ class TransferEngine:
 
     def _record_save(self, tokens: list[jax.Array], block_ids: np.ndarray, slots: np.ndarray,
                      save_ids: np.ndarray, previous: set[futures.Future], missing: frozenset[int]) -> None:
-        """Once the programs finished (``tokens``), record the slots' chunks and publish the results."""
+        """Once the programs finished (``tokens``), record the slots' chunks and publish the results
+        (``save_ids`` as the caller gave them: converted here, off the dispatching thread)."""
         futures.wait(previous)  # records for the same slot land in issue order
         n = len(slots)
         failed: set[int] = set(missing)  # rows that had no bytes to write (a failed disk read)
@@ -357,6 +374,7 @@ class TransferEngine:
             self.slot_table.invalidate(slots)
             failed |= self._faults.hit(FaultPoint.SAVE_PROGRAM, n)
             jax.block_until_ready(tokens)  # the program, hence its writes into the store, finished
+            save_ids = _ints(save_ids)
             failed |= self._faults.hit(FaultPoint.SAVE_RECORD, n)
             if failed:
                 ok = np.ones(n, bool)
@@ -368,6 +386,7 @@ class TransferEngine:
             logger.warning("tpuoffload: save of %d chunks failed on this host: %s", n, exc)
             failed = set(range(n))
             self.slot_table.invalidate(slots)
+            save_ids = _ints(save_ids)  # (a no-op where the try converted them)
         with self._lock:
             self._results.append((save_ids, failed))
             done = n - len(failed)
@@ -419,7 +438,7 @@ class TransferEngine:
         error."""
         self._check_owner()
         self._check_caches(kv_caches)
-        block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, unique="block_ids")
+        block_ids, slots, save_ids = self._plan_arrays(block_ids, slots, save_ids, save=False)
         sources = block_ids if sources is None else self._sources(sources, len(block_ids))
         n = len(block_ids)
         if not n:
@@ -651,7 +670,7 @@ class TransferEngine:
         self._check_owner()
         n = len(slots)
         source = self._shard_block(shard)
-        _, slots, save_ids = self._plan_arrays([source] * n, slots, save_ids, unique="slots")
+        _, slots, save_ids = self._plan_arrays([source] * n, slots, save_ids, save=True)
         self._check_shard(slots, shard)
         width = self.disk_chunk_bytes(shard)
         host = np.zeros((n, width), np.uint8)
