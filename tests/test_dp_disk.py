@@ -143,3 +143,83 @@ def test_negative_control_installs_not_routed_to_the_ranks_shard_overwrite_anoth
     assert all(not np.asarray(c)[9].any() for c in runner.kv_caches), "rank 0's row was overwritten"
     assert failed == {"r1"}  # rank 1's slot record names shard 0: only its own load is refused
     worker.close()
+
+
+# ---------------------------------------------------------------------------- through DPScheduler
+def _serve_groups(pod, prompts: list[list[list[int]]], tag: str) -> list[list[int]]:
+    """Each group's requests added together (DPScheduler then gives the i-th to rank i: the ranks
+    are idle, and each request it places loads its rank), run until idle and settled (the spills
+    its saves caused are on disk before the next group is looked up: a lookup does not wait for a
+    spill in flight). Returns the ranks each group's requests went to."""
+    from tpuoffload.sim.vllm_setup import make_request
+    from tpuoffload.sim.workload import expected_output
+
+    placed = []
+    for g, group in enumerate(prompts):
+        ids = [f"{tag}{g}-{i}" for i in range(len(group))]
+        for rid, prompt in zip(ids, group):
+            pod.add_request(make_request(rid, prompt, max_tokens=2))
+        placed.append([pod.scheduler.assigned_dp_rank[rid] for rid in ids])
+        pod.run()
+        for rid, prompt in zip(ids, group):
+            assert pod.outputs[rid] == expected_output(prompt, 2, 32000), rid
+        assert pod.settle(60.0)
+    return placed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dpscheduler_ranks_spill_to_their_own_disk_and_fetch_back_byte_exact(make_slice, tmp_path):
+    """Attention DP 4 x TP 2 over 2 hosts x 4 devices, through tpu-inference's own DPScheduler: host
+    RAM of 10 slots per rank, groups of one 6-block prompt per rank. The first pass spills each
+    rank's oldest prefixes to that rank's own disk; after vLLM's prefix cache forgets, the same
+    groups go to the same ranks, and each rank fetches its spilled chunks back and loads them:
+    every output right, every context position read exact on every host, identical dispatch
+    digests, every rank's files in its own directory on the host holding its batch shard and
+    within the budget, nothing leaked on any rank."""
+    from test_podslice import _assert_clean_end
+    from tpuoffload.sim.podslice import SliceSpec
+    from tpuoffload.snapshot import read_rank_snapshots
+
+    # A chunk's bytes on one host of this layout: 4 devices (2 batch shards x TP 2), each keeping
+    # half the heads of its shard's block, so twice vLLM's 128 KiB page; a rank's file holds its 2
+    # devices' halves (the files' size below checks both).
+    ranks, chunk = 4, 262144
+    files = 24
+    config = {"num_cpu_chunks": 10 + 16, "disk_path": str(tmp_path / "disk-{host}"),
+              "disk_bytes_to_use": files * (ranks * 4096 + chunk), "save_timeout_s": 30.0, "load_wait_timeout_s": 5.0}
+    spec = SliceSpec(num_hosts=2, devices_per_host=4, layout="bf16-attndp4-tp2", num_blocks=96, max_num_seqs=16,
+                     max_num_batched_tokens=256, extra_config=config, step_timeout_s=60.0)
+    pod = make_slice(spec)
+    assert pod.dp_ranks == ranks and type(pod.scheduler).__name__ == "DPScheduler"
+    rng = np.random.default_rng(36)
+    prompts = [[rng.integers(3, 30000, 6 * 16 + 5).tolist() for _ in range(ranks)] for _ in range(4)]
+
+    def rank_totals() -> list[dict]:
+        return [snap["totals"] for snap in read_rank_snapshots(pod.stats_dir).values()]
+
+    first = _serve_groups(pod, prompts, "a")
+    assert first == [list(range(ranks))] * len(prompts), first
+    spilled = [t.get(C.SPILLS_CONFIRMED, 0) for t in rank_totals()]
+    assert all(s > 0 for s in spilled), spilled  # 24 chunks per rank into 10 slots
+    assert pod.scheduler.reset_prefix_cache()  # HBM forgets; host RAM and every rank's disk remain
+    assert _serve_groups(pod, prompts, "b") == first  # the same ranks (DPScheduler: by load)
+    totals = rank_totals()
+    for r, t in enumerate(totals):  # each rank fetched its own spilled chunks back and loaded them
+        assert t.get(C.FETCHES_ISSUED, 0) > 0 and t.get(C.FETCHES_FAILED, 0) == 0, (r, t)
+        assert t[C.HIT_TOKENS] >= 6 * 16 * len(prompts), (r, t)  # every prefix whole, RAM and disk
+    host = pod.stats.totals()
+    assert host[C.LOAD_ERRORS] == 0 and host[C.DISK_READ_FAILED] == 0 and host[C.DISK_WRITE_FAILED] == 0, host
+    # Each rank's chunks on the host holding its batch shard, in the rank's own directory.
+    dirs = {h: sorted(os.listdir(tmp_path / f"disk-{h}")) for h in range(2)}
+    assert dirs == {0: ["rank-0", "rank-1"], 1: ["rank-2", "rank-3"]}, dirs
+    capacity = DiskIndex.capacity(config["disk_bytes_to_use"], chunk, ranks)
+    assert capacity == files
+    for h, names in dirs.items():
+        for name in names:
+            kv = glob.glob(str(tmp_path / f"disk-{h}" / name / "*.kv"))
+            assert 0 < len(kv) <= capacity, (h, name, len(kv))
+            assert all(os.path.getsize(p) == 4096 + chunk // 2 for p in kv)  # the shard's 2 devices' pieces
+    assert host[C.DISK_WRITTEN_CHUNKS] == sum(t[C.SPILLS_CONFIRMED] for t in totals)  # one host per shard
+    assert host[C.DISK_READ_CHUNKS] == sum(t[C.FETCHES_ISSUED] for t in totals)
+    _assert_clean_end(pod)
