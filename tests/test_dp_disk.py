@@ -39,15 +39,15 @@ KEY = pack_keys(np.array([0x1234_5678], np.uint64), np.array([0x9ABC], np.uint64
 DISK_BYTES = 1 << 24
 
 
-def _worker(tmp_path):
-    """One host holding both batch shards of tpu-inference's DP 2 x TP 4 cache, random contents,
-    the disk tier on."""
-    caches, mesh = create_caches(LAYOUTS["bf16-dp2-tp4"])
+def _worker(tmp_path, layout: str = "bf16-dp2-tp4"):
+    """One host holding both batch shards of tpu-inference's DP 2 x TP 4 cache (or ``layout``), random
+    contents, the disk tier on."""
+    caches, mesh = create_caches(LAYOUTS[layout])
     rng = np.random.default_rng(36)
     caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
     original = [np.asarray(c) for c in caches]
     runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
-    config = parse_config({"cpu_bytes_to_use": 1 << 23, "disk_path": str(tmp_path / "disk-{host}"),
+    config = parse_config({"cpu_bytes_to_use": 1 << 24, "disk_path": str(tmp_path / "disk-{host}"),
                            "disk_bytes_to_use": DISK_BYTES})
     worker = OffloadWorker(config, host_id=0)
     worker.register_runner(runner)
@@ -142,6 +142,42 @@ def test_negative_control_installs_not_routed_to_the_ranks_shard_overwrite_anoth
     assert _rank_blocks(runner, original, bpr) == [False, False]
     assert all(not np.asarray(c)[9].any() for c in runner.kv_caches), "rank 0's row was overwritten"
     assert failed == {"r1"}  # rank 1's slot record names shard 0: only its own load is refused
+    worker.close()
+
+
+def test_a_start_with_another_dp_size_deletes_the_files_of_the_ranks_it_does_not_have(tmp_path):
+    """Chunk files are never reused across a change of the DP size (another size splits a chunk's
+    bytes over other devices): DP 2 leaves a file per rank; a start without DP (TP 4), then one with
+    attention DP 4, each delete what the other layout left, and nothing outside their own ranks'
+    directories stays behind. Negative control: without ``clear_other_ranks`` the DP 2 files outlive
+    the TP 4 start, outside its budget."""
+    import tpuoffload.worker.offload_worker as offload_worker
+
+    def kv_files() -> dict[str, int]:
+        return {os.path.relpath(d, tmp_path / "disk-0"): len(glob.glob(os.path.join(d, "*.kv")))
+                for d in [str(tmp_path / "disk-0")] + glob.glob(str(tmp_path / "disk-0" / "rank-*"))}
+
+    worker, runner, original, per_rank, bpr = _worker(tmp_path)
+    _spill_and_fetch(worker, per_rank, bpr)
+    worker.close()
+    assert kv_files() == {".": 0, "rank-0": 1, "rank-1": 1}
+    for layout, left in (("bf16-8kv-tp4", {".": 0, "rank-0": 0, "rank-1": 0}),
+                         ("bf16-attndp4-tp2", {".": 0, "rank-0": 0, "rank-1": 0, "rank-2": 0, "rank-3": 0})):
+        worker = _worker(tmp_path, layout)[0]
+        assert [t.rank for t in worker.tiers] == list(range(worker.engine.tables[0].shards))
+        assert kv_files() == left, layout
+        worker.close()
+    # Negative control: the DP 2 files again, then a TP 4 start that clears nothing.
+    worker, runner, original, per_rank, bpr = _worker(tmp_path)
+    _spill_and_fetch(worker, per_rank, bpr)
+    worker.close()
+    original_clear = offload_worker.clear_other_ranks
+    offload_worker.clear_other_ranks = lambda path, ranks: 0
+    try:
+        worker = _worker(tmp_path, "bf16-8kv-tp4")[0]
+    finally:
+        offload_worker.clear_other_ranks = original_clear
+    assert kv_files()["rank-0"] == kv_files()["rank-1"] == 1  # left behind, outside the TP 4 tier's budget
     worker.close()
 
 

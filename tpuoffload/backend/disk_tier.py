@@ -525,6 +525,15 @@ class DiskTier:
         finally:
             os.close(self._lock_fd)
 
+    @classmethod
+    def clear(cls, path: str) -> int:
+        """Delete every chunk file in ``path``, a tier directory that no tier of this start uses
+        (the start-up scan of a tier that keeps nothing: ``deployment`` None); refused, like any
+        tier, while a live one holds the directory. Returns the files deleted."""
+        tier = cls(path, file_bytes_for(1), 1, deployment=None)
+        tier.close()
+        return tier.scan_report.removed_foreign
+
     def __enter__(self) -> "DiskTier":
         return self
 

@@ -31,6 +31,7 @@ rows_to_payloads``) and its install writes them into that shard's rows only
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -53,6 +54,26 @@ logger = logging.getLogger(__name__)
 def _hashes(batch: DiskBatch) -> list[bytes]:
     """The 16 bytes of each chunk's hash keys: its name in the tier."""
     return [row.tobytes() for row in unpack_keys(batch.keys)]
+
+
+def rank_path(path: str, rank: int, ranks: int) -> str:
+    """The directory of rank ``rank``'s chunk files in this host's ``path``: ``path`` itself with
+    one scheduler, ``path/rank-<r>`` under DPScheduler."""
+    return path if ranks == 1 else os.path.join(path, f"rank-{rank}")
+
+
+def clear_other_ranks(path: str, ranks: int) -> int:
+    """Delete the chunk files a start with another number of ranks left in this host's ``path``
+    (those of one scheduler in ``path`` itself, or of DP ranks this start does not have): chunk
+    files are never reused across a change of the DP size (a rank's files hold its batch shard's
+    pieces, which another DP size splits differently), and left alone they would take disk space
+    outside every rank's budget. Returns the files deleted."""
+    if not os.path.isdir(path):
+        return 0
+    ours = {rank_path(path, r, ranks) for r in range(ranks)}
+    others = [path] if ranks > 1 else []
+    others += [e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False) and e.name.startswith("rank-")]
+    return sum(DiskTier.clear(d) for d in others if d not in ours)
 
 
 def _placed(batch: DiskBatch, placement: Placement) -> DiskBatch:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -56,7 +55,7 @@ from tpuoffload.worker.dispatch_log import StepDigest
 from tpuoffload.worker.faults import FaultInjector
 from tpuoffload.backend.disk_tier import DiskFaults, files_per_rank
 from tpuoffload.persist import Fingerprint, PersistFaults
-from tpuoffload.worker.disk_stage import DiskStage
+from tpuoffload.worker.disk_stage import DiskStage, clear_other_ranks, rank_path
 from tpuoffload.worker.shared_stage import SharedStage
 from tpuoffload.backend.shared_store import SharedURL
 from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
@@ -198,9 +197,12 @@ class OffloadWorker:
         engine = self.engine.engines[0]
         ranks = engine.slot_table.shards
         path = self.config.disk_path.replace("{host}", str(self.host_id))
+        cleared = clear_other_ranks(path, ranks)
+        if cleared:
+            logger.info("tpuoffload disk tier at %s: %d chunk files of another DP size deleted", path, cleared)
         files = files_per_rank(self.config.disk_bytes_to_use, sum(engine.disk_chunk_bytes(r) for r in range(ranks)),
                                ranks)
-        return [DiskStage(engine, path if ranks == 1 else os.path.join(path, f"rank-{r}"), files,
+        return [DiskStage(engine, rank_path(path, r, ranks), files,
                           self.config.load_wait_timeout_s, self._disk_faults, deployment=keep,
                           before_donate=self._before_donate, rank=r) for r in range(ranks)]
 
