@@ -108,6 +108,15 @@ def test_plan_contract_on_random_plans(cost):
             assert np.array_equal(again.rows, plan.rows) and np.array_equal(again.slots, plan.slots)
 
 
+def test_save_plan_refuses_a_repeated_slot():
+    """Two chunks in one slot: the save plan refuses them wherever they are listed (its own sort
+    finds them), and a load may list a slot twice."""
+    for slots in ([5, 1, 5], [3, 4, 5, 4], [9, 2, 7, 2, 8]):
+        with pytest.raises(ValueError, match="slots repeat"):
+            save_plan(slots, 0.5, 64)
+        check_plan(slots, load_plan(slots, 0.5, 64, 16), load=True, num_slots=16)
+
+
 def test_count_ladder():
     """Counts up to 2 * COUNT_STEPS stay; above, at most 1 / COUNT_STEPS of them is padding."""
     for c in range(1, 5000):

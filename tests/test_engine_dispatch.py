@@ -141,6 +141,21 @@ def test_bad_plans_raise_naming_argument(engines, op):
     assert not any(c.is_deleted() for c in caches)
 
 
+def test_save_refuses_a_slot_repeated_across_pieces(engines):
+    """A save's repeated slot is refused before anything is dispatched also when the plan moves in
+    pieces: one piece's plan refuses a repeat on its own sort (copy_plan.save_plan), and a plan in
+    pieces checks its slot-sorted rows, where the two rows of a slot may fall in two pieces.
+    Negative control: without the pieces' check the save is dispatched, two chunks into slot 5
+    (each piece's plan holds one row), and nothing raises."""
+    caches = random_caches(BF16, 96)
+    eng = engines(caches, transfer_buffer_bytes=CacheLayout.from_caches(caches).device_bytes_per_chunk)
+    assert eng.max_chunks_per_transfer == 1  # every row a piece of its own
+    with pytest.raises(ValueError, match="slots repeat"):
+        eng.save(caches, [1, 2, 3], [5, 7, 5], [1, 2, 3])
+    assert eng.finish_step().ops == ()  # nothing dispatched
+    assert eng.inflight() == (0, 0, None)
+
+
 def test_load_one_slot_into_two_blocks(engines):
     caches = random_caches(BF16, 95)
     src = host(caches)

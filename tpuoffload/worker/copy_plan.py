@@ -167,7 +167,7 @@ def _save_plan(s: np.ndarray, copy_cost: float, cap: int) -> CopyPlan:
 # The plans above are computed by the compiled loops below, one call per plan: a plan of a churned
 # store has a few hundred runs, and written as numpy calls (a few dozen of them, each costing
 # microseconds whatever its size) it cost the dispatching thread more than the program's own
-# dispatch (docs/performance.md, "save()'s main thread"). Each loop is the direct statement of the
+# dispatch (docs/performance.md, "`save()`'s main thread, and loads' planning"). Each loop states the
 # rule in the module docstring; every float is computed in the same order as a numpy expression
 # of the same rule would, so the choice of width is the same on every host. Compiled at the first
 # plan of a process with fixed argument types (int64 slots, float cost, int sizes), machine code
