@@ -21,8 +21,9 @@ varies between replays (background save threads): ``--repeat N`` runs a seed N t
 With ``--dp`` the slice is a data-parallel layout of 8 devices (DP 2 x TP 4 or attention DP 4 x
 TP 2, ``any``: the seed picks; 2 hosts x 4 devices in pod-slice mode, one host in fast mode), scheduled by tpu-inference's own ``DPScheduler`` (one vLLM
 scheduler and one tpuoffload scheduler half per rank, in forked processes), with a block pool that
-keeps every rank busy (and host RAM above the rows each device keeps spare per batch shard) and
-chaos that also aborts requests right after their load failed.
+keeps every rank busy (and host RAM above the rows each device keeps spare per batch shard),
+chaos that also aborts requests right after their load failed, and in half the runs each rank's
+disk tier below its host RAM.
 
 The synthetic model's written KV and sampled tokens depend on every context position it read
 (tpuoffload/sim/runner.py), so a wrong read anywhere taints everything computed after it. A run
@@ -113,7 +114,8 @@ class Scenario:
         return (f"{len(self.requests)} requests in {len({r['wave'] for r in self.requests})} waves, "
                 f"{cache} on {self.hosts}x{self.devices_per_host} devices, "
                 f"{self.num_blocks} GPU blocks, "
-                f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots, "
+                f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots"
+                f"{' and a disk tier' if self.extra_config.get('disk_bytes_to_use') else ''}, "
                 f"{'lazy' if self.extra_config.get('lazy_offload') else 'eager'}; chaos: {', '.join(on) or 'none'}")
 
 
@@ -243,6 +245,13 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
                 chaos[key] %= hosts
         if point_faults is not None:
             point_faults["host"] %= hosts
+        # Half the runs put each rank's disk tier below its host RAM (worker/disk_stage.py; the
+        # directory is the run's: run_scenario). Its own generator: every other draw of a seed
+        # stays what it was.
+        disk = random.Random(f"soak-disk-{seed}")
+        if disk.random() < 0.5:  # with host RAM small enough to spill
+            extra["disk_bytes_to_use"] = 1 << 24
+            extra["num_cpu_chunks"] = min(extra["num_cpu_chunks"], SHARD_SPARE_ROWS + disk.randint(8, 24))
     return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host,
                     num_kv_heads=kv_heads_per_host * hosts, dtype=dtype, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
@@ -267,6 +276,8 @@ class RunResult:
     load_errors: int = 0
     save_failures: int = 0
     expired: int = 0
+    disk_written: int = 0  # chunk files written (spills) and read back (fetches), all hosts
+    disk_read: int = 0
     preemptions: int = 0
     resets: dict[str, int] = field(default_factory=dict)
     resets_refused: int = 0  # vLLM raised "not supported yet": a running request waits for remote KV
@@ -341,6 +352,14 @@ def _hybrid_budget(sc: Scenario) -> int:
     return sc.num_blocks * (probe // kv_cache_config(HYBRID_LAYOUTS[sc.hybrid], probe, hma=True).num_blocks)
 
 
+def _with_dirs(extra: dict[str, Any], log_dir: str) -> dict[str, Any]:
+    """The scenario's config with the run's own directories: a disk tier's under ``log_dir``."""
+    extra = dict(extra)
+    if extra.get("disk_bytes_to_use"):
+        extra["disk_path"] = os.path.join(log_dir, "disk-{host}")
+    return extra
+
+
 def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> RunResult:
     """One run. Never raises: every failure becomes the result's kind and message."""
     from tpuoffload.sim.podslice import DigestMismatch, PodSlice, SliceError, SliceSpec
@@ -354,7 +373,7 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
     spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host, num_kv_heads=sc.num_kv_heads,
                      dtype=sc.dtype, num_blocks=sc.num_blocks,
                      max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-                     extra_config=dict(sc.extra_config), step_timeout_s=30.0,
+                     extra_config=_with_dirs(sc.extra_config, log_dir), step_timeout_s=30.0,
                      hybrid=sc.hybrid, kv_budget_bytes=_hybrid_budget(sc), max_model_len=256 if sc.hybrid else 0,
                      layout=sc.dp_layout)
     chaos = Chaos(**sc.chaos)
@@ -450,6 +469,7 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
             res.chunks_saved, res.chunks_loaded = totals["chunks_saved"], totals["chunks_loaded"]
             res.load_errors, res.save_failures = totals["load_errors"], totals["save_failures"]
             res.expired = totals["ledger_expired"]
+            res.disk_written, res.disk_read = totals["disk_written_chunks"], totals["disk_read_chunks"]
             res.preemptions = pod.preemptions
             pod.close()
     res.wall_s = time.monotonic() - t0
@@ -610,6 +630,8 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
                          f"loaded, all hosts)"),
         ("load errors", f"{sum(r.load_errors for r in results)} (recomputed)"),
         ("save failures", f"{sum(r.save_failures for r in results)}; expired {sum(r.expired for r in results)}"),
+        ("disk tier", f"{sum(r.disk_written for r in results)} chunk files written, "
+                      f"{sum(r.disk_read for r in results)} read back (all hosts)"),
         ("preemptions", f"{sum(r.preemptions for r in results)}"),
         ("resets", f"{sum(resets.values())} ({', '.join(f'{k} {resets[k]}' for k in RESET_KINDS)}); vLLM "
                    f"declined {sum(r.resets_declined for r in results)} (blocks in use), refused "
