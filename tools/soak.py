@@ -249,9 +249,10 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
         # directory is the run's: run_scenario). Its own generator: every other draw of a seed
         # stays what it was.
         disk = random.Random(f"soak-disk-{seed}")
-        if disk.random() < 0.5:  # with host RAM small enough to spill
+        if disk.random() < 0.5:  # with host RAM small enough to spill, and saves that live to be spilled
             extra["disk_bytes_to_use"] = 1 << 24
-            extra["num_cpu_chunks"] = min(extra["num_cpu_chunks"], SHARD_SPARE_ROWS + disk.randint(8, 24))
+            extra["num_cpu_chunks"] = min(extra["num_cpu_chunks"], SHARD_SPARE_ROWS + disk.randint(2, 8))
+            extra["save_timeout_s"] = 10.0
     return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host,
                     num_kv_heads=kv_heads_per_host * hosts, dtype=dtype, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
