@@ -3,10 +3,13 @@
 Every host's disk tier holds the same chunks, because the scheduler decides every write (a spill of
 a chunk evicted from host RAM), every delete (a disk eviction) and every read (a fetch), and the
 hosts only carry them out. ``DiskIndex`` reuses the host-RAM bookkeeping for it: a ``ChunkIndex``
-whose "slots" are disk chunk numbers (``disk_bytes_to_use // file bytes`` of them: the budget is
+whose "slots" are disk chunk numbers (``capacity``: ``files_per_rank`` of them, so the budget is
 never exceeded) and a ``CompletionLedger`` of disk writes, so a spilled chunk is fetchable only
 once every host wrote it (invariant 7), a write that failed anywhere is forgotten (invariant 11),
-and a chunk being fetched is pinned against disk eviction.
+and a chunk being fetched is pinned against disk eviction. Under DPScheduler each rank's half has
+its own disk index over its own files (docs/design.md, "The disk tier per rank"): "every host" is
+then every host holding a piece of the rank's batch shard, the others confirming what they hold no
+byte of.
 
 A fetch (``FetchPlanner``) is a save into host RAM whose bytes come from disk:
 
