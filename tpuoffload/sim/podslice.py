@@ -517,7 +517,10 @@ class PodSlice:
         """Run empty steps until every save is resolved (confirmed, failed or expired), then wait
         for every host's background writes and deliver their last reports. True if settled."""
         deadline = time.monotonic() + timeout
-        pending = lambda: sum(r["ledger_pending"] for r in self.leak_reports())  # noqa: E731
+        # Saves into host RAM and spills to disk alike (a spill whose report was dropped resolves
+        # when it expires).
+        pending = lambda: sum(r["ledger_pending"] + r.get("disk_ledger_pending", 0)  # noqa: E731
+                              for r in self.leak_reports())
         while pending() and time.monotonic() < deadline:
             self.step()
             time.sleep(0.05)
