@@ -7,6 +7,8 @@ at every step, and every host's runner checks every position it reads."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_podslice import WORKLOAD, _assert_clean_end
 
@@ -41,3 +43,30 @@ def test_hybrid_prefix_repetition_chaos(make_slice):
     assert totals["load_errors"] > 0 and totals["save_failures"] > 0, res.stats
     _assert_clean_end(pod)
     print(f"hybrid pod slice: {res}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hybrid_model_under_dpscheduler_hits_across_ranks_and_recomputes_failures(make_slice):
+    """The gpt-oss-like hybrid (sliding window + full attention) under tpu-inference's DPScheduler:
+    DP 2 x TP 2 over 2 hosts x 2 devices, every rank's per-group block ids rank-local (DPScheduler
+    passes them through; the runner and the worker place them by rank). Slots lost on host 1 make
+    loads fail (by request: several groups and DP both need it); vLLM recomputes them on every
+    host. Every request finishes with the right tokens, no position is read wrong (the model's
+    outputs depend on every read), a rank loads chunks another rank saved (cross-rank hits of both
+    groups), every host dispatched the same programs, nothing leaks."""
+    from test_dp_scheduler import SPREAD
+
+    chaos = Chaos(seed=11, lose_slot_host=1, lose_slot_rate=0.3)
+    spec = dataclasses.replace(_spec(save_timeout_s=30.0, cpu_bytes_to_use=1 << 24), hybrid="gpt-oss-like-dp2",
+                               kv_budget_bytes=2 * BUDGET)
+    pod = make_slice(spec, chaos)
+    assert type(pod.scheduler).__name__ == "DPScheduler" and pod.dp_ranks == 2
+    res = run_prefix_repetition(pod, SPREAD)
+    assert res.finished == res.requests and res.wrong_outputs == [], res
+    totals = pod.stats.totals()
+    assert pod.mismatches == [0, 0], pod.mismatches
+    assert res.per_wave_loaded[1] > 0 and totals["cross_rank_chunks_loaded"] > 0, res.stats
+    assert totals["load_errors"] > 0, res.stats  # the failure path ran
+    _assert_clean_end(pod)
+    print(f"hybrid under DPScheduler: {res}")

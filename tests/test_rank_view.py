@@ -154,3 +154,32 @@ def test_view_matches_the_owners_ready_set_under_random_churn():
             expected[(int(keys.k1[0]), int(keys.k2[0]))] = (r * SLOTS + slot, (r << RANK_SAVE_ID_SHIFT) + index.save_id_of(slot))
     got = {(key, slot, int(view._save_id[slot])) for key, slots in view._slots_of.items() for slot in slots}
     assert got == {(key, slot, save_id) for key, (slot, save_id) in expected.items()}
+
+
+def test_a_hybrid_hit_takes_every_groups_chunks_from_its_own_index_or_the_view():
+    """Several KV cache groups (full attention, a sliding window of 2 blocks): rank 1 holds both
+    groups' chunks of blocks 0-3, rank 0 only the full group's chunks of blocks 0-1. Rank 0's hit
+    is all 4 blocks: its own full chunks first, the rest from rank 1, named from rank 0's range,
+    each group's chunk keyed by hash AND group (the window group's keys are not its hashes). Without
+    the view (as before hybrid models ran under DPScheduler) rank 0 has no hit at all."""
+    from tpuoffload.manager.kv_groups import KVCacheGroups, chunk_hash
+
+    groups = KVCacheGroups(windows=(None, 2))
+    hashes = [_h(i) for i in range(5)]
+    theirs, news = _owner(1)
+    _save_ready(theirs, [chunk_hash(h, g) for h in hashes[:4] for g in (0, 1)], 0)
+    mine = ChunkIndex(SLOTS)
+    own_slots = _save_ready(mine, [chunk_hash(h, 0) for h in hashes[:2]], 0)
+    view = _view(0)
+    view.apply({(1, 0): news.take_news(0)})
+    assert groups.find_hit(mine, hashes, 0, 5).n == 0
+    hit = groups.find_hit(mine, hashes, 0, 5, view)
+    assert hit.n == 4 and hit.first == (0, 2)
+    full = own_slots.tolist() + [theirs.ready_slot(chunk_hash(h, 0)) + SLOTS for h in hashes[2:4]]
+    window = [theirs.ready_slot(chunk_hash(h, 1)) + SLOTS for h in hashes[2:4]]
+    assert hit.slots[0].tolist() == full and hit.slots[1].tolist() == window
+    assert hit.save_ids[0].tolist()[:2] == [0, 1]  # rank 0's own ids
+    assert all(i >> RANK_SAVE_ID_SHIFT == 1 for i in hit.save_ids[0].tolist()[2:] + hit.save_ids[1].tolist())
+    other = _view(1)  # the owner's own view: its own news is not in it
+    other.apply({(1, 0): news.take_news(0)})
+    assert groups.find_hit(ChunkIndex(SLOTS), hashes, 0, 5, other).n == 0

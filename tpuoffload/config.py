@@ -264,7 +264,8 @@ LIMITS: dict[str, dict[str, str]] = {
         HYBRID: "objects are keyed by group 0 only; lifted by the group in the key and per-group hits",
     },
     DP: {
-        HYBRID: "DPScheduler's merge of per-group block ids is not proven against a hybrid cache yet",
+        GDN: "a rank's share of tpu-inference's compact state pool (mamba_num_blocks // DP ranks) is not placed "
+             "by the worker yet; lifted by state rows per rank and a DP variant of the GDN layouts",
     },
 }
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from tpuoffload.manager.index import ChunkIndex
+    from tpuoffload.manager.rank_view import RankView
 
 #: vLLM's null block (block 0 of the pool): a block table entry that holds nothing.
 NULL_BLOCK = 0
@@ -231,21 +232,45 @@ class KVCacheGroups:
         return ids[real].tolist(), PackedHashes(keys[real].tobytes(), packed.width), pools
 
     # ------------------------------------------------------------------ hits
-    def find_hit(self, index: "ChunkIndex", hashes: Sequence[bytes], local: int, stop: int) -> GroupedHit:
+    def find_hit(self, index: "ChunkIndex", hashes: Sequence[bytes], local: int, stop: int,
+                 view: "RankView | None" = None) -> GroupedHit:
         """The longest hit beyond vLLM's ``local`` blocks, up to block ``stop``, that every group
-        can serve from READY chunks (see the module doc); no effect on the index."""
+        can serve from READY chunks (see the module doc); no effect on the index. Under
+        DPScheduler, ``view`` (the other ranks' READY chunks) serves each chunk the rank's own
+        index lacks, named as a load names it (rank_view.py)."""
         if stop <= local:
             return NO_HIT
         key = self.probe_key(hashes[local])
-        if key is not None and index.ready_slot(key) < 0:
+        if key is not None and index.ready_slot(key) < 0 and not (view is not None and view.holds(key)):
             return NO_HIT  # the usual answer, in one probe
-        ready = self.ready_slots(index, hashes[local:stop])
-        n = self.hit_length([r >= 0 for r in ready])
+        packed = PackedHashes.of(hashes[local:stop])
+        ready = [self._ready(index, view, packed, g, w) for g, w in enumerate(self.windows)]
+        n = self.hit_length([held for held, _, _ in ready])
         if n <= 0:
             return NO_HIT
         first = self.first_blocks(n)
-        slots = tuple(ready[g][first[g]:n] for g in range(self.num))
-        return GroupedHit(n, first, slots, tuple(index.save_ids(s) for s in slots))
+        return GroupedHit(n, first, tuple(slots[first[g]:n] for g, (_, slots, _) in enumerate(ready)),
+                          tuple(ids[first[g]:n] for g, (_, _, ids) in enumerate(ready)))
+
+    def _ready(self, index: "ChunkIndex", view: "RankView | None", packed: PackedHashes, g: int,
+               window: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Group ``g``'s chunks of these blocks: whether each is READY, its slot and its save id
+        (the rank's own chunk, else the view's)."""
+        n = len(packed)
+        if window == MIRROR:
+            return np.zeros(n, bool), np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        keys = chunk_keys(packed, g)
+        slots = index.ready_slots(HashKeys.of(keys))
+        held = slots >= 0
+        ids = np.full(n, -1, np.int64)
+        ids[held] = index.save_ids(slots[held])
+        if view is not None and not held.all():
+            lack = np.flatnonzero(~held)
+            width = keys.width
+            theirs, their_slots, their_ids = view.named([keys.buf[i * width:(i + 1) * width] for i in lack.tolist()])
+            slots[lack[theirs]], ids[lack[theirs]] = their_slots[theirs], their_ids[theirs]
+            held[lack[theirs]] = True
+        return held, slots, ids
 
     def probe_key(self, block_hash: bytes) -> bytes | None:
         """The key of the first full-attention group's chunk of this block (None: no such group).

@@ -116,7 +116,8 @@ class LoadTracker:
         """``lookup`` with several KV cache groups: a hit every group can serve (kv_groups.py)."""
         if memo is not None and memo.local == local and memo.version == self._version():
             return memo.found.n
-        found = self.groups.find_hit(self.index, request.block_hashes, local, (request.num_tokens - 1) // self.block_size)
+        found = self.groups.find_hit(self.index, request.block_hashes, local, (request.num_tokens - 1) // self.block_size,
+                                     self.view or None)
         self._lookups[request.request_id] = _Lookup(local, found, self._version()) if found.n else _MISS
         return found.n
 
@@ -150,10 +151,6 @@ class LoadTracker:
         slots = found.slots[:num_blocks]
         ready = len(slots)
         slot_seq, save_ids = found.listed(ready)
-        own = (slots >= 0) & (slots < self.index.num_slots)  # the rest are other ranks' (not pinned here)
-        if not own.all():
-            self.counters[C.CROSS_RANK_HIT_TOKENS] += int((~own).sum()) * self.block_size
-            slots = slots[own]
         self._planned[request.request_id] = _Planned(request, LoadRequest(
             req_id=request.request_id,
             block_ids=tuple(block_ids[local:local + ready]),
@@ -161,7 +158,7 @@ class LoadTracker:
             slots=slot_seq,
             save_ids=save_ids,
             unavailable_block_ids=tuple(block_ids[local + ready:local + num_blocks]),
-        ), slots)
+        ), self._own(slots))
 
     def _plan_groups(self, request: "Request", lookup: _Lookup | None, num_blocks: int,
                      block_ids: tuple[list[int], ...]) -> None:
@@ -172,7 +169,7 @@ class LoadTracker:
         local = lookup.local if lookup is not None else 0
         hit = lookup.found if lookup is not None and lookup.version == self._version() else None
         if hit is None or hit.n != num_blocks:
-            hit = self.groups.find_hit(self.index, request.block_hashes, local, local + num_blocks)
+            hit = self.groups.find_hit(self.index, request.block_hashes, local, local + num_blocks, self.view or None)
         targets = [ids[local + first:local + hit.n] for ids, first in zip(block_ids, hit.first)]
         if hit.n != num_blocks or any(NULL_BLOCK in t for t in targets):
             promised = tuple(b for ids in block_ids for b in ids[local:local + num_blocks] if b != NULL_BLOCK)
@@ -180,12 +177,18 @@ class LoadTracker:
             self._planned[request.request_id] = _Planned(request, load, _EMPTY)
             return
         slots = hit.all_slots()
-        self._planned[request.request_id] = _Planned(request, LoadRequest(
-            req_id=request.request_id,
-            block_ids=tuple(b for t in targets for b in t),
-            slots=tuple(slots.tolist()),
-            save_ids=tuple(np.concatenate(hit.save_ids).tolist()),
-        ), slots)
+        load = LoadRequest(req_id=request.request_id, block_ids=tuple(b for t in targets for b in t),
+                           slots=tuple(slots.tolist()), save_ids=tuple(np.concatenate(hit.save_ids).tolist()))
+        self._planned[request.request_id] = _Planned(request, load, self._own(slots))
+
+    def _own(self, slots: np.ndarray) -> np.ndarray:
+        """The slots of a load this rank owns (to pin); the others are other ranks' chunks
+        (DPScheduler: never pinned here), counted as cross-rank hit tokens."""
+        own = (slots >= 0) & (slots < self.index.num_slots)
+        if own.all():
+            return slots
+        self.counters[C.CROSS_RANK_HIT_TOKENS] += int((~own).sum()) * self.block_size
+        return slots[own]
 
     def emit(self, waiting: Callable[["Request"], bool]) -> tuple[tuple[LoadRequest, ...], np.ndarray]:
         """This step's loads: the planned loads vLLM still waits for (``waiting(request)``), and

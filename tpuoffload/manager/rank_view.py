@@ -209,14 +209,34 @@ class RankView:
         """Engine slots of the view's chunks for ``hashes[start:]``, up to the first it lacks or
         the rank's own index holds (its own copy is preferred: no move across the batch axes)."""
         out = []
-        slots_of = self._slots_of
         for h in hashes[start:stop]:
-            k1, k2 = _TWO_WORDS(bytes(h[:16]).ljust(16, b"\0") if len(h) < 16 else h)
-            slots = slots_of.get((k1 if k1 > 1 else 2, k2))
-            if slots is None or (out and index.ready_slot(h) >= 0):
+            slot = self._newest(h)
+            if slot < 0 or (out and index.ready_slot(h) >= 0):
                 break
-            out.append(slots[-1])  # the newest heard of
+            out.append(slot)
         return np.array(out, dtype=np.int64)
+
+    def _newest(self, key: bytes) -> int:
+        """The engine slot of the newest chunk of ``key`` the view heard of (-1: none)."""
+        k1, k2 = _TWO_WORDS(bytes(key[:16]).ljust(16, b"\0") if len(key) < 16 else key)
+        slots = self._slots_of.get((k1 if k1 > 1 else 2, k2))
+        return -1 if slots is None else slots[-1]
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the view has a chunk of ``key`` (a chunk key: hash and KV cache group)."""
+        return bool(self._slots_of) and self._newest(key) >= 0
+
+    def named(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per chunk key: whether the view has it, and its (slot, save id) as a load names them
+        (offsets from this rank's range, messages.py:LoadRequest); the hit path of several KV cache
+        groups (kv_groups.py:KVCacheGroups.find_hit), which looks each group's keys up at once."""
+        engine = np.array([self._newest(k) for k in keys] if self._slots_of and self.rank is not None
+                          else [-1] * len(keys), dtype=np.int64)
+        held = engine >= 0
+        slots = np.where(held, engine - (self.rank or 0) * self.rank_slots, 0)
+        ids = np.where(held, self._save_id[np.maximum(engine, 0)] - ((self.rank or 0) << RANK_SAVE_ID_SHIFT), -1) \
+            if len(self._save_id) else np.full(len(keys), -1, np.int64)
+        return held, slots, ids
 
     def discard(self, slot: int, save_id: int) -> bool:
         """A load of this chunk (named as a load names it) failed somewhere: forget it, so it is not

@@ -45,19 +45,23 @@ class HybridLayoutSpec:
     head_dim: int = 64
     block_size: int = 16
     tp: int = 4
+    # Data parallelism (tpu-inference's ``data_parallelism``: DPScheduler, one vLLM scheduler per
+    # rank, blocks split over the ranks along the cache's batch axis).
+    dp: int = 1
     dtype: str = "bfloat16"
     max_model_len: int = 4096
 
     @property
     def num_devices(self) -> int:
-        return self.tp
+        return self.tp * self.dp
 
     def layer_names(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(len(self.windows))]
 
     def tpu_spec(self) -> TpuLayoutSpec:
         return TpuLayoutSpec(self.name, num_layers=len(self.windows), block_size=self.block_size,
-                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, tp=self.tp)
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, tp=self.tp,
+                             dp=self.dp)
 
 
 #: gpt-oss-like: 4 layers alternating sliding window 128 and full attention, 8 KV heads, head_dim 64.
@@ -66,7 +70,10 @@ GPT_OSS_LIKE = HybridLayoutSpec("gpt-oss-like", windows=(128, None, 128, None), 
 #: groups and 1 full group of 2 layers each; tpu-inference shares 2 arrays between the 6 groups).
 GEMMA3_LIKE = HybridLayoutSpec("gemma3-like", windows=((64,) * 5 + (None,)) * 2, num_kv_heads=4, head_dim=128,
                                max_model_len=2048)
-HYBRID_LAYOUTS = {s.name: s for s in (GPT_OSS_LIKE, GEMMA3_LIKE)}
+#: gpt-oss-like under data parallelism: 2 ranks (DPScheduler) x TP 2.
+GPT_OSS_LIKE_DP2 = HybridLayoutSpec("gpt-oss-like-dp2", windows=GPT_OSS_LIKE.windows, tp=2, dp=2,
+                                    max_model_len=GPT_OSS_LIKE.max_model_len)
+HYBRID_LAYOUTS = {s.name: s for s in (GPT_OSS_LIKE, GEMMA3_LIKE, GPT_OSS_LIKE_DP2)}
 
 
 @dataclass
@@ -136,7 +143,7 @@ def kv_cache_config(spec: HybridLayoutSpec, budget_bytes: int, *, hma: bool, mes
 
     # The specs read only the mesh's axis sizes (as ``tpu_layouts.slice_page_bytes``): a scheduler
     # process of a simulated slice, which has no such mesh, can ask too.
-    mesh = mesh if mesh is not None else types.SimpleNamespace(shape={"data": 1, "model": spec.tp},
+    mesh = mesh if mesh is not None else types.SimpleNamespace(shape={"data": spec.dp, "model": spec.tp},
                                                                axis_names=("data", "model"))
     manager, vllm_config = _manager(spec, hma, mesh)
     specs = manager.get_kv_cache_spec()
