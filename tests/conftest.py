@@ -6,6 +6,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 
+# ---- order: the longest files first ----
+# scripts/test.sh runs the suite on two workers, each test file whole on one (``--dist loadfile``),
+# in collection order: a long file collected last would start last and set the suite's end.
+LONGEST_FIRST = ("test_serve_stack.py", "test_real_engine.py", "test_real_engine_hazard.py", "test_dp_scheduler.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every other file keeps its order
+
+
 # ---- pod slices (tpuoffload.sim.podslice): shared by test_podslice.py and test_warm_restart.py ----
 import pytest  # noqa: E402
 
