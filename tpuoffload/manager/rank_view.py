@@ -12,8 +12,9 @@ workers' report, which it hands whole to every rank. So:
   (``OffloadWorkerReport.news``), and every rank receives it.
 * ``RankView`` applies the other ranks' news into a read-only map from hash key to (the other
   rank's slot, save id). A lookup takes the rank's own READY chunks first and the view's where its
-  own index has none (``LoadTracker``); a load names a view chunk by its offset from the rank's own
-  range (messages.py:LoadRequest), so the workers place it in the owner's range.
+  own index has none (``LoadTracker``; with several KV cache groups each group's chunk, keyed by
+  hash and group, in ``KVCacheGroups.find_hit``); a load names a view chunk by its offset from the
+  rank's own range (messages.py:LoadRequest), so the workers place it in the owner's range.
 
 The view is advice, not a claim: it lags the owner (a step or two, more with async scheduling),
 news can be lost (a dropped report), and the owner reuses its slots without asking anyone: no rank
