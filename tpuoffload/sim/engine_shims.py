@@ -1,16 +1,18 @@
 """Every shim that lets vLLM's engine run tpu-inference's TPU worker and model runner on CPU JAX.
 
 ALL of them live here, each with one line saying what it replaces and why. Only
-``tpuoffload.sim.real_engine`` (the real-engine test and demo) calls ``install()``; product code
-never imports this module. Nothing here touches the code paths around the connector: vLLM's
+``tpuoffload.sim.real_engine`` (the real-engine test and demo) and ``tpuoffload.sim.vllm_cli`` (the
+serving launcher's processes) call ``install()``; product code never imports this module. Nothing here touches the code paths around the connector: vLLM's
 ``LLM`` / ``EngineCore`` / ``UniProcExecutor`` / ``Scheduler``, tpu-inference's ``TpuPlatform``
 (its ``check_and_update_config`` runs as is), ``TPUWorker``, ``TPUModelRunner`` (its connector
 hooks, ``register_runner``, ``initialize_kv_cache``), its JAX Qwen3 model, its vLLM-model path
 (vLLM's PyTorch model through torchax, for the hybrid model), its weight loaders and its sampler
 are the installed ones. What is replaced is device detection, TPU-only compiler flags, imports with
 no CPU build here (torchvision-bound multimodal modules, a newer tokamax kernel), the Pallas
-attention kernel (by tpu-inference's own pure-JAX reference of the same kernel), and one
-float32-only weight-loading failure.
+attention kernel (by tpu-inference's own pure-JAX reference of the same kernel), one
+float32-only weight-loading failure, the CPU hosts' join (shim 11) and, for the serving launcher's
+fault case only, the worker half's fault injector (shim 12, inert unless the launcher asks).
+``dp_output_aggregator`` is not a shim but an experiment, installed only on request.
 
 ``install()`` must run before ``vllm.platforms.current_platform`` is first resolved and before
 tpu-inference's model and sampling modules are imported (the compiler-options shim is read at
@@ -24,6 +26,10 @@ import importlib
 import os
 import sys
 import types
+
+from typing_extensions import override
+
+from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 # The CPU "HBM" every device reports to tpu-inference's memory accounting (the KV cache size is set
 # by num_gpu_blocks_override anyway).
@@ -242,7 +248,82 @@ def install(without: tuple[str, ...] = ()) -> list[str]:
                      "jax.distributed over the CPU hosts (libtpu joins a TPU slice's hosts itself), the slice's "
                      "devices without each host's scratch device, this host's CPU for the weight loader's CPU mesh, the "
                      "host's process index as its topology order (CPU devices have no TPU coordinates)")
+
+    # (12) fault injection (the serving launcher's fault case; inert unless it sets LOAD_FAULT_FLAG_ENV): the
+    # connector builds its worker half with the product's default injector (worker/faults.py NO_FAULTS); here the
+    # worker half of the host whose JAX process index is LOAD_FAULT_HOST_ENV gets ``FlaggedLoadFaults`` instead,
+    # through OffloadWorker's own ``faults`` parameter (the product's declared injection point). Read when the
+    # connector is built: the launcher's variables reach a Ray worker after this runs (as for shim 11).
+    import tpuoffload.connector as connector_module
+
+    offload_worker = connector_module.OffloadWorker
+
+    def offload_worker_with_faults(config, *args, **kwargs):
+        flag = os.environ.get(LOAD_FAULT_FLAG_ENV)
+        if flag and kwargs.get("faults") is None:
+            import jax
+
+            if jax.process_index() == int(os.environ.get(LOAD_FAULT_HOST_ENV, "-1")):
+                kwargs["faults"] = FlaggedLoadFaults(flag)
+        return offload_worker(config, *args, **kwargs)
+
+    connector_module.OffloadWorker = offload_worker_with_faults
+    INSTALLED.append("tpuoffload.connector.OffloadWorker: on the host the serving launcher names (only when it "
+                     "asks, for its fault case), the worker half fails every load while a flag file exists "
+                     "(instead of the product's default injector, which never fails)")
     return INSTALLED
+
+
+#: Not a shim, an experiment (off unless this variable is 1; no test relies on it): see ``dp_output_aggregator``.
+DP_AGGREGATOR_ENV = "TPUOFFLOAD_SIM_DP_AGGREGATOR"
+
+
+def dp_output_aggregator() -> None:
+    """The experiment that names why tpuoffload gets no loads under tpu-inference 0.32's DPScheduler on
+    several hosts: DPScheduler sets ``self.connector = None`` (its connectors live in its rank
+    processes), so vLLM's EngineCore never calls ``init_kv_output_aggregator`` and the executor returns
+    only its output rank's (the last host's) connector output; the other hosts' save reports (and load
+    errors) never reach the rank schedulers. Here, once the EngineCore is built under DPScheduler with a
+    KV connector configured, the executor gets vLLM's own ``KVOutputAggregator`` (one report per worker
+    process), as it would with any other scheduler. Installed by ``tpuoffload.sim.vllm_cli`` only when
+    ``DP_AGGREGATOR_ENV`` is 1; it changes tpu-inference's code path, so nothing claimed as "runs as
+    shipped" uses it."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.engine.core import EngineCore
+
+    built = EngineCore.__init__
+
+    def init_with_aggregator(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        executor = self.model_executor
+        if (self.vllm_config.kv_transfer_config is not None and getattr(self.scheduler, "connector", 1) is None
+                and getattr(executor, "kv_output_aggregator", None) is None):
+            executor.kv_output_aggregator = KVOutputAggregator(executor.parallel_config.world_size)
+
+    EngineCore.__init__ = init_with_aggregator
+
+
+#: Set by the serving launcher for its load-fault case: a flag file, and the host (JAX process index) whose
+#: loads all fail while that file exists (engine_shims 12).
+LOAD_FAULT_FLAG_ENV = "TPUOFFLOAD_SIM_LOAD_FAULT_FLAG"
+LOAD_FAULT_HOST_ENV = "TPUOFFLOAD_SIM_LOAD_FAULT_HOST"
+
+
+class FlaggedLoadFaults(FaultInjector):
+    """A host whose loads all fail while ``flag`` exists: at ``LOAD_PREPARE`` the whole load raises, so
+    every chunk of it is reported as a load error (the host still dispatches its programs, with
+    placeholders). Appends each failed load's size to ``<flag>.hits`` (what the launcher reads)."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    @override
+    def hit(self, point: FaultPoint, n: int) -> set[int]:
+        if point is FaultPoint.LOAD_PREPARE and n and os.path.exists(self.flag):
+            with open(self.flag + ".hits", "a") as f:
+                f.write(f"{n}\n")
+            raise RuntimeError(f"injected: every load fails on this host while {self.flag} exists")
+        return set()
 
 
 #: Set by the serving launcher (tpuoffload.sim.serve_stack) for the Ray workers: the jax.distributed

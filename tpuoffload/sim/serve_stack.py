@@ -18,6 +18,12 @@ What runs (all installed code, unmodified; the shims are ``tpuoffload.sim.engine
   OpenAI completions at temperature 0; ``POST /reset_prefix_cache`` between two rounds (vLLM's dev
   endpoint, ``VLLM_SERVER_DEV_MODE=1``); vLLM's ``/metrics``.
 
+What runs is a plan (``PLANS``: each shape's server without, then with the connector; ``issue33``,
+the suite's, several servers on one Ray cluster), each server a ``ServerRun``: its rounds, and the
+fault cases: a host whose loads all fail for some rounds (engine_shims 12), under the README's
+``kv_load_failure_policy: recompute`` or vLLM's default ``fail``; a host's Ray worker killed mid-run
+(``kill_host_mid_run``).
+
 How the shims reach every process: the API server imports ``tpuoffload.sim.vllm_cli`` first (it
 installs them); EngineCore is forked from it (or re-imports that module when spawned); the Ray
 workers run ``vllm_cli.ray_worker_setup`` as Ray's ``worker_process_setup_hook``, which the
@@ -48,7 +54,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuoffload.sim.engine_shims import SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV
+from tpuoffload.sim.engine_shims import LOAD_FAULT_FLAG_ENV, LOAD_FAULT_HOST_ENV, SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV
 from tpuoffload.sim.real_engine import DTYPE, MODELS, QWEN3, VOCAB, TinyModel, write_tiny_model
 
 #: Ray's driver-side hook (RAY_RUNTIME_ENV_HOOK) set for the EngineCore (tpuoffload.sim.vllm_cli,
@@ -334,8 +340,9 @@ class Shape:
 #: engines (TPU_MULTIPROCESS_DP=1, its default for serving; no Ray: the uni executor per engine).
 SHAPES = {
     "tp2-2hosts": Shape("tp2-2hosts", hosts=2, devices_per_host=1, tp=2),
-    "attndp2-2hosts": Shape("attndp2-2hosts", hosts=2, devices_per_host=2, tp=4,
-                            sharding=(("enable_dp_attention", True),)),
+    "attndp2-2hosts": Shape("attndp2-2hosts", hosts=2, devices_per_host=1, tp=2,
+                            sharding=(("enable_dp_attention", True), ("attn_dp_size", 2)),
+                            env=(("NEW_MODEL_DESIGN", "1"),)),
     "hybrid-tp2-2hosts": Shape("hybrid-tp2-2hosts", hosts=2, devices_per_host=1, tp=2, model="hybrid"),
     "dp2-1host-engines": Shape("dp2-1host-engines", hosts=0, devices_per_host=1, tp=1, dp=2,
                                env=(("TPU_MULTIPROCESS_DP", "1"),)),
@@ -364,10 +371,57 @@ class Workload:
         return 2 * (self.prefix_len + self.suffix_len + self.output_len)
 
 
-def kv_transfer_config(stats_dir: str, cpu_bytes: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ServerRun:
+    """One server of a run: its shape, with or without the connector, and what is done to it.
+
+    ``rounds``: each round sends the equality completions and (``bench``) ``vllm bench serve``;
+    ``/reset_prefix_cache`` before every round after the first. ``fault_rounds``: the rounds during
+    which host ``fault_host``'s worker half fails every load (engine_shims 12). ``kill_host``: after
+    the rounds, that host's Ray worker is killed with requests in flight. ``baseline``: the run
+    (without the connector) whose greedy tokens this one's must equal."""
+
+    name: str
+    shape: str
+    connector: bool
+    load_failure_policy: str = "recompute"  # kv_transfer_config's kv_load_failure_policy (the README's)
+    rounds: int = 2
+    bench: bool = True
+    fault_rounds: tuple[int, ...] = ()
+    fault_host: int = 1
+    kill_host: int | None = None
+    baseline: str | None = "baseline"
+
+
+def shape_plan(shape: str) -> tuple[ServerRun, ...]:
+    """A shape's own comparison: the server without, then with the connector."""
+    return (ServerRun("baseline", shape, False, baseline=None), ServerRun("connector", shape, True))
+
+
+#: What runs together on one Ray cluster (every shape of a plan that uses Ray has the same hosts and
+#: devices). ``issue33``, the suite's run: (a) TP 2 without and with the connector, the latter with a
+#: third round in which host 1 fails every load (the README's kv_load_failure_policy ``recompute``:
+#: every host recomputes, the tokens stay those of the run without the connector); (b) attention DP
+#: through DPScheduler with the connector, its tokens compared with (a)'s run without it (the
+#: attention-DP engine without the connector gives the same tokens: docs/real-engine.md); then the
+#: load fault's negative control, vLLM's default policy ``fail``, under which the same fault fails
+#: requests (completions only), and at its end host 1's Ray worker killed mid-run.
+PLANS: dict[str, tuple[ServerRun, ...]] = {
+    **{name: shape_plan(name) for name in SHAPES},
+    "issue33": (
+        ServerRun("baseline", "tp2-2hosts", False, baseline=None),
+        ServerRun("connector", "tp2-2hosts", True, rounds=3, fault_rounds=(3,)),
+        ServerRun("attndp-connector", "attndp2-2hosts", True),
+        ServerRun("fail-policy", "tp2-2hosts", True, load_failure_policy="fail", bench=False, fault_rounds=(2,),
+                  kill_host=1),
+    ),
+}
+
+
+def kv_transfer_config(stats_dir: str, cpu_bytes: int, load_failure_policy: str = "recompute") -> dict[str, Any]:
     """The README's config (``cpu_bytes_to_use`` scaled to this machine), with per-host snapshots."""
     return {"kv_connector": "TPUOffloadConnector", "kv_connector_module_path": "tpuoffload.connector",
-            "kv_role": "kv_both",
+            "kv_role": "kv_both", "kv_load_failure_policy": load_failure_policy,
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "lazy_offload": False,
                                           "stats_dir": stats_dir, "stats_interval_s": 0}}
 
@@ -375,12 +429,14 @@ def kv_transfer_config(stats_dir: str, cpu_bytes: int) -> dict[str, Any]:
 class Server:
     """``vllm serve`` (through ``tpuoffload.sim.vllm_cli``) in its own session."""
 
-    def __init__(self, workdir: str, shape: Shape, model_dir: str, workload: Workload, connector: bool,
+    def __init__(self, workdir: str, run: ServerRun, model_dir: str, workload: Workload,
                  ray: RayHosts | None) -> None:
-        self.workdir, self.shape, self.model_dir, self.workload = workdir, shape, model_dir, workload
-        self.connector, self.ray = connector, ray
+        self.workdir, self.run, self.shape, self.model_dir, self.workload = workdir, run, SHAPES[run.shape], model_dir, workload
+        self.connector, self.ray = run.connector, ray
+        #: while this file exists, host ``run.fault_host`` fails every load (engine_shims 12)
+        self.fault_flag = os.path.join(workdir, "faults", f"load-host{run.fault_host}") if run.fault_rounds else None
         self.port = free_port()
-        self.stats_dir = os.path.join(workdir, "stats") if connector else None
+        self.stats_dir = os.path.join(workdir, "stats") if run.connector else None
         self.log_path = os.path.join(workdir, "server.log")
         self.proc: subprocess.Popen | None = None
 
@@ -403,7 +459,8 @@ class Server:
                    "device_indexes": list(range(s.devices_per_host * max(s.hosts, 1))), **dict(s.sharding)}}}),
                *s.extra_args]
         if self.connector:
-            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.stats_dir, w.cpu_bytes))]
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.stats_dir, w.cpu_bytes,
+                                                                          self.run.load_failure_policy))]
         return cmd
 
     def env(self) -> dict[str, str]:
@@ -420,7 +477,11 @@ class Server:
                        TPU_WORKER_ID="0", **{SLICE_COORDINATOR_ENV: f"127.0.0.1:{free_port()}",
                                              SLICE_HOSTS_ENV: str(self.ray.hosts)},
                        # the executor copies these to its workers (vLLM's own list: VLLM_RAY_EXTRA_ENV_VARS_TO_COPY)
-                       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=f"{SLICE_COORDINATOR_ENV},{SLICE_HOSTS_ENV}")
+                       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=f"{SLICE_COORDINATOR_ENV},{SLICE_HOSTS_ENV},"
+                                                       f"{LOAD_FAULT_FLAG_ENV},{LOAD_FAULT_HOST_ENV}")
+        if self.fault_flag is not None:
+            os.makedirs(os.path.dirname(self.fault_flag), exist_ok=True)
+            env.update({LOAD_FAULT_FLAG_ENV: self.fault_flag, LOAD_FAULT_HOST_ENV: str(self.run.fault_host)})
         env.update(dict(self.shape.env))
         env[MARKER_ENV] = marker(self.workdir)[len(MARKER_ENV) + 1:-1]
         return env
@@ -493,15 +554,23 @@ def completions(server: Server, prompts: list[str], max_tokens: int) -> list[dic
     """One OpenAI completion per prompt at temperature 0, all in flight together."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(prompt: str) -> dict[str, Any]:
-        status, body = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                                                       "temperature": 0.0, "ignore_eos": True})
-        if status != 200:
-            return {"ok": False, "error": f"{status}: {body[:500]}"}
-        return {"ok": True, "text": json.loads(body)["choices"][0]["text"]}
-
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+        return list(pool.map(lambda p: _completion(server, p, max_tokens), prompts))
+
+
+def _completion(server: Server, prompt: str, max_tokens: int, timeout: float = 300.0) -> dict[str, Any]:
+    """One OpenAI completion at temperature 0: ``ok`` and its text, or what went wrong."""
+    t = time.monotonic()
+    try:
+        status, body = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "temperature": 0.0, "ignore_eos": True}, timeout=timeout)
+    except (OSError, ValueError) as e:  # connection refused or reset, timed out: the server is gone
+        return {"ok": False, "error": repr(e)[:500], "after_s": round(time.monotonic() - t, 1)}
+    if status != 200:
+        return {"ok": False, "error": f"{status}: {body[:500]}", "after_s": round(time.monotonic() - t, 1)}
+    choice = json.loads(body)["choices"][0]
+    # vLLM answers a request it finished with an error (kv_load_failure_policy fail) with 200 and this reason
+    return {"ok": choice.get("finish_reason") != "error", "text": choice["text"], "finish_reason": choice.get("finish_reason")}
 
 
 def bench(server: Server, workload: Workload, tag: str, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -559,33 +628,43 @@ def engine_classes(log: str) -> dict[str, str]:
     return out
 
 
-def run_server(workdir: str, shape: Shape, model_dir: str, workload: Workload, connector: bool,
-               ray: RayHosts | None) -> dict[str, Any]:
-    """Start one server, run two rounds (bench + completions; ``/reset_prefix_cache`` between them),
-    read its metrics and snapshots, stop it. Returns what it saw."""
-    server = Server(workdir, shape, model_dir, workload, connector, ray)
+def run_server(workdir: str, run: ServerRun, model_dir: str, workload: Workload, ray: RayHosts | None) -> dict[str, Any]:
+    """Start one server, run its rounds (completions, then ``vllm bench serve``; ``/reset_prefix_cache``
+    before every round after the first; host ``run.fault_host`` failing every load in ``run.fault_rounds``),
+    read its metrics and snapshots, kill a host's Ray worker mid-run if asked, stop it. Returns what it saw."""
+    server = Server(workdir, run, model_dir, workload, ray)
     prompts = equality_prompts(workload)
-    report: dict[str, Any] = {"connector": connector, "shape": shape.name, "rounds": []}
+    report: dict[str, Any] = {"connector": run.connector, "shape": run.shape, "run": run.__dict__, "rounds": []}
     t0 = time.monotonic()
     try:
         server.start()
         report["startup_s"] = round(time.monotonic() - t0, 1)
-        for rnd in (1, 2):
-            if rnd == 2:
+        for rnd in range(1, run.rounds + 1):
+            if rnd > 1:
                 status, body = server.post("/reset_prefix_cache")
-                report["reset"] = [status, body[:200]]
+                report.setdefault("resets", []).append([status, body[:200]])
+                report["reset"] = report["resets"][0]
+            faulted = rnd in run.fault_rounds
+            if faulted:
+                with open(server.fault_flag, "w"):
+                    pass
             before = _external(server)
             outs = completions(server, prompts, workload.output_len)
-            b = bench(server, workload, f"round{rnd}-{'connector' if connector else 'baseline'}")
+            b = bench(server, workload, f"round{rnd}-{run.name}") if run.bench and not faulted else None
             after = _external(server)
-            report["rounds"].append({"round": rnd, "completions": outs, "bench": b,
-                                     "external": {k: after[k] - before[k] for k in EXTERNAL}})
+            entry = {"round": rnd, "completions": outs, "bench": b, "external": {k: after[k] - before[k] for k in EXTERNAL}}
+            if faulted:
+                os.unlink(server.fault_flag)
+                entry["failed_loads"] = _failed_loads(server.fault_flag)
+            report["rounds"].append(entry)
         metrics = server.metrics()
         report["tpuoffload_series"] = sorted(k for k in metrics if k.startswith("vllm:tpuoffload_"))
-        if connector:
+        if run.connector:
             time.sleep(3.0)  # a heartbeat: the hosts' snapshots rebuilt while idle
             report["snapshots"] = read_snapshots(server.stats_dir)
-            report["stats_table"] = stats_table(server.stats_dir)
+            report["stats_table"] = stats_table(server.stats_dir)[0]
+        if run.kill_host is not None:
+            report["kill"] = kill_host_mid_run(server, run.kill_host, prompts)
     finally:
         server.stop()
         report["server_log"] = server.log_path
@@ -594,6 +673,84 @@ def run_server(workdir: str, shape: Shape, model_dir: str, workload: Workload, c
         report["classes"] = engine_classes(log)
         report["wall_s"] = round(time.monotonic() - t0, 1)
     return report
+
+
+def _failed_loads(flag: str) -> list[int]:
+    """The loads (their chunk counts) the faulted host failed (engine_shims.FlaggedLoadFaults)."""
+    try:
+        with open(flag + ".hits") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def host_worker_pids(cluster_dir: str, host: int) -> list[int]:
+    """The Ray actor processes (``ray::RayWorkerProc``: tpu-inference's TPUWorker of one host) of
+    ``host``'s Ray node: its processes are in that node's session (``RayHosts.start`` starts node
+    ``host`` as the ``host``-th line of ``pgids.txt``, in a session of its own)."""
+    with open(os.path.join(cluster_dir, "pgids.txt")) as f:
+        session = int(f.read().split()[host])
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session and cmd.startswith("ray::RayWorkerProc"):
+            found.append(int(name))
+    return found
+
+
+def kill_host_mid_run(server: Server, host: int, prompts: list[str], bound_s: float = 180.0) -> dict[str, Any]:
+    """A host lost mid-run: completions in flight (64 tokens each), and once the engine runs them,
+    SIGKILL ``host``'s Ray worker (``host_worker_pids``). Then, within ``bound_s``: every request
+    returns (its status), the server stops answering ``/health`` with 200 or exits, and
+    ``tpuoffload stats`` on its snapshots (once the killed host's heartbeat is stale) says what it
+    flags. Returns what was seen, with times from the kill."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert server.ray is not None and server.proc is not None
+    pids = host_worker_pids(server.ray.workdir, host)
+    out: dict[str, Any] = {"host": host, "worker_pids": pids}
+    pool = ThreadPoolExecutor(len(prompts))
+    futures = [pool.submit(_completion, server, p, 64, bound_s) for p in prompts]
+    deadline = time.monotonic() + 120.0
+    while server.metrics().get("vllm:num_requests_running", 0.0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["running_at_kill"] = server.metrics().get("vllm:num_requests_running", 0.0)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    unhealthy = exited = None
+    while time.monotonic() - t_kill < bound_s and (unhealthy is None or exited is None):
+        if exited is None and server.proc.poll() is not None:
+            exited = round(time.monotonic() - t_kill, 1)
+            unhealthy = unhealthy if unhealthy is not None else exited
+        if unhealthy is None:
+            try:
+                if server.get("/health", timeout=5)[0] != 200:
+                    unhealthy = round(time.monotonic() - t_kill, 1)
+            except (OSError, ValueError):
+                unhealthy = round(time.monotonic() - t_kill, 1)
+        if unhealthy is not None and all(f.done() for f in futures) and exited is None \
+                and time.monotonic() - t_kill > 60.0:
+            break  # unhealthy and every request answered; waiting a minute for an exit is enough
+        time.sleep(0.5)
+    out.update(unhealthy_after_s=unhealthy, exited_after_s=exited, server_returncode=server.proc.poll())
+    out["requests"] = [f.result() if f.done() else {"ok": False, "error": "no answer", "hung": True} for f in futures]
+    out["answered_after_s"] = round(time.monotonic() - t_kill, 1)
+    pool.shutdown(wait=False, cancel_futures=True)
+    if server.stats_dir:
+        snaps = read_snapshots(server.stats_dir)
+        hb = max(float(x.get("interval_s", 5.0)), float(x.get("heartbeat_s", 0.0))) if (x := snaps.get(f"host-{host}.json")) else 5.0
+        time.sleep(max(0.0, t_kill + hb + 7.0 - time.monotonic()))  # past the stale limit (cli.stale_limit)
+        out["stats_table"], out["stats_rc"] = stats_table(server.stats_dir)
+    return out
 
 
 def read_snapshots(stats_dir: str) -> dict[str, Any]:
@@ -605,44 +762,53 @@ def read_snapshots(stats_dir: str) -> dict[str, Any]:
     return out
 
 
-def stats_table(stats_dir: str) -> str:
-    """``tpuoffload stats`` on the server's snapshots (the operator's per-host table)."""
+def stats_table(stats_dir: str) -> tuple[str, int]:
+    """``tpuoffload stats`` on the server's snapshots (the operator's per-host table) and its exit
+    status (0 healthy, 1 some host flagged)."""
     out = subprocess.run([sys.executable, "-m", "tpuoffload.cli", "stats", stats_dir], capture_output=True,
                          text=True, timeout=60)
-    return out.stdout + out.stderr
+    return out.stdout + out.stderr, out.returncode
 
 
-def run_shape(workdir: str, shape: Shape, workload: Workload = Workload(), timeout_s: float = 1500.0,
-              connectors: tuple[bool, ...] = (False, True)) -> dict[str, Any]:
-    """One Ray cluster for ``shape``, the server without then with the connector on it, the
-    cluster stopped and its leftovers listed."""
+def run_plan(workdir: str, plan: str, workload: Workload = Workload(), only: str | None = None) -> dict[str, Any]:
+    """The servers of ``PLANS[plan]`` (or the one named ``only``) one after another, those that use
+    Ray on one Ray cluster; the cluster stopped and the run's leftovers listed."""
+    runs = [r for r in PLANS[plan] if only is None or r.name == only]
     os.makedirs(workdir, exist_ok=True)
-    model_dir = write_serve_model(os.path.join(workdir, "model"), MODELS[shape.model])
-    ray = RayHosts(os.path.join(workdir, "cluster"), shape.hosts, shape.devices_per_host) if shape.hosts else None
-    report: dict[str, Any] = {"shape": shape.about, "workload": workload.__dict__, "runs": {}}
+    ray_shapes = {(SHAPES[r.shape].hosts, SHAPES[r.shape].devices_per_host) for r in runs if SHAPES[r.shape].hosts}
+    assert len(ray_shapes) <= 1, f"one Ray cluster per plan: {ray_shapes}"
+    ray = RayHosts(os.path.join(workdir, "cluster"), *ray_shapes.pop()) if ray_shapes else None
+    report: dict[str, Any] = {"plan": plan, "shapes": {r.shape: SHAPES[r.shape].about for r in runs},
+                              "workload": workload.__dict__, "runs": {}}
     try:
         if ray is not None:
             t = time.monotonic()
             ray.start()
             report["ray_start_s"] = round(time.monotonic() - t, 1)
-        for connector in connectors:
-            name = "connector" if connector else "baseline"
-            report["runs"][name] = run_server(os.path.join(workdir, name), shape, model_dir, workload, connector, ray)
+        for run in runs:
+            model = MODELS[SHAPES[run.shape].model]
+            model_dir = os.path.join(workdir, f"model-{model.name}")
+            if not os.path.exists(model_dir):
+                write_serve_model(model_dir, model)
+            report["runs"][run.name] = run_server(os.path.join(workdir, run.name), run, model_dir, workload, ray)
     finally:
         if ray is not None:
             ray.stop()
-            report["leaks"] = ray.wait_gone(LEAK_GRACE_S)
+        deadline = time.monotonic() + LEAK_GRACE_S  # Ray's workers exit on their own once their raylet is gone
+        while (left := run_processes(workdir)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        report["leaks"] = left
     return report
 
 
-def run_child(workdir: str, shape: str, timeout_s: float, only: str | None = None) -> dict[str, Any]:
-    """``run_shape`` in a child process (``python -m tpuoffload.sim.serve_stack``) under an outside
+def run_child(workdir: str, plan: str, timeout_s: float, only: str | None = None) -> dict[str, Any]:
+    """``run_plan`` in a child process (``python -m tpuoffload.sim.serve_stack``) under an outside
     timeout: past it the child's group is killed and then every process of the run (Ray nodes,
     their workers, the server, its EngineCore: found by the run's marker, killed by pid). Whatever
     the outcome, the processes of the run still alive afterwards are listed in ``left_after``."""
     os.makedirs(workdir, exist_ok=True)
     out_json, log_path = os.path.join(workdir, "report.json"), os.path.join(workdir, "launcher.log")
-    cmd = [sys.executable, "-m", "tpuoffload.sim.serve_stack", "--shape", shape, "--workdir", workdir,
+    cmd = [sys.executable, "-m", "tpuoffload.sim.serve_stack", "--plan", plan, "--workdir", workdir,
            "--json", out_json] + (["--only", only] if only else [])
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -651,7 +817,7 @@ def run_child(workdir: str, shape: str, timeout_s: float, only: str | None = Non
         except subprocess.TimeoutExpired:
             _kill_group(proc, grace_s=30.0)
             killed = sweep(workdir)
-            raise RuntimeError(f"serve_stack {shape} ran past {timeout_s} s; killed {killed}; log {log_path}")
+            raise RuntimeError(f"serve_stack {plan} ran past {timeout_s} s; killed {killed}; log {log_path}")
         except BaseException:  # interrupted (a test runner's own timeout, ^C): nothing may outlive it
             _kill_group(proc, grace_s=5.0)
             sweep(workdir)
@@ -660,49 +826,72 @@ def run_child(workdir: str, shape: str, timeout_s: float, only: str | None = Non
     left = sweep(workdir)
     if rc != 0:
         with open(log_path, errors="replace") as f:
-            raise RuntimeError(f"serve_stack {shape} exited {rc} (left {left}):\n{f.read()[-6000:]}")
+            raise RuntimeError(f"serve_stack {plan} exited {rc} (left {left}):\n{f.read()[-6000:]}")
     with open(out_json) as f:
         report = json.load(f)
     report["left_after"] = left
     return report
 
 
+def texts(rnd: dict[str, Any]) -> list[str | None]:
+    """A round's completion texts (None for a request that failed)."""
+    return [c.get("text") if c["ok"] else None for c in rnd["completions"]]
+
+
+def requests_ok_failed(rnd: dict[str, Any]) -> tuple[int, int]:
+    b = rnd["bench"] or {"completed": 0, "failed": 0}
+    return b["completed"] + sum(c["ok"] for c in rnd["completions"]), b["failed"] + sum(not c["ok"] for c in rnd["completions"])
+
+
 def summary(report: dict[str, Any]) -> str:
-    """What a user compares, from a ``run_shape`` report: requests ok/failed, TTFT p50/p99 and
-    throughput with/without tpuoffload (as ratios: this is a CPU), vLLM's external prefix cache hit
-    rate, token equality, the per-host ``tpuoffload stats`` table."""
-    base, conn = report["runs"].get("baseline"), report["runs"].get("connector")
-    lines = [f"shape: {report['shape']}"]
-    for name, run in report["runs"].items():
-        lines.append(f"  {name}: executor {run['classes'].get('executor', '?')}, scheduler "
-                     f"{run['classes'].get('scheduler', '?')} (rank scheduler {run['classes'].get('rank_scheduler', '-')})")
-    lines.append(f"  {'round':<8}{'run':<11}{'ok/failed':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'req/s':>8}"
-                 f"{'ext. hits/queries':>19}")
-    for rnd in (0, 1):
-        for name, run in report["runs"].items():
-            r = run["rounds"][rnd]
-            b, e = r["bench"], r["external"]
-            ok = b["completed"] + sum(c["ok"] for c in r["completions"])
-            failed = b["failed"] + sum(not c["ok"] for c in r["completions"])
-            lines.append(f"  {rnd + 1:<8}{name:<11}{f'{ok}/{failed}':>10}{b.get('p50_ttft_ms', b.get('median_ttft_ms', 0)):>13.0f}"
-                         f"{b.get('p99_ttft_ms', 0):>13.0f}{b['request_throughput']:>8.2f}"
-                         f"{int(e[EXTERNAL[0]]):>10}/{int(e[EXTERNAL[1]]):<8}")
-    if base and conn:
-        for rnd in (0, 1):
-            b, c = base["rounds"][rnd]["bench"], conn["rounds"][rnd]["bench"]
-            p50 = lambda x: x.get("p50_ttft_ms", x.get("median_ttft_ms"))  # noqa: E731
-            equal = [x["text"] for x in base["rounds"][rnd]["completions"]] == \
-                [x["text"] for x in conn["rounds"][rnd]["completions"]]
-            e = conn["rounds"][rnd]["external"]
-            rate = e[EXTERNAL[0]] / e[EXTERNAL[1]] if e[EXTERNAL[1]] else 0.0
-            lines.append(f"  round {rnd + 1} with/without tpuoffload: TTFT p50 x{p50(c) / p50(b):.2f}, p99 "
-                         f"x{c['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}, throughput x"
-                         f"{c['request_throughput'] / b['request_throughput']:.2f}; external prefix cache hit rate "
-                         f"{rate:.0%}; greedy tokens equal: {equal}")
-    if conn and conn.get("stats_table"):
-        lines.append("tpuoffload stats (per host, at the end):")
-        lines += ["  " + x for x in conn["stats_table"].splitlines()]
-    lines.append(f"Ray/worker processes left: {report.get('leaks', [])}")
+    """What a user compares, from a ``run_plan`` report: per server and round, requests ok/failed,
+    TTFT p50/p99 and throughput (with/without tpuoffload as ratios: this is a CPU), vLLM's external
+    prefix cache hits, token equality with the run without the connector; the fault cases; the
+    per-host ``tpuoffload stats`` table."""
+    runs = report["runs"]
+    lines = [f"plan {report['plan']}: " + "; ".join(report["shapes"].values())]
+    for name, run in runs.items():
+        lines.append(f"  {name} ({run['shape']}, connector {run['connector']}): executor "
+                     f"{run['classes'].get('executor', '?')}, scheduler {run['classes'].get('scheduler', '?')} "
+                     f"(rank scheduler {run['classes'].get('rank_scheduler', '-')}); start {run.get('startup_s')} s")
+    lines.append(f"  {'round':<7}{'run':<18}{'ok/failed':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'req/s':>8}"
+                 f"{'ext. hits/queries':>19}  tokens = baseline")
+    p50 = lambda x: x.get("p50_ttft_ms", x.get("median_ttft_ms", 0.0))  # noqa: E731
+    for name, run in runs.items():
+        base = runs.get(run["run"]["baseline"] or "")
+        for r in run["rounds"]:
+            b, e = r["bench"] or {}, r["external"]
+            ok, failed = requests_ok_failed(r)
+            equal = texts(r) == texts(base["rounds"][0]) if base else "-"
+            fault = f"  host {run['run']['fault_host']} failed {len(r['failed_loads'])} loads" if "failed_loads" in r else ""
+            lines.append(f"  {r['round']:<7}{name:<18}{f'{ok}/{failed}':>10}{p50(b):>13.0f}{b.get('p99_ttft_ms', 0):>13.0f}"
+                         f"{b.get('request_throughput', 0):>8.2f}{int(e[EXTERNAL[0]]):>10}/{int(e[EXTERNAL[1]]):<8}  "
+                         f"{equal}{fault}")
+    for name, run in runs.items():
+        base = runs.get(run["run"]["baseline"] or "")
+        if not (base and run["connector"]):
+            continue
+        for r, rb in zip(run["rounds"], base["rounds"]):
+            if r["bench"] and rb["bench"]:
+                e = r["external"]
+                rate = e[EXTERNAL[0]] / e[EXTERNAL[1]] if e[EXTERNAL[1]] else 0.0
+                lines.append(f"  {name} round {r['round']} with/without tpuoffload ({base['shape']}): TTFT p50 "
+                             f"x{p50(r['bench']) / p50(rb['bench']):.2f}, p99 x{r['bench']['p99_ttft_ms'] / rb['bench']['p99_ttft_ms']:.2f}, "
+                             f"throughput x{r['bench']['request_throughput'] / rb['bench']['request_throughput']:.2f}; "
+                             f"external prefix cache hit rate {rate:.0%}")
+    for name, run in runs.items():
+        if "kill" in run:
+            k = run["kill"]
+            states = [("ok" if c["ok"] else ("hung" if c.get("hung") else "failed")) for c in k["requests"]]
+            lines.append(f"  {name}: host {k['host']}'s Ray worker {k['worker_pids']} killed with "
+                         f"{k['running_at_kill']:.0f} requests running: server unhealthy after {k['unhealthy_after_s']} s, "
+                         f"exited after {k['exited_after_s']} s (rc {k['server_returncode']}); requests {states}; "
+                         f"tpuoffload stats exit {k.get('stats_rc')}")
+    for name, run in runs.items():
+        if run.get("stats_table"):
+            lines.append(f"tpuoffload stats, {name} (per host, at the end):")
+            lines += ["  " + x for x in run["stats_table"].splitlines()]
+    lines.append(f"processes of the run left: {report.get('leaks', [])}")
     return "\n".join(lines)
 
 
@@ -711,16 +900,16 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tpuoffload.sim.serve_stack", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tp2-2hosts")
+    ap.add_argument("--plan", choices=sorted(PLANS), default="tp2-2hosts",
+                    help="a shape (its server without, then with the connector) or a plan of several servers")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--only", choices=("baseline", "connector"), default=None)
+    ap.add_argument("--only", default=None, help="run only the server of this name")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import tempfile
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-serve-")
-    connectors = (False, True) if args.only is None else (args.only == "connector",)
-    report = run_shape(workdir, SHAPES[args.shape], connectors=connectors)
+    report = run_plan(workdir, args.plan, only=args.only)
     text = json.dumps(report, indent=1)
     if args.json:
         with open(args.json, "w") as f:
@@ -731,22 +920,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo(argv: list[str] | None = None) -> int:
-    """``python -m tpuoffload.demo --serve``: the 2-host serving stack, without then with
+    """``python -m tpuoffload.demo --serve [--plan P]``: the serving stack, without then with
     tpuoffload, and what a user compares."""
     import argparse
     import tempfile
 
     ap = argparse.ArgumentParser(prog="python -m tpuoffload.demo --serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tp2-2hosts")
+    ap.add_argument("--plan", choices=sorted(PLANS), default="tp2-2hosts")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--timeout", type=float, default=1500.0)
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-serve-")
-    print(f"vllm serve on tpu-inference's Ray executor over a local Ray cluster ({SHAPES[args.shape].about}); "
-          f"vllm bench serve --dataset-name prefix_repetition {Workload()}; logs under {workdir}", flush=True)
+    shapes = "; ".join(sorted({SHAPES[r.shape].about for r in PLANS[args.plan]}))
+    print(f"vllm serve on tpu-inference's platform ({shapes}); vllm bench serve --dataset-name prefix_repetition "
+          f"{Workload()}; logs under {workdir}", flush=True)
     t0 = time.monotonic()
-    report = run_child(workdir, args.shape, args.timeout)
+    report = run_child(workdir, args.plan, args.timeout)
     print(summary(report))
     print(f"{time.monotonic() - t0:.0f} s in all")
     return 0

@@ -12,6 +12,7 @@ runtime_env hook, ``runtime_env_hook``). Test and demo code: product code never 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -38,6 +39,8 @@ def _install() -> None:
     from tpuoffload.sim import engine_shims
 
     engine_shims.install()
+    if os.environ.get(engine_shims.DP_AGGREGATOR_ENV) == "1":  # an experiment, not a shim (see its docstring)
+        engine_shims.dp_output_aggregator()
     _log_engine_classes()
 
 
