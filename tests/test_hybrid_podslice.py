@@ -47,26 +47,34 @@ def test_hybrid_prefix_repetition_chaos(make_slice):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_hybrid_model_under_dpscheduler_hits_across_ranks_and_recomputes_failures(make_slice):
+def test_hybrid_model_under_dpscheduler_hits_across_ranks_and_recomputes_failures(make_slice, tmp_path):
     """The gpt-oss-like hybrid (sliding window + full attention) under tpu-inference's DPScheduler:
     DP 2 x TP 2 over 2 hosts x 2 devices, every rank's per-group block ids rank-local (DPScheduler
-    passes them through; the runner and the worker place them by rank). Slots lost on host 1 make
-    loads fail (by request: several groups and DP both need it); vLLM recomputes them on every
-    host. Every request finishes with the right tokens, no position is read wrong (the model's
-    outputs depend on every read), a rank loads chunks another rank saved (cross-rank hits of both
-    groups), every host dispatched the same programs, nothing leaks."""
+    passes them through; the runner and the worker place them by rank), a small host RAM with each
+    rank's disk tier below it. Slots lost on host 1 make loads fail (by request: several groups and
+    DP both need it); vLLM recomputes them on every host. Every request finishes with the right
+    tokens, no position is read wrong (the model's outputs depend on every read), a rank loads
+    chunks another rank saved (cross-rank hits of both groups), every rank spills to its own files
+    and fetches back, every host dispatched the same programs, nothing leaks."""
     from test_dp_scheduler import SPREAD
 
+    from tpuoffload.snapshot import read_rank_snapshots
+
     chaos = Chaos(seed=11, lose_slot_host=1, lose_slot_rate=0.3)
-    spec = dataclasses.replace(_spec(save_timeout_s=30.0, cpu_bytes_to_use=1 << 24), hybrid="gpt-oss-like-dp2",
-                               kv_budget_bytes=2 * BUDGET)
+    spec = dataclasses.replace(
+        _spec(save_timeout_s=30.0, num_cpu_chunks=12 + 16, cpu_bytes_to_use=None,
+              disk_path=str(tmp_path / "disk-{host}"), disk_bytes_to_use=1 << 26),
+        hybrid="gpt-oss-like-dp2", kv_budget_bytes=2 * BUDGET)
     pod = make_slice(spec, chaos)
     assert type(pod.scheduler).__name__ == "DPScheduler" and pod.dp_ranks == 2
-    res = run_prefix_repetition(pod, SPREAD)
+    res = run_prefix_repetition(pod, dataclasses.replace(SPREAD, num_requests=16))
     assert res.finished == res.requests and res.wrong_outputs == [], res
     totals = pod.stats.totals()
     assert pod.mismatches == [0, 0], pod.mismatches
     assert res.per_wave_loaded[1] > 0 and totals["cross_rank_chunks_loaded"] > 0, res.stats
     assert totals["load_errors"] > 0, res.stats  # the failure path ran
+    ranks = [snap["totals"] for snap in read_rank_snapshots(pod.stats_dir).values()]
+    assert len(ranks) == 2 and all(t.get("spills_confirmed", 0) > 0 for t in ranks), ranks
+    assert totals["disk_read_chunks"] > 0 and totals.get("disk_read_failed", 0) == 0, totals
     _assert_clean_end(pod)
     print(f"hybrid under DPScheduler: {res}")
