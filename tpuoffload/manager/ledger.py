@@ -214,8 +214,12 @@ class CompletionLedger:
         msg = (f"tpuoffload: the scheduler expects {self.num_hosts} reporting workers ({self.source or 'configured'}) "
                f"but after {step - oldest.step} steps only host(s) {seen} ever confirmed a save; host(s) {missing} "
                f"never reported. No save can become loadable: every save will expire and the hit rate stays 0. "
-               f"Set kv_connector_extra_config['num_hosts'] to the number of worker processes (one per host "
-               f"for tpu-inference).")
+               f"If {self.num_hosts} is not the number of worker processes (one per host for tpu-inference), "
+               f"set kv_connector_extra_config['num_hosts'] to it. If it is, the engine passes the scheduler "
+               f"only some workers' outputs (tpu-inference 0.32's DPScheduler on several hosts builds no KV "
+               f"output aggregator, so the Ray executor returns the output rank's alone): do NOT lower "
+               f"num_hosts then, which would make a chunk loadable on one host's word; that engine cannot "
+               f"offload until it aggregates every worker's KV connector output.")
         logger.error(msg)
         self.counters[C.REPORTERS_MISSING] += 1
         self._missing_reported = True
