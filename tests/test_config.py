@@ -257,6 +257,30 @@ def test_separate_dp_engines_keep_their_files_apart():
     assert one == config  # one engine: the paths as given
 
 
+def test_dense_dp_engines_keep_their_files_apart_after_vllm_rewrites_their_parallel_config():
+    """The path ``vllm serve --data-parallel-size 2`` really takes for a dense model: vLLM's engine
+    process sets ``data_parallel_index`` and then rewrites its own ParallelConfig as DP 1
+    (``reconfigure_for_independent_dp_rank``, vLLM 0.32 ``run_engine_core``), so the engines' sizes
+    say 1. Their files must still differ (the serving stack's shape (d) found both engines writing
+    ``host-0.json`` and ``scheduler.json`` into one directory when only the size was read)."""
+    from vllm.config import ParallelConfig
+
+    from tpuoffload.config import per_engine
+
+    config = parse_config({"cpu_bytes_to_use": 1 << 22, "stats_dir": "/s", "persist_path": "/p",
+                           "disk_path": "/d/{host}", "disk_bytes_to_use": 1 << 24})
+    engines = []
+    for i in (0, 1):
+        pc = ParallelConfig(data_parallel_size=2)
+        pc.data_parallel_index = i  # as vLLM's engine process does, before the rewrite
+        pc.reconfigure_for_independent_dp_rank()
+        assert pc.data_parallel_size == 1 and pc.data_parallel_rank == 0
+        engines.append(per_engine(config, pc))
+    for key in ("stats_dir", "persist_path", "disk_path"):
+        assert getattr(engines[0], key) != getattr(engines[1], key), key
+    assert engines[0] == config and engines[1].stats_dir == "/s/engine-dp1"
+
+
 def test_multiprocess_dp_engines_are_single_scheduler_engines_with_their_own_files(monkeypatch):
     """``TPU_MULTIPROCESS_DP=1``: tpu-inference's own sharding config gives each engine a mesh without
     DP (``total_dp_size`` 1) while vLLM's parallel config keeps the engine's DP index, so each

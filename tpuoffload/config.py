@@ -312,9 +312,17 @@ def per_engine(config: OffloadConfig, parallel_config) -> OffloadConfig:
     """``vllm serve --data-parallel-size N`` on tpu-inference without attention DP runs N separate
     engines sharing the hosts (``TPU_MULTIPROCESS_DP=1``): each engine keeps its stats snapshots,
     checkpoints and disk files under its own ``engine-dp<i>`` subdirectory, so no two engines on a
-    host write the same file. (Each engine also takes its own ``cpu_bytes_to_use`` on each host.)"""
-    if getattr(parallel_config, "data_parallel_size", 1) <= 1:
+    host write the same file. (Each engine also takes its own ``cpu_bytes_to_use`` on each host.)
+
+    vLLM 0.32's engine process of a dense (non-MoE) model rewrites its parallel config as an
+    independent DP 1 engine (``ParallelConfig.reconfigure_for_independent_dp_rank``) and keeps only
+    ``data_parallel_index``: so engine ``i > 0`` is known by its index alone, and engine 0 keeps the
+    paths as given (beside the others' subdirectories; nothing of it lists subdirectories but the
+    disk tier's ``rank-<r>``). A MoE model's engines keep ``data_parallel_size``: every one, 0
+    included, gets its subdirectory. Both halves read the same pickled config, so they agree."""
+    index = getattr(parallel_config, "data_parallel_index", 0)
+    if getattr(parallel_config, "data_parallel_size", 1) <= 1 and index == 0:
         return config
-    tag = f"engine-dp{parallel_config.data_parallel_index}"
+    tag = f"engine-dp{index}"
     moved = {key: os.path.join(getattr(config, key), tag) for key in ENGINE_DIRS if getattr(config, key)}
     return dataclasses.replace(config, **moved)
