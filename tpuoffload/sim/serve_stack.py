@@ -144,22 +144,25 @@ def _groups_of(run_dir: str) -> set[int]:
         return set()
 
 
-def _in_groups(groups: set[int]) -> list[tuple[int, str]]:
-    found = []
+def _live_processes():
+    """(pid, the fields of ``/proc/<pid>/stat`` after the command name, argv) of every live
+    (not zombie) process."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
+                fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) in groups:
-            found.append((int(name), cmd[:200]))
-    return found
+        if fields[0] != "Z":
+            yield int(name), fields, argv
+
+
+def _in_groups(groups: set[int]) -> list[tuple[int, str]]:
+    return [(pid, " ".join(argv)[:200]) for pid, fields, argv in _live_processes() if int(fields[2]) in groups]
 
 
 def run_processes(run_dir: str) -> list[tuple[int, str]]:
@@ -180,30 +183,20 @@ def sweep(run_dir: str) -> list[tuple[int, str]]:
     return left
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def _processes_mentioning(needle: str) -> list[tuple[int, str]]:
     """(pid, command line) of every process whose environment contains ``needle`` (a run's marker,
     ``NAME=value\\0``)."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
+    for pid, _, argv in _live_processes():
+        if pid == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().decode(errors="replace")
         except OSError:
             continue
-        if needle in env + "\0" and not _zombie(int(name)):
-            found.append((int(name), cmd[:200]))
+        if needle in env + "\0":
+            found.append((pid, " ".join(argv)[:200]))
     return found
 
 
@@ -467,7 +460,11 @@ class Server:
         env = dict(os.environ)
         env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_SERVER_DEV_MODE="1",
                    MODEL_IMPL_TYPE=MODELS[self.shape.model].impl, VLLM_LOGGING_LEVEL="INFO",
-                   VLLM_XLA_CACHE_PATH=os.path.join(self.workdir, "xla_cache"), RAY_USAGE_STATS_ENABLED="0",
+                   # one JAX compile cache for every server of a run (tpu-inference's CompilationManager
+                   # turns it on), as a deployment keeps its cache across restarts: later servers load
+                   # the programs the first compiled
+                   VLLM_XLA_CACHE_PATH=os.path.join(os.path.dirname(self.workdir.rstrip("/")), "xla_cache"),
+                   RAY_USAGE_STATS_ENABLED="0",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={self.shape.devices_per_host * max(self.shape.dp, 1) + 1} "
                              f"{XLA_SINGLE_THREAD}")
         env.pop("VLLM_TARGET_DEVICE", None)
@@ -690,20 +687,8 @@ def host_worker_pids(cluster_dir: str, host: int) -> list[int]:
     ``host`` as the ``host``-th line of ``pgids.txt``, in a session of its own)."""
     with open(os.path.join(cluster_dir, "pgids.txt")) as f:
         session = int(f.read().split()[host])
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == session and cmd.startswith("ray::RayWorkerProc"):
-            found.append(int(name))
-    return found
+    return [pid for pid, fields, argv in _live_processes()
+            if int(fields[3]) == session and argv[0].startswith("ray::RayWorkerProc")]
 
 
 def kill_host_mid_run(server: Server, host: int, prompts: list[str], bound_s: float = 180.0) -> dict[str, Any]:
