@@ -235,7 +235,7 @@ def test_podslice_restart_indexes_the_files_every_host_kept(make_slice, tmp_path
     from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 
     config = {"num_cpu_chunks": RAM_CHUNKS, "disk_path": str(tmp_path / "disk-{host}"), "disk_bytes_to_use": DISK_BYTES,
-              "persist_path": str(tmp_path / "ckpt"), "persist_timeout_s": 60.0, "save_timeout_s": 5.0,
+              "persist_path": str(tmp_path / "ckpt"), "persist_timeout_s": 60.0, "save_timeout_s": 60.0,
               "load_wait_timeout_s": 2.0}
     spec = SliceSpec(num_hosts=2, devices_per_host=2, num_kv_heads=8, num_blocks=48, max_num_seqs=16,
                      max_num_batched_tokens=256, extra_config=config, step_timeout_s=90.0)

@@ -337,6 +337,8 @@ def copies(real_run, tmp_path):
     d.mkdir()
     now = time.time()
     for name in os.listdir(real_run.stats_dir):
+        if name.startswith(".tmp-"):  # a snapshot being written (a temp file, then a rename): not one yet
+            continue
         data = json.load(open(os.path.join(real_run.stats_dir, name)))
         data["time"] = now
         (d / name).write_text(json.dumps(data))
