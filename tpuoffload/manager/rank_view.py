@@ -231,12 +231,13 @@ class RankView:
         """Per chunk key: whether the view has it, and its (slot, save id) as a load names them
         (offsets from this rank's range, messages.py:LoadRequest); the hit path of several KV cache
         groups (kv_groups.py:KVCacheGroups.find_hit), which looks each group's keys up at once."""
-        engine = np.array([self._newest(k) for k in keys] if self._slots_of and self.rank is not None
-                          else [-1] * len(keys), dtype=np.int64)
+        if not self._slots_of or self.rank is None:
+            n = len(keys)
+            return np.zeros(n, bool), np.zeros(n, np.int64), np.full(n, -1, np.int64)
+        engine = np.array([self._newest(k) for k in keys], dtype=np.int64)
         held = engine >= 0
-        slots = np.where(held, engine - (self.rank or 0) * self.rank_slots, 0)
-        ids = np.where(held, self._save_id[np.maximum(engine, 0)] - ((self.rank or 0) << RANK_SAVE_ID_SHIFT), -1) \
-            if len(self._save_id) else np.full(len(keys), -1, np.int64)
+        slots = np.where(held, engine - self.rank * self.rank_slots, 0)
+        ids = np.where(held, self._save_id[np.maximum(engine, 0)] - (self.rank << RANK_SAVE_ID_SHIFT), -1)
         return held, slots, ids
 
     def discard(self, slot: int, save_id: int) -> bool:

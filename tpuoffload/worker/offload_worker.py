@@ -488,12 +488,11 @@ class _Placed:
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
         self.block_offset, self.slot_offset, self.id_offset = plan.placement()
-        id_offset = self.id_offset
-        self.rank = id_offset >> RANK_SAVE_ID_SHIFT
-        if not (self.block_offset or self.slot_offset or id_offset):  # one scheduler: nothing moves
+        self.rank = self.id_offset >> RANK_SAVE_ID_SHIFT
+        if not (self.block_offset or self.slot_offset or self.id_offset):  # one scheduler: nothing moves
             self.flush, self.save, self.loads = plan.flush, plan.save, plan.loads
         else:
-            b, s, i = self.block_offset, self.slot_offset, id_offset
+            b, s, i = self.block_offset, self.slot_offset, self.id_offset
             self.flush, self.save = (SaveBatch(_shift(x.block_ids, b), _shift(x.slots, s), _shift(x.save_ids, i),
                                                x.keys) for x in (plan.flush, plan.save))
             self.loads = tuple(LoadRequest(ld.req_id, tuple(_shift(ld.block_ids, b)), _shift(ld.slots, s),

@@ -386,7 +386,7 @@ class TransferEngine:
             logger.warning("tpuoffload: save of %d chunks failed on this host: %s", n, exc)
             failed = set(range(n))
             self.slot_table.invalidate(slots)
-            save_ids = _ints(save_ids)  # (a no-op where the try converted them)
+            save_ids = _ints(save_ids)  # (again, where the try got that far: a copy, harmless)
         with self._lock:
             self._results.append((save_ids, failed))
             done = n - len(failed)
