@@ -97,10 +97,11 @@ def load_program_shape(monkeypatch):
 def assert_engine_clean(engine) -> None:
     """No wrong KV byte was read, nothing leaked in the scheduler half and every host is idle."""
     assert engine.mismatches() == 0
-    leaks = engine.offload.leak_report()
-    assert all(v == 0 for v in leaks.values()), leaks
-    for conn in engine.connectors:
-        assert all(v == 0 for v in conn.worker.idle_report().values()), conn.worker.idle_report()
+    leaks = {k: v for k, v in engine.offload.leak_report().items() if v}
+    assert not leaks, leaks
+    for host, conn in enumerate(engine.connectors):
+        busy = {k: v for k, v in conn.worker.idle_report().items() if v}
+        assert not busy, (host, busy)
 
 
 @pytest.fixture(params=["file", "redis"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import pytest
 from conftest import assert_engine_clean
@@ -150,6 +151,34 @@ def test_damaged_objects_are_a_miss_on_every_host(populated, tmp_path, hazard):
         cause = {"host 1 shard corrupt": C.SHARED_MISS_CORRUPT, "host 0 truncated": C.SHARED_MISS_SHORT}.get(
             hazard, C.SHARED_MISS_FOREIGN)
         assert t[cause] > 0, t
+
+
+def test_a_fetch_cancelled_while_a_slow_host_still_reads_it_is_not_held(populated, tmp_path, monkeypatch):
+    """Host 1's shard is corrupt and host 0 reads slowly: the scheduler drops each fetch on host 1's
+    failure and cancels it while host 0 is still reading. Host 0 must drop the bytes when its read
+    ends, not hold them for an install that never comes (CI saw this leak under load)."""
+    from tpuoffload.worker.shared_stage import SharedStage
+
+    root = _copy(populated, tmp_path)
+    for p in _objects(root):
+        if "/h1of2/" in p:
+            _flip(p, 128 + 777)
+    read = SharedStage._fetch
+
+    def slow_on_host_0(self, sid, oid):
+        if self.host == 0:
+            time.sleep(0.3)  # longer than host 1's failure takes to reach the scheduler and come back
+        read(self, sid, oid)
+
+    monkeypatch.setattr(SharedStage, "_fetch", slow_on_host_0)
+    b = _engine(f"file://{root}?timeout_s=20")
+    out = _serve(b, _wave("b"))
+    t = b.stats.totals()
+    assert t[C.SHARED_FETCHES_FAILED] == t[C.SHARED_FETCHES_ISSUED] > 0, t
+    assert t[C.SHARED_READ_CHUNKS] > 0, t  # host 0 did read whole objects, after their cancel
+    assert_engine_clean(b)  # nothing held on host 0
+    b.close()
+    assert out == populated[1]
 
 
 def test_a_deployment_with_another_layout_never_reads_the_objects(populated, tmp_path):

@@ -85,6 +85,8 @@ class SharedStage(WorkerTier):
         self._writer = futures.ThreadPoolExecutor(1, thread_name_prefix="shared-write")
         self._lock = threading.Lock()  # guards everything below (the tier's threads and the main thread)
         self._held: dict[int, np.ndarray] = {}  # fetch save id -> verified payload
+        self._reading: set[int] = set()  # fetch save ids submitted, not yet read
+        self._cancelled: set[int] = set()  # of those, the ones cancelled meanwhile: dropped when read
         self._probed: list[tuple[int, bytes]] = []
         self._fetched: list[int] = []
         self._fetch_failed: list[int] = []
@@ -117,10 +119,13 @@ class SharedStage(WorkerTier):
 
     def _act(self, part: SharedPlan) -> None:
         ns = self._namespace(part)
-        if part.cancel:
+        if part.cancel:  # the scheduler drops a fetch on one host's failure: the others may still read
             with self._lock:
                 for sid in part.cancel:
-                    self._held.pop(sid, None)
+                    if sid in self._reading:
+                        self._cancelled.add(sid)
+                    else:
+                        self._held.pop(sid, None)
             for sid in part.cancel:
                 self._slots.pop(sid, None)
         if part.install:
@@ -132,6 +137,8 @@ class SharedStage(WorkerTier):
         if len(part.fetch):
             for sid, slot, oid in zip(part.fetch.save_ids, part.fetch.slots, self._ids(ns, part.fetch.keys, part.hosts)):
                 self._slots[sid] = slot
+                with self._lock:
+                    self._reading.add(sid)
                 self._submit(self._readers, self._fetch, sid, oid)
 
     def _install(self, save_ids: tuple[int, ...]) -> None:
@@ -195,14 +202,19 @@ class SharedStage(WorkerTier):
                            error.value, detail)
         with self._lock:
             self._counts[C.SHARED_READ_SECONDS] += took
+            self._reading.discard(sid)
+            cancelled = sid in self._cancelled  # dropped while it was read: nothing to hold or report
+            self._cancelled.discard(sid)
             if error is None:
-                self._held[sid] = np.frombuffer(payload, np.uint8)
-                self._fetched.append(sid)
                 self._counts[C.SHARED_READ_CHUNKS] += 1
                 self._counts[C.SHARED_READ_BYTES] += self.payload_bytes
+                if not cancelled:
+                    self._held[sid] = np.frombuffer(payload, np.uint8)
+                    self._fetched.append(sid)
             else:
-                self._fetch_failed.append(sid)
                 self._counts[_MISS[error]] += 1
+                if not cancelled:
+                    self._fetch_failed.append(sid)
 
     def _write(self, rows, ok: list[bool], oids: list[ObjectId], size: int) -> None:
         t0 = time.monotonic()
