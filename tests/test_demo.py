@@ -1,4 +1,4 @@
-"""The main job, end to end: ``python -m tpuoffload.demo`` starts a 2-host pod slice (one JAX
+"""The main job, end to end: ``python -m tpuoffload.demo --podslice`` starts a 2-host pod slice (one JAX
 process per host), serves a prefix_repetition workload in two waves through vLLM's scheduler, and
 prints the per-host stats table read back from the snapshot files the hosts wrote."""
 
@@ -27,7 +27,7 @@ HIT_RATE = (PROMPTS - PREFIXES) * PREFIX_LEN / (PROMPTS * (PREFIX_LEN + SUFFIX_L
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     stats_dir = tmp_path_factory.mktemp("demo-stats")
-    cmd = [sys.executable, "-m", "tpuoffload.demo", "--prompts", str(PROMPTS), "--prefixes", str(PREFIXES),
+    cmd = [sys.executable, "-m", "tpuoffload.demo", "--podslice", "--prompts", str(PROMPTS), "--prefixes", str(PREFIXES),
            "--prefix-len", str(PREFIX_LEN), "--stats-dir", str(stats_dir)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the slice sets its own per host
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -77,3 +77,17 @@ def test_demo_snapshots_read_back(demo, capsys):
     assert rep["total"]["hit_rate"] == pytest.approx(HIT_RATE)
     pids = {json.load(open(os.path.join(stats_dir, f"host-{h}.json")))["pid"] for h in range(HOSTS)}
     assert len(pids) == HOSTS and os.getpid() not in pids  # written by separate host processes
+
+
+def test_the_main_job_is_the_serving_stack(capsys):
+    """``bash scripts/demo.sh`` with no flag runs the real serving stack (tpuoffload.sim.serve_stack),
+    not our own pod-slice driver (``--podslice``)."""
+    from tpuoffload.demo import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--plan" in out and "--prefix-len" not in out
+    with pytest.raises(SystemExit):
+        main(["--podslice", "--help"])
+    assert "--prefix-len" in capsys.readouterr().out

@@ -1,7 +1,12 @@
-"""The main job: a pod slice on CPU serving a prefix_repetition workload through vLLM's real
-scheduler and tpuoffload, then the per-host stats table.
+"""The main job: ``vllm serve`` on tpu-inference's Ray executor over a local 2-node Ray cluster,
+measured by ``vllm bench serve`` with and without tpuoffload (tpuoffload.sim.serve_stack).
 
-    python -m tpuoffload.demo [--hosts 2] [--devices-per-host 2] [--prompts 48] ...
+    python -m tpuoffload.demo [--plan P]                      the serving stack (default)
+    python -m tpuoffload.demo --podslice [--hosts 2] ...      a pod slice of our own driver
+    python -m tpuoffload.demo --engine [--tp 1 2] ...         vLLM's LLM on tpu-inference's runner
+
+The pod slice (``--podslice``, this module's own options below) serves a prefix_repetition workload
+through vLLM's real scheduler and tpuoffload, then prints the per-host stats table.
 
 Wave 1 computes each shared prefix once (and the hosts save it); vLLM's on-device prefix cache is
 then reset, as eviction under load would, so wave 2 is served from host RAM on every host.
@@ -33,21 +38,17 @@ def _progress_bar(total: int, t0: float):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--serve" in argv:  # the real serving stack: vllm serve on tpu-inference's Ray executor, 2 hosts
-        from tpuoffload.sim.serve_stack import demo as serve_demo
-
-        return serve_demo([a for a in argv if a != "--serve"])
     if "--engine" in argv:  # the real engine: vLLM + tpu-inference's worker and runner (tpuoffload.sim.real_engine)
         from tpuoffload.sim.real_engine import demo
 
         return demo([a for a in argv if a != "--engine"])
-    p = argparse.ArgumentParser(prog="python -m tpuoffload.demo", description=__doc__,
+    if "--podslice" not in argv:  # the real serving stack: vllm serve on tpu-inference's Ray executor, 2 hosts
+        from tpuoffload.sim.serve_stack import demo as serve_demo
+
+        return serve_demo(argv)
+    argv = [a for a in argv if a != "--podslice"]
+    p = argparse.ArgumentParser(prog="python -m tpuoffload.demo --podslice", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--serve", action="store_true", help="instead: `vllm serve` on tpu-inference's Ray executor over "
-                   "a local 2-node Ray cluster, measured by `vllm bench serve` with and without tpuoffload")
-    p.add_argument("--engine", action="store_true", help="instead: tpuoffload inside vLLM's engine on tpu-inference's "
-                   "worker and model runner (a tiny Qwen3 on CPU JAX), with and without the connector; "
-                   "`--engine --help` lists its options")
     p.add_argument("--hosts", type=int, default=2, help="JAX processes, one per simulated host (default 2)")
     p.add_argument("--devices-per-host", type=int, default=2)
     p.add_argument("--prompts", type=int, default=48)

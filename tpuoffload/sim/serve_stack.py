@@ -905,12 +905,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo(argv: list[str] | None = None) -> int:
-    """``python -m tpuoffload.demo --serve [--plan P]``: the serving stack, without then with
+    """``python -m tpuoffload.demo [--plan P]``: the serving stack, without then with
     tpuoffload, and what a user compares."""
     import argparse
     import tempfile
 
-    ap = argparse.ArgumentParser(prog="python -m tpuoffload.demo --serve", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tpuoffload.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", choices=sorted(PLANS), default="tp2-2hosts")
     ap.add_argument("--workdir", default=None)
