@@ -60,7 +60,7 @@ def _assert_clean_end(pod: PodSlice) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 2)])  # 4 hosts: the chaos runs below
 def test_prefix_repetition(make_slice, num_hosts, devices_per_host):
     # 48 blocks cannot hold the 4 x 12 prefix blocks and the requests running on them.
     pod = make_slice(_spec(num_hosts, devices_per_host, num_blocks=48))
