@@ -260,7 +260,6 @@ LIMITS: dict[str, dict[str, str]] = {
         GDN: "chunk files hold the KV pool's chunks only; lifted by a file kind per slot pool",
     },
     "shared_url": {
-        DP: "the shared tier's probes and fetches are planned by one scheduler; lifted by per-rank tier plans",
         HYBRID: "objects are keyed by group 0 only; lifted by the group in the key and per-group hits",
     },
     DP: {

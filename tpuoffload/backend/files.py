@@ -25,7 +25,8 @@ def fsync_dir(path: str) -> None:
 def write_all(fd: int, bufs: list) -> None:
     """Write every buffer of ``bufs`` to ``fd``, in order, through ``writev`` (retried until a
     short write has written everything)."""
-    views = [memoryview(b).cast("B") for b in bufs]
+    # Empty buffers left out: writev writes 0 bytes of them, and the loop would never end on one.
+    views = [v for v in (memoryview(b).cast("B") for b in bufs) if len(v)]
     while views:
         n = os.writev(fd, views)
         while n and views:

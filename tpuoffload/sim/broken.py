@@ -14,7 +14,11 @@ from tpuoffload.worker.transfer_engine import TransferEngine
 #   background_dispatch  the ops land at a moment that depends on each host's timing: the digests
 #                        differ, or ops appear outside the connector hooks that may dispatch
 #                        (MisplacedDispatch, a DigestMismatch); the test accepts nothing else.
-VARIANTS = ("host_order", "background_dispatch")
+#   shard0_payloads      a tier turns any rank's slot rows into the pieces of batch shard 0's devices
+#                        (what one scheduler's tiers did): under DPScheduler another rank's published
+#                        objects hold other bytes, verified, and the slice that loads them reads wrong
+#                        context positions (tests/test_dp_shared.py).
+VARIANTS = ("host_order", "background_dispatch", "shard0_payloads")
 
 
 def break_engine(engine: TransferEngine, how: str, host: int) -> None:
@@ -36,6 +40,9 @@ def break_engine(engine: TransferEngine, how: str, host: int) -> None:
             threading.Thread(target=run, daemon=True).start()
 
         engine.save = background_save
+    elif how == "shard0_payloads":
+        to_payloads = engine.rows_to_payloads
+        engine.rows_to_payloads = lambda rows, shard=0: to_payloads(rows, 0)
     else:
         raise ValueError(f"unknown broken variant {how!r}")
 

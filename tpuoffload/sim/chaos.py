@@ -31,7 +31,7 @@ class Chaos:
     lose_slot_rate: float = 0.0  # ... with this probability per load
     drop_report_rate: float = 0.0  # a worker's completion report is dropped on the way
     duplicate_report_rate: float = 0.0  # a worker's output is delivered twice to the aggregator
-    broken: str | None = None  # negative controls: "host_order" or "background_dispatch"
+    broken: str | None = None  # negative controls: a variant of sim/broken.py (VARIANTS)
     abort_rate: float = 0.0  # per step: probability of aborting one random live request
     # Per request whose load failed (in the merged output's failed_recving, or owning a block of
     # its invalid_block_ids is unknowable here): probability of aborting it right after that step,

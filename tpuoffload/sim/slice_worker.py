@@ -115,6 +115,7 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
                                "positions_verified": runner.stats.positions_verified,
                                "poisoned_steps": runner.stats.poisoned_steps,
                                "inflight_chunks": chunks, "staging_bytes": staging, "idle": idle,
+                               "idle_report": connector.worker.idle_report(),
                                "backend_bytes": sum(t.nbytes for t in eng.tables),
                                "backend_slots_used": sum(t.num_used() for t in eng.tables),
                                "steps": runner.stats.steps})

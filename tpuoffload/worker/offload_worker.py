@@ -144,9 +144,12 @@ class OffloadWorker:
             self.tiers.append(self._start_persistence(deployment))
         if self.config.disk_path:
             self.tiers += self._start_disk(deployment)
-        if self.config.shared_url:  # the store every replica shares (worker/shared_stage.py)
-            self.tiers.append(SharedStage(self.engine.engines[0], SharedURL.parse(self.config.shared_url), self.host_id,
-                                          json.dumps(deployment.to_json(), sort_keys=True), before_donate=self._before_donate))
+        if self.config.shared_url:  # the store every replica shares: a stage per DP rank (worker/shared_stage.py)
+            engine = self.engine.engines[0]
+            self.tiers += [SharedStage(engine, SharedURL.parse(self.config.shared_url), self.host_id,
+                                       json.dumps(deployment.to_json(), sort_keys=True),
+                                       before_donate=self._before_donate, rank=r)
+                           for r in range(engine.slot_table.shards)]
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.
@@ -460,12 +463,15 @@ class OffloadWorker:
         """What this host still has under way; all zero when it is idle (public gauges for
         operators and tests)."""
         chunks, staging, _ = self.engine.inflight() if self.engine is not None else (0, 0, None)
+        tiers: Counter[str] = Counter()
+        for t in self.tiers:  # a per-rank tier (DPScheduler) reports once per rank: summed
+            tiers.update(t.idle_report())
         return {
             "inflight_saves": chunks,
             "staging_bytes": staging,
             "unreported_save_failures": len(self._report_failures),
             "pending_load_reports": len(self._finished_recving) + len(self._failed_recving),
-            **{k: v for t in self.tiers for k, v in t.idle_report().items()},
+            **tiers,
         }
 
     def close(self) -> None:

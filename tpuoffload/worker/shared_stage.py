@@ -17,11 +17,25 @@ plan's ``SharedPlan`` (manager/shared_tier.py decides; every host gets the same 
 
 Nothing here waits on the store: the main thread only dispatches programs and hands work to the
 tier's threads, and whatever the store does (slow, gone, corrupt) only changes what this host
-reports; the scheduler turns late answers into misses. Every object is this host's shard only:
-``ObjectId(namespace, key, group, host, hosts)``. The namespace digests what changes the bytes:
-the deployment fingerprint this host computes (model, every layer group's shape, dtype and
-sharding, block size, hosts, chunk bytes: worker/persistence.py:fingerprint), the scheduler's
-hash scope (vLLM's block-hash seed), the operator's salt and the object format.
+reports; the scheduler turns late answers into misses. Every object is this host's part of a
+chunk only: ``ObjectId(namespace, key, group, part, parts)``. The namespace digests what changes
+the bytes, with the scheduler's hash scope (vLLM's block-hash seed), the operator's salt and the
+object format:
+
+* one scheduler: the part is the host (``host`` of ``hosts``), and the namespace digests the
+  deployment fingerprint this host computes (model, every layer group's shape, dtype and
+  sharding, block size, hosts, chunk bytes: worker/persistence.py:fingerprint);
+* under DPScheduler each DP rank has its own stage (``rank``), acting on its rank's plan only: a
+  rank's chunk lives on the devices of its batch shard only (backend/slot_table.py), so its
+  objects hold those devices' pieces (``TransferEngine.rows_to_payloads``) and installs write
+  them into that shard's rows (``TransferEngine.install``). The part is this host's place among
+  the processes holding a device of the shard, and the namespace digests the model, the block
+  size and the rank's layout (``TransferEngine.shard_part``: each group's row shape and dtype,
+  each holding process's pieces), not the rank: every rank computes the same KV for the same
+  tokens, so an object any rank of any replica wrote is read by every rank whose layout is equal
+  (another DP size, TP size or split over hosts is another namespace). A host holding no device of
+  the rank keeps no object for it: it answers every probe "present", every fetch "verified" with
+  no bytes, writes nothing, and dispatches the same programs as every host.
 """
 
 from __future__ import annotations
@@ -66,21 +80,28 @@ class SharedStage(WorkerTier):
     READERS = 4  # background threads reading (probes, fetches)
 
     def __init__(self, engine: TransferEngine, spec: SharedURL, host: int, deployment: str,
-                 store: SharedStore | None = None, before_donate: Callable[[], None] = lambda: None) -> None:
+                 store: SharedStore | None = None, before_donate: Callable[[], None] = lambda: None,
+                 rank: int = 0) -> None:
         """``deployment``: this host's deployment fingerprint (JSON); ``store``: the backend (tests
-        pass one; default: the one ``spec`` names)."""
-        if any(g.num_shards > 1 for g in engine.layout.groups):
-            raise ValueError("the shared tier does not support layouts whose blocks are split across hosts by data "
-                             "parallelism yet; unset shared_url")
+        pass one; default: the one ``spec`` names); ``rank``: the DP rank (batch shard) whose
+        plans it acts on (module doc)."""
         self.engine = engine
         self.spec = spec
-        self.store = store if store is not None else open_store(spec)
         self.host = host
-        self.deployment = deployment
-        self.payload_bytes = engine.disk_chunk_bytes()
+        self.rank = rank
+        self.payload_bytes = engine.disk_chunk_bytes(rank)
+        self._ranked = engine.slot_table.shards > 1  # under DPScheduler: named by the rank's layout
+        if self._ranked:
+            self.part, self.parts, layout = engine.shard_part(rank)
+            fp = json.loads(deployment)
+            self.deployment = json.dumps({"model": fp["model"], "block_size": fp["block_size"], "parts": self.parts,
+                                          "rank_layout": layout}, sort_keys=True)
+        else:
+            self.part, self.parts, self.deployment = host, 0, deployment  # parts: the plan's hosts
+        self.store = store if store is not None else open_store(spec)
         self._before_donate = before_donate
         self._namespaces: dict[tuple[str, int], bytes] = {}  # (scope, hosts) -> namespace; main thread
-        self._slots: dict[int, int] = {}  # fetch save id -> host-RAM slot; main thread
+        self._slots: dict[int, tuple[int, int]] = {}  # fetch save id -> (slot, save id) placed; main thread
         self._readers = futures.ThreadPoolExecutor(self.READERS, thread_name_prefix="shared-read")
         self._writer = futures.ThreadPoolExecutor(1, thread_name_prefix="shared-write")
         self._lock = threading.Lock()  # guards everything below (the tier's threads and the main thread)
@@ -101,11 +122,13 @@ class SharedStage(WorkerTier):
         key = (part.scope, part.hosts)
         ns = self._namespaces.get(key)
         if ns is None:
-            ns = self._namespaces[key] = namespace(self.deployment, f"{part.scope}/{part.hosts}", self.spec.namespace)
+            scope = part.scope if self._ranked else f"{part.scope}/{part.hosts}"  # (ranked: parts in the layout)
+            ns = self._namespaces[key] = namespace(self.deployment, scope, self.spec.namespace)
         return ns
 
     def _ids(self, ns: bytes, keys: bytes, hosts: int) -> list[ObjectId]:
-        return [ObjectId(ns, row.tobytes(), 0, self.host, hosts) for row in unpack_keys(keys)]
+        parts = self.parts or hosts
+        return [ObjectId(ns, row.tobytes(), 0, max(self.part, 0), parts) for row in unpack_keys(keys)]
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
@@ -113,11 +136,11 @@ class SharedStage(WorkerTier):
         if part is None:
             return
         try:
-            self._act(part)
+            self._act(part, placement)
         except Exception:  # what failed is reported (failed fetches; publishes are best effort)
             logger.exception("tpuoffload: shared-tier step failed on host %d", self.host)
 
-    def _act(self, part: SharedPlan) -> None:
+    def _act(self, part: SharedPlan, placement: Placement) -> None:
         ns = self._namespace(part)
         if part.cancel:  # the scheduler drops a fetch on one host's failure: the others may still read
             with self._lock:
@@ -128,15 +151,16 @@ class SharedStage(WorkerTier):
                         self._held.pop(sid, None)
             for sid in part.cancel:
                 self._slots.pop(sid, None)
+        s, i = placement  # the plan's slots and save ids in the engine's numbering (reports keep the plan's)
         if part.install:
             self._install(part.install)
         if len(part.publish):
-            self._publish(part.publish, self._ids(ns, part.publish.keys, part.hosts))
+            self._publish(part.publish, self._ids(ns, part.publish.keys, part.hosts), s, i)
         for pid, keys in part.probe:
             self._submit(self._readers, self._probe, pid, self._ids(ns, keys, part.hosts))
         if len(part.fetch):
             for sid, slot, oid in zip(part.fetch.save_ids, part.fetch.slots, self._ids(ns, part.fetch.keys, part.hosts)):
-                self._slots[sid] = slot
+                self._slots[sid] = (slot + s, sid + i)
                 with self._lock:
                     self._reading.add(sid)
                 self._submit(self._readers, self._fetch, sid, oid)
@@ -146,14 +170,18 @@ class SharedStage(WorkerTier):
         (it never should have: it reported them verified) writes zeros and reports the save failed."""
         with self._lock:
             payloads = [self._held.pop(sid, None) for sid in save_ids]
-        slots = [self._slots.pop(sid) for sid in save_ids]
+        slots, ids = zip(*(self._slots.pop(sid) for sid in save_ids))
         self._before_donate()  # installs donate the stores
         for piece in self.engine.pieces(len(slots)):
-            self.engine.install(payloads[piece], slots[piece], save_ids[piece])
+            self.engine.install(payloads[piece], slots[piece], ids[piece], self.rank)
 
-    def _publish(self, batch: DiskBatch, oids: list[ObjectId]) -> None:
-        for piece in self.engine.pieces(len(batch.slots)):
-            rows, ok = self.engine.read_slots(batch.slots[piece], batch.save_ids[piece])
+    def _publish(self, batch: DiskBatch, oids: list[ObjectId], slot_offset: int, id_offset: int) -> None:
+        slots = [x + slot_offset for x in batch.slots]
+        save_ids = [x + id_offset for x in batch.save_ids]
+        for piece in self.engine.pieces(len(slots)):
+            rows, ok = self.engine.read_slots(slots[piece], save_ids[piece])  # on every host (invariant 1)
+            if self.part < 0:  # no device of the rank here: nothing of it to write
+                continue
             chosen = [o for o, good in zip(oids[piece], ok) if good]
             size = len(ok) * self.payload_bytes
             with self._lock:
@@ -179,6 +207,10 @@ class SharedStage(WorkerTier):
 
     # ---------------------------------------------------------------- background
     def _probe(self, pid: int, oids: list[ObjectId]) -> None:
+        if self.part < 0:  # no device of the rank here: this host has every part it keeps
+            with self._lock:
+                self._probed.append((pid, bytes([1]) * len(oids)))
+            return
         try:
             present = bytes(np.array(self.store.exists_many([o.name for o in oids]), dtype=np.uint8))
         except StoreUnavailable as e:
@@ -192,8 +224,11 @@ class SharedStage(WorkerTier):
     def _fetch(self, sid: int, oid: ObjectId) -> None:
         t0 = time.monotonic()
         try:
-            data = self.store.get(oid.name)
-            payload, error, detail = decode_object(oid, data, self.payload_bytes)
+            if self.part < 0:  # no device of the rank here: no bytes to read, verified as they are
+                payload, error, detail = memoryview(b""), None, ""
+            else:
+                data = self.store.get(oid.name)
+                payload, error, detail = decode_object(oid, data, self.payload_bytes)
         except StoreUnavailable as e:
             payload, error, detail = None, ObjectError.UNAVAILABLE, str(e)
         took = time.monotonic() - t0
@@ -206,8 +241,9 @@ class SharedStage(WorkerTier):
             cancelled = sid in self._cancelled  # dropped while it was read: nothing to hold or report
             self._cancelled.discard(sid)
             if error is None:
-                self._counts[C.SHARED_READ_CHUNKS] += 1
-                self._counts[C.SHARED_READ_BYTES] += self.payload_bytes
+                if self.part >= 0:
+                    self._counts[C.SHARED_READ_CHUNKS] += 1
+                    self._counts[C.SHARED_READ_BYTES] += self.payload_bytes
                 if not cancelled:
                     self._held[sid] = np.frombuffer(payload, np.uint8)
                     self._fetched.append(sid)
@@ -220,7 +256,7 @@ class SharedStage(WorkerTier):
         t0 = time.monotonic()
         counts: Counter[str] = Counter()
         try:
-            payloads = [p for p, good in zip(self.engine.rows_to_payloads(rows), ok) if good]
+            payloads = [p for p, good in zip(self.engine.rows_to_payloads(rows, self.rank), ok) if good]
             present = self.store.exists_many([o.name for o in oids])  # deduplicated against the store
             counts[C.SHARED_WRITE_EXISTS] += sum(present)
             for oid, payload, there in zip(oids, payloads, present):

@@ -31,6 +31,7 @@ its chunks failed (never loadable). Fault points are injected through ``FaultInj
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -608,6 +609,30 @@ class TransferEngine:
         return sum(int(np.prod(shape)) // shape[1] * prog.wire.dtype.itemsize
                    for prog, pieces in zip(self._programs, self._row_pieces(1, shard))
                    for _, shape, mine in pieces if mine)
+
+    def shard_part(self, shard: int) -> tuple[int, int, str]:
+        """Where this host's bytes of a chunk of batch shard ``shard`` (``rows_to_payloads``) sit in
+        the whole chunk of that shard: ``(part, parts, layout)``. ``parts``: the JAX processes
+        holding a device of the shard; ``part``: this process's place among them (-1: none);
+        ``layout``: every group's store row shape and dtype and, per holding process in order, the
+        index ranges (batch dim left out) of its devices' pieces in payload order. Two shards (of
+        one deployment or of two) with equal ``layout`` hold the same bytes of a chunk in the same
+        order on their ``part``-th process (the shared tier names objects by it)."""
+        groups, owners = [], set()
+        for prog in self._programs:
+            shape = (prog.group.num_shards, 1, *prog.store_shape[2:])
+            index = prog.device_sharding.devices_indices_map(shape)
+            mine = sorted((d for d, i in index.items() if (i[0].start or 0) == shard),
+                          key=lambda d: (d.process_index, d.id))
+            owners |= {d.process_index for d in mine}
+            pieces = [(d.process_index, [s.indices(n)[:2] for s, n in zip(index[d][2:], shape[2:])]) for d in mine]
+            groups.append({"row": list(shape[2:]), "dtype": str(prog.wire.dtype), "pieces": pieces})
+        procs = sorted(owners)
+        part = procs.index(jax.process_index()) if jax.process_index() in owners else -1
+        ranked = {p: i for i, p in enumerate(procs)}  # processes by their place, not their number
+        for g in groups:
+            g["pieces"] = [(ranked[p], s) for p, s in g["pieces"]]
+        return part, len(procs), json.dumps(groups, sort_keys=True)
 
     def _shard_block(self, shard: int) -> int:
         """The block an install names as its rows' source: the first of batch shard ``shard``, so
