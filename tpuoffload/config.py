@@ -253,6 +253,7 @@ LIMITS: dict[str, dict[str, str]] = {
                 "drops blocks before it finishes; lifted by planning flushes per group",
     },
     "persist_path": {
+        DP: "a checkpoint holds one scheduler's slots and records; lifted by per-rank checkpoint parts",
         GDN: "checkpoints hold the KV pool's slots only; lifted by a second array per slot pool",
     },
     "disk_path": {
@@ -260,10 +261,6 @@ LIMITS: dict[str, dict[str, str]] = {
     },
     "shared_url": {
         HYBRID: "objects are keyed by group 0 only; lifted by the group in the key and per-group hits",
-    },
-    DP: {
-        GDN: "a rank's share of tpu-inference's compact state pool (mamba_num_blocks // DP ranks) is not placed "
-             "by the worker yet; lifted by state rows per rank and a DP variant of the GDN layouts",
     },
 }
 

@@ -84,7 +84,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 dp=dp,
                 kv_groups=KVCacheGroups.of(kv_cache_config, vllm_config.cache_config.block_size),
                 events=event_format(vllm_config, kv_cache_config),
-                state_chunk_bytes=host_state_bytes(kv_cache_config, self.num_workers),
+                state_chunk_bytes=host_state_bytes(kv_cache_config, self.num_workers, dp.ranks),
             )
             logger.info("tpuoffload scheduler%s: host slots per pool %s (KV chunks of %d bytes per host, then state "
                         "chunks); %d worker processes confirm each chunk (%s); KV cache groups: %s; %s",

@@ -196,6 +196,11 @@ class StepPlan:
         rank = block_offset // self.num_blocks if self.num_blocks else 0
         return block_offset, rank * self.num_slots, rank << RANK_SAVE_ID_SHIFT
 
+    # Under DPScheduler with a state pool: the planning rank's rows of tpu-inference's compact
+    # state pool (DPScheduler gives each rank ``mamba_num_blocks // ranks``); its state row ``b``
+    # is the engine's row ``rank * state_rows + b`` (the pool splits over the ranks along axis 0,
+    # as the attention blocks do). 0: one scheduler, whose state rows are the engine's.
+    state_rows: int = 0
 
 #: A DP rank's save ids are offset by ``rank << RANK_SAVE_ID_SHIFT`` in the engine (ranks plan
 #: their own ids from 0; no rank plans 2**40 saves).

@@ -156,7 +156,7 @@ class OffloadScheduler:
             return (kv,)
         if state_chunk_bytes <= 0:
             raise ValueError("a GDN/mamba state group needs the state chunk's bytes (state_chunk_bytes)")
-        state = pool_bytes[1] // state_chunk_bytes
+        state = self.dp.num_slots(pool_bytes[1] // state_chunk_bytes)  # the state pool splits like the KV pool
         if state <= 0:
             raise ValueError(f"state_ram_fraction={self.config.state_ram_fraction} of host RAM ({pool_bytes[1]} bytes) "
                              f"holds no state chunk of {state_chunk_bytes} bytes: give it more host RAM or a larger "
@@ -178,8 +178,7 @@ class OffloadScheduler:
         if config.persist_path is not None:
             tiers.append(WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
                                      self.index, num_hosts, self.counters, lambda: self.clock(),
-                                     on_checkpoint=self._meta_writer.write,
-                                     plans_checkpoints=lambda: self.dp_rank == 0))
+                                     on_checkpoint=self._meta_writer.write))
         if config.disk_path is not None:
             if disk_chunks == 0:
                 raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
@@ -300,7 +299,8 @@ class OffloadScheduler:
         plan = StepPlan(step, self.index.num_slots, flush, save, loads, self.requests.take_release(),
                         tiers=parts, source=self.dp.source, num_blocks=self.dp.num_blocks,
                         failures_by_request=self._failures_by_request,
-                        news=self.index.events.take_news(self.view.epoch), state_slots=self._state_slots)
+                        news=self.index.events.take_news(self.view.epoch), state_slots=self._state_slots,
+                        state_rows=self.dp.state_rows)
         self._step += 1
         if self._snapshot is not None:
             self._snapshot.maybe_write()

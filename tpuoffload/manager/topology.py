@@ -125,11 +125,13 @@ def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor:
     return _per_worker(total, num_workers, "one block of every layer")
 
 
-def host_state_bytes(kv_cache_config: "KVCacheConfig", num_workers: int) -> int:
+def host_state_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor: int = 1) -> int:
     """Bytes one worker process stores per state chunk (one row of every GDN/mamba state array:
-    the real, unpadded state of every mamba layer); 0 without mamba layers."""
-    total = sum(g.kv_cache_spec.real_page_size_bytes * len(g.layer_names)
-                for g in kv_cache_config.kv_cache_groups if _is_state(g.kv_cache_spec))
+    the real, unpadded state of every mamba layer); 0 without mamba layers. ``factor``: the batch
+    shards (DP ranks) the state pool splits over, each device keeping a slot row of its own
+    shard's (tpu-inference shards the pool ``P(ATTN_DATA, ...)`` like the attention blocks)."""
+    total = factor * sum(g.kv_cache_spec.real_page_size_bytes * len(g.layer_names)
+                         for g in kv_cache_config.kv_cache_groups if _is_state(g.kv_cache_spec))
     return _per_worker(total, num_workers, "one state row of every GDN layer") if total else 0
 
 
@@ -172,6 +174,9 @@ class DPRank:
     ranks: int = 1
     num_blocks: int = 0
     source: int = 0
+    # The rank's rows of tpu-inference's compact GDN/mamba state pool (DPScheduler's
+    # ``mamba_num_blocks // ranks`` on the rank's KV cache config); 0 without one.
+    state_rows: int = 0
 
     @property
     def failures_by_request(self) -> bool:
@@ -206,7 +211,8 @@ class DPRank:
         name = sched_cls if isinstance(sched_cls, str) else getattr(sched_cls, "__qualname__", "")
         if ranks <= 1 or not str(name).endswith("DPScheduler"):
             return cls()
-        return cls(ranks, kv_cache_config.num_blocks, os.getpid())
+        return cls(ranks, kv_cache_config.num_blocks, os.getpid(),
+                   int(getattr(kv_cache_config, "mamba_num_blocks", None) or 0))
 
 
 def dp_scheduler_rank() -> int | None:

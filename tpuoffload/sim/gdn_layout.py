@@ -107,6 +107,10 @@ class GdnLayoutSpec:
     dtype: str = "bfloat16"
     block_size: int = 16
     tp: int = 4
+    # Data parallelism (tpu-inference's ``data_parallelism``: DPScheduler, one vLLM scheduler per
+    # rank; the attention blocks and the compact state pool split over the ranks along axis 0,
+    # ``ATTN_DATA``, each rank getting ``mamba_num_blocks // dp`` state rows).
+    dp: int = 1
     max_model_len: int = 512
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 256
@@ -131,13 +135,22 @@ class GdnLayoutSpec:
     def attention_layers(self) -> list[str]:
         return [self.layer_name(i) for i, t in enumerate(self.layer_types) if t == ATTN]
 
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.dp
+
     def tpu_spec(self) -> TpuLayoutSpec:
         return TpuLayoutSpec(self.name, num_layers=len(self.layer_types), block_size=self.block_size,
-                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, tp=self.tp)
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, tp=self.tp,
+                             dp=self.dp)
 
 
 #: 8 layers, GDN GDN GDN full, twice (Qwen3.5's 3:1 pattern).
 QWEN35_LIKE = GdnLayoutSpec()
+#: The same model under data parallelism: 2 ranks (DPScheduler) x TP 2, as tpu-inference's 2D mesh
+#: ('data', 'model') holds it; the whole mesh's HBM doubles with its devices.
+QWEN35_LIKE_DP2 = GdnLayoutSpec("qwen3.5-like-dp2", tp=2, dp=2, hbm_bytes=2 * QWEN35_LIKE.hbm_bytes)
+GDN_LAYOUTS = {s.name: s for s in (QWEN35_LIKE, QWEN35_LIKE_DP2)}
 
 
 def model_dir(spec: GdnLayoutSpec) -> str:
@@ -365,13 +378,14 @@ def _build(spec: GdnLayoutSpec, devices) -> GdnLayout:
     from tpu_inference.core.hybrid_coordinator import propagate_mamba_num_blocks
     from tpu_inference.runner.kv_cache_manager import KVCacheManager
 
-    devices = list(devices if devices is not None else jax.devices())[:spec.tp]
+    devices = list(devices if devices is not None else jax.devices())[:spec.num_devices]
     mesh = runner_mesh(spec.tpu_spec(), devices)
     vllm_config = make_vllm_config(spec)
     vllm_config.compilation_config.static_forward_context = _layers(spec, vllm_config)
-    dp_size = 1  # sharding_config.total_dp_size of a tensor-parallel-only deployment
+    dp_size = spec.dp  # sharding_config.total_dp_size (the runner's max_num_reqs counts every rank's)
     max_num_reqs = max(dp_size * vllm_config.scheduler_config.max_num_seqs, min_num_seqs())
     runner = _stand_in_runner(spec, vllm_config, mesh, max_num_reqs)
+    runner.dp_size = dp_size
     manager = KVCacheManager(runner)
     runner.kv_cache_manager = manager
     manager.maybe_reinitialize_input_batch = lambda kv_cache_config: None  # the input batch, not the cache
@@ -466,6 +480,35 @@ def make_scheduler(layout: GdnLayout, *, hooks: bool = True, vllm_config=None):
                           block_size=layout.scheduler_block_size, hash_block_size=layout.hash_block_size)
     init_none_hash(get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
     return sched, installed
+
+
+def make_dp_scheduler(layout: GdnLayout, vllm_config):
+    """tpu-inference's DPScheduler over ``layout`` (``spec.dp > 1``), built as its platform and
+    engine core build it: its sharding config on ``vllm_config`` (with the connector configured),
+    its own ``update_vllm_config_for_dp_scheduler``, the pool size its executors propagate
+    (``cache_config.mamba_num_blocks``, which ``_create_per_rank_configs`` splits into
+    ``mamba_num_blocks // dp`` per rank); each rank process installs tpu-inference's hybrid
+    coordinator hooks itself (mamba cache mode "align") over its share."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from tpuoffload.sim.tpu_layouts import sharding_config
+
+    tpu_inference()
+    from tpu_inference.core.sched.dp_scheduler import update_vllm_config_for_dp_scheduler
+
+    vllm_config.sharding_config = sharding_config(layout.spec.tpu_spec())
+    update_vllm_config_for_dp_scheduler(vllm_config)
+    vllm_config.cache_config.num_gpu_blocks = layout.kv_cache_config.num_blocks  # as EngineCore
+    vllm_config.cache_config.mamba_num_blocks = layout.mamba_num_blocks  # propagate_mamba_num_blocks
+    init_none_hash(get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
+    sched_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    assert sched_cls.__name__ == "DPScheduler", sched_cls
+    return sched_cls(vllm_config=vllm_config, kv_cache_config=copy.deepcopy(layout.kv_cache_config),
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     include_finished_set=False, log_stats=True,
+                     block_size=layout.scheduler_block_size, hash_block_size=layout.hash_block_size)
 
 
 def step(sched):

@@ -104,11 +104,14 @@ class GdnRunner(SyntheticRunner):
     replaced after every donating update."""
 
     def __init__(self, kv_caches: Sequence, mesh: Mesh, *, kv_cache_config,
-                 layer_name_to_kvcache_index: dict[str, int], vocab: int = 32000) -> None:
+                 layer_name_to_kvcache_index: dict[str, int], vocab: int = 32000, dp_ranks: int = 1) -> None:
         """``kv_caches``: a (conv, ssm) tuple at every GDN layer's index, a KV array at every
         attention layer's; ``kv_cache_config``: vLLM's (its groups say which layer, so which array,
         is attention or state, and the block sizes); ``layer_name_to_kvcache_index``: the runner's
-        map from layer name to ``kv_caches`` index (the connector's worker half reads it too)."""
+        map from layer name to ``kv_caches`` index (the connector's worker half reads it too).
+        ``dp_ranks``: under DPScheduler each rank's block ids are its own, as tpu-inference's runner
+        reads them inside its shard of axis 0: rank r's attention block b is the array's block
+        r * (blocks / ranks) + b, its state row b the state arrays' row r * (M / ranks) + b."""
         from vllm.v1.kv_cache_interface import MambaSpec
 
         groups = kv_cache_config.kv_cache_groups
@@ -125,12 +128,14 @@ class GdnRunner(SyntheticRunner):
         assert all(not isinstance(kv_caches[i], tuple) for i in self._attn_index)
         super().__init__([kv_caches[i] for i in self._attn_index], mesh,
                          block_size=groups[attention[0]].kv_cache_spec.block_size, vocab=vocab,
-                         serves=serves, windows=windows)
+                         serves=serves, windows=windows, dp_ranks=dp_ranks)
         self.kv_caches: list = list(kv_caches)
         self.layer_name_to_kvcache_index = dict(index)
         self.state_slots: list[StateSlot] = [(i, part) for i, c in enumerate(kv_caches) if isinstance(c, tuple)
                                              for part in range(len(c))]
         assert {self._state_array(s).shape[0] for s in self.state_slots} == {self.num_state_rows}
+        self.rows_per_rank = tuple(self.num_state_rows // dp_ranks if g in self.mamba_groups else self.blocks_per_rank
+                                   for g in range(len(groups)))
         self.stats = GdnRunnerStats()
         arrays = [self._state_array(s) for s in self.state_slots]
         self._state_fn = _state_program(tuple(tuple(a.shape[1:]) for a in arrays), tuple(a.dtype for a in arrays),
@@ -138,16 +143,19 @@ class GdnRunner(SyntheticRunner):
                                         tuple(a.sharding for a in arrays), mesh)
 
     @classmethod
-    def of(cls, layout, *, vocab: int = 32000) -> GdnRunner:
+    def of(cls, layout, *, vocab: int = 32000, fresh: bool = True) -> GdnRunner:
         """A runner on zeroed arrays of ``layout``'s (a ``gdn_layout.GdnLayout``) shapes, dtypes and
-        shardings; the layout's own arrays are left alone (the runner donates its arrays)."""
+        shardings, so the layout's own arrays are left alone (the runner donates its arrays); with
+        ``fresh=False`` on the layout's own arrays (a pod-slice host, whose arrays span processes)."""
 
-        def fresh(a: jax.Array) -> jax.Array:
+        def zeros(a: jax.Array) -> jax.Array:
             return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
 
-        caches = [tuple(map(fresh, c)) if isinstance(c, tuple) else fresh(c) for c in layout.kv_caches]
+        caches = layout.kv_caches if not fresh else \
+            [tuple(map(zeros, c)) if isinstance(c, tuple) else zeros(c) for c in layout.kv_caches]
         return cls(caches, layout.mesh, kv_cache_config=layout.kv_cache_config,
-                   layer_name_to_kvcache_index=layout.layer_name_to_kvcache_index, vocab=vocab)
+                   layer_name_to_kvcache_index=layout.layer_name_to_kvcache_index, vocab=vocab,
+                   dp_ranks=layout.spec.dp)
 
     @property
     def num_state_rows(self) -> int:

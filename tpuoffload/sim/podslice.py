@@ -81,6 +81,11 @@ class SliceSpec:
     # vLLM's block count: tpu-inference's arrays over every host's devices (``layout`` ignored).
     hybrid: str | None = None
     kv_budget_bytes: int = 0
+    # A GDN (Qwen3.5-like) hybrid by name in ``tpuoffload.sim.gdn_layout.GDN_LAYOUTS``: the driver
+    # and every host build it with tpu-inference's and vLLM's own code (sim/gdn_layout.py; the
+    # hosts over the slice's mesh), the hosts run a GdnRunner (``layout``, ``hybrid``, ``num_blocks``
+    # and ``block_size`` ignored; ``max_num_seqs``, ``max_num_batched_tokens`` apply).
+    gdn: str | None = None
     max_model_len: int = 0  # hybrid: 0 keeps the layout's
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -99,8 +104,21 @@ class SliceSpec:
                              f"{self.num_hosts} hosts x {self.devices_per_host}")
         return hybrid
 
+    def gdn_layout(self):
+        from tpuoffload.sim.gdn_layout import GDN_LAYOUTS
+
+        gdn = dataclasses.replace(GDN_LAYOUTS[self.gdn], block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                                  max_num_batched_tokens=self.max_num_batched_tokens,
+                                  **({"max_model_len": self.max_model_len} if self.max_model_len else {}))
+        if gdn.num_devices != self.num_hosts * self.devices_per_host:
+            raise ValueError(f"layout {gdn.name} needs {gdn.num_devices} devices; the slice has "
+                             f"{self.num_hosts} hosts x {self.devices_per_host}")
+        return gdn
+
     def slice_layout(self) -> TpuLayoutSpec:
         """The whole slice's cache: one mesh over every host's devices."""
+        if self.gdn is not None:
+            return self.gdn_layout().tpu_spec()
         if self.hybrid is not None:
             return self.hybrid_layout().tpu_spec()
         if self.layout is not None:
@@ -198,7 +216,9 @@ class PodSlice:
         common = dict(kv_connector_extra_config=extra, max_num_seqs=spec.max_num_seqs,
                       max_num_batched_tokens=spec.max_num_batched_tokens, tensor_parallel_size=spec.num_hosts,
                       sharding_config=sharding)
-        if spec.hybrid is not None:
+        if spec.gdn is not None:
+            self.scheduler = self._gdn_scheduler(extra)
+        elif spec.hybrid is not None:
             hybrid = spec.hybrid_layout()
             cfg = hybrid_kv_cache_config(hybrid, spec.kv_budget_bytes, hma=True)
             self.scheduler = make_scheduler(num_blocks=cfg.num_blocks, block_size=hybrid.block_size,
@@ -236,6 +256,21 @@ class PodSlice:
         except BaseException:
             self.close()
             raise
+
+    def _gdn_scheduler(self, extra: dict):
+        """The GDN layout's scheduler, built from the layout on this process's own devices (the
+        sizes are the slice's: every host builds the same one): vLLM's with tpu-inference's hybrid
+        coordinator, or tpu-inference's DPScheduler under data parallelism."""
+        import jax
+
+        from tpuoffload.sim import gdn_layout as gl
+
+        gdn = self.spec.gdn_layout()
+        self.gdn = gl.build(gdn, jax.devices()[:gdn.num_devices])  # requests are built from it (gl.make_request)
+        vllm_config = gl.make_vllm_config(gdn, dict(extra, num_hosts=self.spec.num_hosts))
+        if gdn.dp > 1:
+            return gl.make_dp_scheduler(self.gdn, vllm_config)
+        return gl.make_scheduler(self.gdn, vllm_config=vllm_config)[0]
 
     @property
     def offload(self):
@@ -283,6 +318,8 @@ class PodSlice:
 
     def _kv_cache_config(self):
         """The engine's KV cache config, as the workers get it (DPScheduler keeps only per-rank copies)."""
+        if self.spec.gdn is not None:
+            return None  # every host builds the GDN layout, its worker KV cache config with it
         if self.dp_ranks == 1:
             return self.scheduler.kv_cache_config
         whole = dataclasses.replace(self.scheduler.per_rank_kv_cache_configs[0])
@@ -400,6 +437,16 @@ class PodSlice:
     # ---------------------------------------------------------------- steps
     def add_request(self, request) -> None:
         self.scheduler.add_request(request)
+
+    def make_request(self, req_id: str, prompt: list[int], max_tokens: int):
+        """A request as this slice's engine core builds it (its block hasher: the GDN layout's)."""
+        if self.spec.gdn is not None:
+            from tpuoffload.sim.gdn_layout import make_request
+
+            return make_request(self.gdn, req_id, prompt, max_tokens=max_tokens)
+        from tpuoffload.sim.vllm_setup import make_request
+
+        return make_request(req_id, prompt, max_tokens=max_tokens)
 
     def abort(self, req_ids: Iterable[str]) -> list[str]:
         """Abort requests as the API server does when a client disconnects."""

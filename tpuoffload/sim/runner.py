@@ -188,6 +188,9 @@ class SyntheticRunner:
         self.serves = tuple(tuple(map(tuple, s)) for s in serves) if serves is not None else \
             tuple(((0, i),) for i in range(len(kv_caches)))
         self.windows = tuple(windows)
+        # Per KV cache group, the rows of its pool each DP rank owns (a GDN model's state groups
+        # hold rows of another pool: gdn_runner).
+        self.rows_per_rank = (self.blocks_per_rank,) * len(self.windows)
         # Groups no array serves (a GDN model's state groups: gdn_runner) are neither checked nor counted.
         self._served_groups = sorted({g for s in self.serves for g, _ in s})
         self._reqs: dict[str, _Req] = {}
@@ -232,8 +235,8 @@ class SyntheticRunner:
         ranks = getattr(so, "assigned_dp_rank", None) or {}
 
         def placed(req_id: str, groups) -> list[list[int]]:
-            offset = ranks.get(req_id, 0) * self.blocks_per_rank
-            return [[b + offset for b in blocks] for blocks in groups]
+            rank = ranks.get(req_id, 0)
+            return [[b + rank * rows for b in blocks] for blocks, rows in zip(groups, self.rows_per_rank)]
 
         for req_id in so.finished_req_ids:
             self._reqs.pop(req_id, None)

@@ -63,25 +63,34 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
 
         # tpu-inference's mesh over every process's devices (ordered by process): each host holds its heads.
         roles = {}
-        if spec.hybrid is not None:  # tpu-inference's initialize_kv_cache with vLLM's hybrid KV cache manager
+        kv_cache_config = init["kv_cache_config"]
+        vllm_config = init["vllm_config"]
+        if spec.gdn is not None:  # tpu-inference's KV cache setup for the GDN hybrid, over the slice's mesh
+            from tpuoffload.sim.gdn_layout import build
+            from tpuoffload.sim.gdn_runner import GdnRunner
+
+            layout = build(spec.gdn_layout(), jax.devices())
+            runner = GdnRunner.of(layout, fresh=False)
+            kv_cache_config = layout.worker_kv_cache_config
+        elif spec.hybrid is not None:  # tpu-inference's initialize_kv_cache with vLLM's hybrid KV cache manager
             from tpuoffload.sim.hybrid_layouts import create_hybrid_cache, runner_roles
 
             hybrid = create_hybrid_cache(spec.hybrid_layout(), spec.kv_budget_bytes, jax.devices())
             caches, mesh, roles = hybrid.kv_caches, hybrid.mesh, runner_roles(hybrid)
         else:
             caches, mesh = create_caches(spec.slice_layout(), jax.devices())
-        vllm_config = init["vllm_config"]
-        runner = SyntheticRunner(caches, mesh, block_size=spec.block_size,
-                                 dp_ranks=vllm_config.sharding_config.total_dp_size,
-                                 serves=roles.get("serves"), windows=roles.get("windows", (None,)))
+        if spec.gdn is None:
+            runner = SyntheticRunner(caches, mesh, block_size=spec.block_size,
+                                     dp_ranks=vllm_config.sharding_config.total_dp_size,
+                                     serves=roles.get("serves"), windows=roles.get("windows", (None,)))
         if roles:
             runner.layer_name_to_kvcache_index = roles["layer_name_to_kvcache_index"]
-        connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, init["kv_cache_config"])
+        connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
             vllm_config.model_config.model, vllm_config.cache_config.block_size),
             disk_faults=ChaosDiskFaults(chaos, rank),
             persist_faults=DieInCheckpoint() if chaos.die_in_checkpoint_host == rank else None,
-            kv_cache_config=init["kv_cache_config"])
+            kv_cache_config=kv_cache_config)
         connector.register_runner(runner)
         mark_hooks(connector, runner)
         if chaos.broken:
@@ -118,6 +127,10 @@ def worker_main(rank: int, num_hosts: int, port: int) -> None:
                                "idle_report": connector.worker.idle_report(),
                                "backend_bytes": sum(t.nbytes for t in eng.tables),
                                "backend_slots_used": sum(t.num_used() for t in eng.tables),
+                               "pool_slots_used": [t.num_used() for t in eng.tables],
+                               "pool_totals": [dict(t) for t in eng.pool_totals],
+                               "states_verified": getattr(runner.stats, "states_verified", 0),
+                               "state_mismatches": getattr(runner.stats, "state_mismatches", 0),
                                "steps": runner.stats.steps})
             else:
                 raise ValueError(f"unknown message {msg[0]!r}")

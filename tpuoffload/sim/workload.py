@@ -117,8 +117,6 @@ class WorkloadResult:
 def run_prefix_repetition(pod: "PodSlice", w: PrefixRepetition, *, on_step=None,
                           settle_timeout_s: float = 60.0) -> WorkloadResult:
     """Run every wave to completion on ``pod``; reset the HBM prefix cache between waves."""
-    from tpuoffload.sim.vllm_setup import make_request
-
     t0 = time.monotonic()
     res = WorkloadResult()
     steps0 = pod.steps
@@ -135,7 +133,7 @@ def run_prefix_repetition(pod: "PodSlice", w: PrefixRepetition, *, on_step=None,
         while queue or pod.scheduler.has_requests():
             take = len(queue) if w.arrivals_per_step <= 0 else w.arrivals_per_step
             for r in queue[:take]:
-                pod.add_request(make_request(r.req_id, r.prompt, max_tokens=r.max_tokens))
+                pod.add_request(pod.make_request(r.req_id, r.prompt, max_tokens=r.max_tokens))
             del queue[:take]
             pod.step()
             if on_step is not None:

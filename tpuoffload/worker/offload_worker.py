@@ -58,7 +58,7 @@ from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage, clear_other_ranks, rank_path
 from tpuoffload.worker.shared_stage import SharedStage
 from tpuoffload.backend.shared_store import SharedURL
-from tpuoffload.worker.persistence import Deployment, HostPersistence, RankPersistence, fingerprint
+from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
 from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.pooled_engine import PooledEngine
 
@@ -141,7 +141,7 @@ class OffloadWorker:
         )
         deployment = fingerprint(layouts[0], self.deployment, jax.process_count())
         if self.config.persist_path:
-            self.tiers += self._start_persistence(deployment)
+            self.tiers.append(self._start_persistence(deployment))
         if self.config.disk_path:
             self.tiers += self._start_disk(deployment)
         if self.config.shared_url:  # the store every replica shares: a stage per DP rank (worker/shared_stage.py)
@@ -181,17 +181,15 @@ class OffloadWorker:
         """The tier of that name, if configured."""
         return next((t for t in self.tiers if t.name == name), None)
 
-    def _start_persistence(self, deployment: Fingerprint) -> list[RankPersistence]:
-        """Warm restart: restore the newest matching checkpoint now, before the first step. One
-        checkpoint per host holds every rank's slots; each DP rank's half hears of its own rows
-        through its own part (worker/persistence.py)."""
+    def _start_persistence(self, deployment: Fingerprint) -> HostPersistence:
+        """Warm restart: restore the newest matching checkpoint now, before the first step."""
         if self.host_id != jax.process_index():
             raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
                              f"process {jax.process_index()})")
         persistence = HostPersistence(self.config.persist_path, self.engine.engines[0], deployment,
                                       self.host_id, self.config.persist_timeout_s, self._persist_faults)
         persistence.restore()
-        return persistence.parts
+        return persistence
 
     def _start_disk(self, deployment: Fingerprint) -> list[DiskStage]:
         """The disk tier: one stage, or under DPScheduler one per rank (batch shard), each with its
@@ -222,7 +220,8 @@ class OffloadWorker:
         plans = meta.requests_meta
         if not plans:
             raise ValueError("tpuoffload: the step's metadata carries no plan")
-        placed = [_Placed(plan) for plan in plans]
+        tables = self.engine.tables
+        placed = [_Placed(plan, tables[0].shards, tuple(t.shard_slots for t in tables)) for plan in plans]
         shape = tuple((p.plan.num_slots, p.plan.state_slots, p.plan.num_blocks, p.slot_offset) for p in placed)
         if shape != self._checked_shape:  # the plans' shape is the deployment's: checked when it changes
             self._check_slots(placed)
@@ -236,9 +235,8 @@ class OffloadWorker:
             self._sources[p.rank] = p.plan.source
             if p.plan.news:
                 self._news[p.rank, p.plan.step] = p.plan.news
-        plan = plans[0]
-        self._boundary = plan.num_slots - plan.state_slots  # one pool: unused (every slot is pool 0's)
-        self.engine.log.record("step", n=plan.step)
+        self._boundary = placed[0].state_base  # one pool: unused (every slot is pool 0's)
+        self.engine.log.record("step", n=plans[0].step)
         self._act_tiers(placed)
         self._save(_concat_saves([p.flush for p in placed]))
         self._load(placed)
@@ -283,7 +281,8 @@ class OffloadWorker:
 
     def _check_state_slots(self, placed: list["_Placed"]) -> None:
         """The state pool's part of ``_check_slots``: state slots planned iff the runner has state
-        layers, by one scheduler, fitting this host's state store."""
+        layers, each rank's fitting its batch shard's part of this host's stores (under DPScheduler
+        a rank's KV slots too: ``_Placed`` numbers them by shard), its state rows its share."""
         if self._pools.num == 1:
             if any(p.plan.state_slots for p in placed):
                 raise ValueError("the scheduler plans state slots (GDN/mamba state layers) but the runner's caches "
@@ -293,13 +292,25 @@ class OffloadWorker:
         if not plan.state_slots:
             raise ValueError(f"the runner's caches hold GDN/mamba state layers ({self._pools.describe()}) but the "
                              "scheduler plans no state slots: the two halves disagree on the cache's pools")
-        if plan.state_slots > have:
+        shards, rows = self.engine.tables[1].shards, self.engine.engines[1].num_blocks
+        if shards != self.engine.tables[0].shards or (shards > 1 and plan.state_rows * shards != rows):
+            raise ValueError(f"the state pool's {rows} rows split over {shards} batch shards, the KV pool's blocks over "
+                             f"{self.engine.tables[0].shards}, and the scheduler's rank plans {plan.state_rows} state "
+                             "rows: tpuoffload places a DP rank's state rows as its share of the pool "
+                             "(mamba_num_blocks // ranks, StepPlan.state_rows)")
+        if shards > 1 and plan.num_slots - plan.state_slots > self.engine.tables[0].shard_slots:
+            raise ValueError(f"the scheduler plans {plan.num_slots - plan.state_slots} KV slots per rank but this host "
+                             f"(host {self.host_id}) has {self.engine.tables[0].shard_slots} per batch shard: the "
+                             f"two halves disagree on the chunk size (this host stores "
+                             f"{self.engine.tables[0].slot_bytes} bytes per chunk)")
+        if plan.state_slots > self.engine.tables[1].shard_slots:
+            per = f" per batch shard ({have} in all)" if shards > 1 else ""
             raise ValueError(f"the scheduler plans {plan.state_slots} state slots but this host (host {self.host_id}) "
-                             f"has {have}: the two halves disagree on the state chunk's size (this host stores "
-                             f"{self.engine.tables[1].slot_bytes} bytes per state chunk)")
-        if plan.step == 0 and plan.state_slots < have:
+                             f"has {self.engine.tables[1].shard_slots}{per}: the two halves disagree on the state "
+                             f"chunk's size (this host stores {self.engine.tables[1].slot_bytes} bytes per state chunk)")
+        if plan.step == 0 and len(placed) == 1 and plan.state_slots * shards < have:
             logger.warning("tpuoffload host %d: the scheduler plans %d of this host's %d state slots; the state chunk "
-                           "sizes the two halves computed differ", self.host_id, plan.state_slots, have)
+                           "sizes the two halves computed differ", self.host_id, plan.state_slots * shards, have)
 
     def start_load(self) -> None:
         """Nothing to do: this step's loads were dispatched in ``bind`` (see the module doc)."""
@@ -491,13 +502,31 @@ class OffloadWorker:
 class _Placed:
     """One plan in the engine's numbering: a DP rank's blocks, slots and save ids moved to where
     DPScheduler and the rank's share of the host store put them (``StepPlan.placement``), and for
-    each load, a block of the batch shard whose store rows hold each slot's bytes (``sources``)."""
+    each load, a block of the batch shard whose store rows hold each slot's bytes (``sources``).
 
-    def __init__(self, plan: StepPlan) -> None:
+    With a state pool (``StepPlan.state_slots``) under DPScheduler the engine numbers pool 0's
+    slots of every batch shard first, then pool 1's from ``state_base`` (worker/pooled_engine.py;
+    each store's slot ``s`` is row ``s % shard_slots`` of shard ``s // shard_slots``): a rank's KV
+    slot ``s`` is ``rank * shard_slots[0] + s``, its state slot ``kv + t`` (``kv``: the plan's KV
+    slots) is ``state_base + rank * shard_slots[1] + t``, and its state row ``b`` is the engine's
+    ``rank * state_rows + b`` (DPScheduler gives each rank ``mamba_num_blocks // ranks`` rows of
+    the compact pool, which the cache splits over the ranks along axis 0, as tpu-inference's
+    runner reads them)."""
+
+    def __init__(self, plan: StepPlan, shards: int = 1, shard_slots: tuple[int, ...] = (0,)) -> None:
+        """``shards``: the batch shards (DP ranks); ``shard_slots``: each host store's slots per
+        batch shard (SlotTable.shard_slots)."""
         self.plan = plan
         self.block_offset, self.slot_offset, self.id_offset = plan.placement()
         self.rank = self.id_offset >> RANK_SAVE_ID_SHIFT
-        if not (self.block_offset or self.slot_offset or self.id_offset):  # one scheduler: nothing moves
+        self.kv_slots = plan.num_slots - plan.state_slots
+        self.shard_slots = shard_slots
+        # The engine's first state slot: past every shard's KV slots under DPScheduler, past the
+        # plan's KV slots with one scheduler (whose numbering is the engine's).
+        self.state_base = shards * shard_slots[0] if plan.num_blocks and plan.state_slots else self.kv_slots
+        if plan.state_slots and plan.num_blocks:  # DPScheduler with a state pool: every rank moves
+            self._place_pools()
+        elif not (self.block_offset or self.slot_offset or self.id_offset):  # one scheduler: nothing moves
             self.flush, self.save, self.loads = plan.flush, plan.save, plan.loads
         else:
             b, s, i = self.block_offset, self.slot_offset, self.id_offset
@@ -507,7 +536,49 @@ class _Placed:
                                            _shift(ld.save_ids, i), ld.unavailable_block_ids) for ld in plan.loads)
         # One scheduler for the engine: every chunk was saved from its destination's batch shard,
         # the engine's default (``TransferEngine.load``); nothing to compute per row.
-        self.sources = tuple(self._sources(ld) for ld in self.loads) if plan.num_blocks else None
+        if not plan.num_blocks:
+            self.sources = None
+        elif not plan.state_slots:
+            self.sources = tuple(self._sources(ld) for ld in self.loads)
+
+    def _pools_of(self, slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Slots of the plan, each named from the planning rank's range (another rank's by its
+        offset, ``LoadRequest``): their engine slots, their owner ranks and whether each is a
+        state slot (class doc)."""
+        plan = self.plan
+        owner, local = np.divmod(np.asarray(slots, np.int64) + self.rank * plan.num_slots, plan.num_slots)
+        state = local >= self.kv_slots
+        engine = np.where(state, self.state_base + owner * self.shard_slots[1] + local - self.kv_slots,
+                          owner * self.shard_slots[0] + local)
+        return engine, owner, state
+
+    def _blocks(self, block_ids, state: np.ndarray) -> np.ndarray:
+        """The rank's block ids (state rows where ``state``) in the engine's numbering."""
+        return np.asarray(block_ids, np.int64) + np.where(state, self.rank * self.plan.state_rows, self.block_offset)
+
+    def _place_pools(self) -> None:
+        """Place a DP rank's plan over both pools (class doc); a load's source is the owner rank's
+        first KV block or first state row (``_sources``)."""
+        plan, i = self.plan, self.id_offset
+        self.slot_offset = self.rank * self.shard_slots[0]  # the rank's KV slots in the engine (tiers: pool 0)
+
+        def batch(x: SaveBatch) -> SaveBatch:
+            if not x:
+                return x
+            slots, _, state = self._pools_of(x.slots)
+            return SaveBatch(tuple(self._blocks(x.block_ids, state).tolist()), tuple(slots.tolist()),
+                             _shift(x.save_ids, i), x.keys)
+
+        self.flush, self.save = batch(plan.flush), batch(plan.save)
+        loads, sources = [], []
+        for ld in plan.loads:
+            slots, owner, state = self._pools_of(ld.slots)
+            blocks = self._blocks(ld.block_ids, state)
+            first = np.where(state, owner * plan.state_rows, owner * plan.num_blocks)
+            loads.append(LoadRequest(ld.req_id, tuple(blocks.tolist()), tuple(slots.tolist()), _shift(ld.save_ids, i),
+                                     ld.unavailable_block_ids))
+            sources.append(np.where(owner == self.rank, blocks, first).tolist())
+        self.loads, self.sources = tuple(loads), tuple(sources)
 
     def _sources(self, load: LoadRequest) -> Sequence[int]:
         """A chunk of the planning scheduler's own range was saved from the destination's batch

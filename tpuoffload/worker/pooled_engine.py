@@ -20,8 +20,9 @@ repeated block of one pool in a load) is refused whole, before anything is dispa
 
 Failures: a pool-1 row fails as a pool-0 row does (worker/transfer_engine.py: a late, lost,
 faulted or stale slot loads zeros and is reported, a failed save is never loadable); failures of
-one pool never touch the other's rows. Batch shards (data parallelism, ``sources``) are pool 0's
-only.
+one pool never touch the other's rows. Under data parallelism both pools split over the batch
+shards alike (tpu-inference shards the state pool along axis 0 as it does the attention blocks),
+and each row's ``sources`` entry names a block or state row of its own pool.
 
 With one pool every call goes to pool 0's engine unchanged (``boundary`` is ignored): the
 behaviour of a TransferEngine alone.
@@ -61,6 +62,9 @@ class PooledEngine:
             engine.log = self.log  # one digest per step, both pools
             engines.append(engine)
         self.engines: tuple[TransferEngine, ...] = tuple(engines)
+        # Each pool's counters since start, as take_counters handed them out (owned by the thread
+        # that calls take_counters).
+        self.pool_totals: tuple[Counter[str], ...] = tuple(Counter() for _ in engines)
 
     @property
     def tables(self) -> tuple[SlotTable, ...]:
@@ -91,7 +95,8 @@ class PooledEngine:
         """Load each row's slot (a state slot from ``boundary`` on, into a state row) into its
         block: pool 0's programs, then pool 1's. The cache arrays are donated. Returns the new
         runner list (tuples stay tuples) and the positions, in the given lists, whose row failed
-        (placeholders were loaded there). ``sources``: pool 0's rows only (TransferEngine.load)."""
+        (placeholders were loaded there). ``sources``: per row, a block or state row of the batch
+        shard its slot's bytes came from (TransferEngine.load), in its own pool's ids."""
         if self.pools.num == 1:
             caches, failed = self.engines[0].load(self.pools.arrays(kv_caches, 0), block_ids, slots, save_ids, sources)
             return self.pools.put(kv_caches, 0, caches), _positions(block_ids, failed)
@@ -102,7 +107,7 @@ class PooledEngine:
             if not len(rows):
                 continue
             self._mark(p)
-            src = _ints(sources)[rows] if p == 0 and sources is not None else None
+            src = _ints(sources)[rows] if sources is not None else None
             arrays, failed_blocks = self.engines[p].load(self.pools.arrays(caches, p), block_ids[rows], pool_slots,
                                                          save_ids[rows], src)
             caches = self.pools.put(caches, p, arrays)
@@ -160,10 +165,13 @@ class PooledEngine:
         return idle
 
     def take_counters(self) -> Counter[str]:
-        """Both pools' counters accumulated since the last call, summed (thread-safe)."""
+        """Both pools' counters accumulated since the last call, summed (thread-safe; each pool's
+        also added to ``pool_totals``)."""
         out: Counter[str] = Counter()
-        for e in self.engines:
-            out.update(e.take_counters())
+        for e, total in zip(self.engines, self.pool_totals):
+            taken = e.take_counters()
+            total.update(taken)
+            out.update(taken)
         return out
 
     def finish_step(self) -> StepDigest:
