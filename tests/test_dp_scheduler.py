@@ -287,9 +287,9 @@ def test_dp_rank_comes_from_tpu_inference_config_and_refuses_what_it_cannot_do()
     assert (rank.ranks, rank.num_blocks, rank.source, rank.failures_by_request) == (2, 48, os.getpid(), True)
     assert DPRank.of(config(1, Scheduler), kv) == DPRank()  # no DP: one scheduler for the whole engine
     assert DPRank.of(config(2, Scheduler), kv) == DPRank()  # DP layout under vLLM's scheduler
-    with pytest.raises(ValueError, match="persist_path"):
-        check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "persist_path": "/tmp/x"}), {DP})
     check_features(parse_config({"cpu_bytes_to_use": 1 << 22}), {DP})  # eager offload is fine
+    check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "persist_path": "/tmp/x"}),
+                   {DP})  # warm restart too (tests/test_dp_restart.py)
     check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "disk_path": "/tmp/d", "disk_bytes_to_use": 1 << 24}),
                    {DP})  # the disk tier too (tests/test_dp_disk.py)
     check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "lazy_offload": True}), {DP})  # so is lazy

@@ -253,7 +253,6 @@ LIMITS: dict[str, dict[str, str]] = {
                 "drops blocks before it finishes; lifted by planning flushes per group",
     },
     "persist_path": {
-        DP: "a checkpoint holds one scheduler's slots and records; lifted by per-rank checkpoint parts",
         GDN: "checkpoints hold the KV pool's slots only; lifted by a second array per slot pool",
     },
     "disk_path": {

@@ -67,7 +67,9 @@ class SlotTable:
         self.num_slots = num_slots = shards * self.shard_slots
         self._tags = np.full(num_slots, EMPTY_SLOT, np.int64)
         self._sources = np.zeros(num_slots, np.int64)  # block id each slot's chunk was gathered from
-        self._floor = 0  # save ids below it were revoked by a connector reset: never committed again
+        # Per batch shard: save ids below it were revoked by a connector reset, never committed again
+        # (a DP rank numbers its saves in its own range, so each shard has its own floor).
+        self._floor = np.zeros(shards, np.int64)
         self._lock = threading.Lock()  # guards _tags, _sources and _floor
 
     @property
@@ -91,7 +93,7 @@ class SlotTable:
         ids = np.asarray(save_ids, dtype=np.int64)
         with self._lock:
             # A save issued before a reset lands as nothing: its chunk must never be read again.
-            self._tags[idx] = np.where(ids >= self._floor, ids, EMPTY_SLOT)
+            self._tags[idx] = np.where(ids >= self._floor[idx // self.shard_slots], ids, EMPTY_SLOT)
             self._sources[idx] = source_blocks
 
     def invalidate(self, slots: Sequence[int]) -> None:
@@ -122,13 +124,15 @@ class SlotTable:
         with self._lock:
             return int(self._tags[slot])
 
-    def revoke_below(self, save_id: int) -> None:
+    def revoke_below(self, save_id: int, shard: int | None = None) -> None:
         """A connector reset: forget every chunk held, and never commit a save id below
         ``save_id`` (the saves still in flight), so nothing from before the reset is read again,
-        nor written into a later checkpoint."""
+        nor written into a later checkpoint. ``shard``: only that batch shard's slots and saves
+        (a DP rank's reset, ``save_id`` in the engine's numbering); None: every shard."""
+        part = slice(None) if shard is None else slice(shard * self.shard_slots, (shard + 1) * self.shard_slots)
         with self._lock:
-            self._floor = max(self._floor, save_id)
-            self._tags[:] = EMPTY_SLOT
+            self._floor[part] = np.maximum(self._floor[part], save_id)
+            self._tags[part] = EMPTY_SLOT
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of (tags, source blocks), for a checkpoint."""

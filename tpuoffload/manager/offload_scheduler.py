@@ -178,7 +178,8 @@ class OffloadScheduler:
         if config.persist_path is not None:
             tiers.append(WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
                                      self.index, num_hosts, self.counters, lambda: self.clock(),
-                                     on_checkpoint=self._meta_writer.write))
+                                     on_checkpoint=self._meta_writer.write,
+                                     plans_checkpoints=lambda: self.dp_rank == 0))
         if config.disk_path is not None:
             if disk_chunks == 0:
                 raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")

@@ -22,6 +22,13 @@ resolved (or ``timeout_s`` passed), no save is planned (``skipped_checkpoint``):
 the stores the checkpoint is reading. The answer to an operator request is ``CHECKPOINT_DONE``.
 The checkpoint at shutdown is the hosts' own (vLLM stops stepping first).
 
+Under DPScheduler every rank's half runs this tier over its own index: it adopts the rows its own
+part of each host's checkpoint reports (worker/persistence.py: one checkpoint per host holds every
+rank's slots, split by rank at restore) and revokes its own range at a reset. Only rank 0's half
+plans checkpoints (``plans_checkpoints``: the operator's request file and the interval are one per
+deployment, and one checkpoint of a host covers every rank); another rank's save planned while
+it is written waits for it on the hosts (``before_donate``).
+
 Reset. After a connector reset, the next plan carries ``revoke_below``: every host forgets all
 its chunks and never commits a save issued before the reset, so no later checkpoint holds them.
 
@@ -76,8 +83,12 @@ class WarmRestart(Tier):
 
     def __init__(self, persist_path: str, interval_s: float, timeout_s: float, index: ChunkIndex,
                  num_hosts: int, counters: Counter[str], clock: Callable[[], float],
-                 on_checkpoint: Callable[[], None] = lambda: None) -> None:
+                 on_checkpoint: Callable[[], None] = lambda: None,
+                 plans_checkpoints: Callable[[], bool] = lambda: True) -> None:
+        """``plans_checkpoints``: whether this half plans the deployment's checkpoints now (one
+        scheduler: always; under DPScheduler rank 0's half, once the workers said which it is)."""
         self.index = index
+        self._plans_checkpoints = plans_checkpoints
         self._on_checkpoint = on_checkpoint
         self.num_hosts = num_hosts
         self.counters = counters
@@ -123,6 +134,8 @@ class WarmRestart(Tier):
         """Whether the plan of ``step`` asks every host for a checkpoint."""
         now = self.clock()
         self._expire(now)
+        if not self._plans_checkpoints():
+            return False
         request = self._watcher.poll()
         if self._checkpoint is not None:
             if request is not None:

@@ -105,13 +105,22 @@ class Fingerprint:
     num_hosts: int
     chunk_bytes: int  # bytes one host stores per chunk (= slot_bytes)
     format_version: int = FORMAT_VERSION
+    # DP ranks (batch shards of the cache) the slots are split over: another DP size splits each
+    # chunk's bytes over other devices and numbers the slots per rank differently. Left out of the
+    # JSON when 1, so checkpoints and disk tiers of one scheduler keep the fingerprint they had.
+    dp_ranks: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.dp_ranks == 1:
+            del out["dp_ranks"]
+        return out
 
     @classmethod
     def from_json(cls, d: Any) -> "Fingerprint":
         names = {f.name: f.type for f in dataclasses.fields(cls)}
+        if isinstance(d, dict) and "dp_ranks" not in d:
+            d = {**d, "dp_ranks": 1}
         if not isinstance(d, dict) or set(d) != set(names):
             raise ValueError(f"fingerprint fields {sorted(d) if isinstance(d, dict) else d!r} are not {sorted(names)}")
         return cls(**d)
@@ -163,7 +172,8 @@ class Restored:
 
     seq: int
     path: str
-    tags: np.ndarray  # int64, the shape saved: (num_slots,) or (num_slots, columns); save id EMPTY_SLOT: empty
+    tags: np.ndarray  # int64, the shape saved: (num_slots,), (num_slots, columns) or (num_slots, chunks, columns);
+    # save id (column 0) EMPTY_SLOT: empty
     index: dict
     stores: dict | None  # the restored global arrays (stores form), None for host rows (in ``into``)
     chunks: int  # tagged slots restored on this host
@@ -219,7 +229,7 @@ def _canonical_crc(encoded: Any) -> int:
 def slot_checksums(storage: np.ndarray, tags: np.ndarray, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     """crc32 of every tagged slot (0 for empty ones), on ``pool``'s threads (crc32 drops the GIL)."""
     crc = np.zeros(storage.shape[0], np.uint32)
-    tagged = np.nonzero(tags != EMPTY_SLOT)[0]
+    tagged = np.nonzero(_tagged_rows(tags))[0]
 
     def one(i: int) -> None:
         crc[i] = zlib.crc32(memoryview(storage[i]))
@@ -233,8 +243,16 @@ def slot_checksums(storage: np.ndarray, tags: np.ndarray, pool: ThreadPoolExecut
 
 
 def _save_ids(tags: np.ndarray) -> np.ndarray:
-    """Column 0 of a slot table: the save ids."""
-    return tags if tags.ndim == 1 else tags[:, 0]
+    """Column 0 of a slot table: the save ids, one per row, or (a table of shape (rows, chunks per
+    row, columns): a row of the stores holds one chunk per DP rank, each on its batch shard's
+    devices) one per chunk of each row."""
+    return tags if tags.ndim == 1 else tags[..., 0]
+
+
+def _tagged_rows(ids: np.ndarray) -> np.ndarray:
+    """Which rows hold a chunk (any of theirs), from ``_save_ids``."""
+    held = ids != EMPTY_SLOT
+    return held if held.ndim == 1 else held.any(axis=1)
 
 
 def _store_views(stores: Mapping[str, Any]) -> list[np.ndarray]:
@@ -261,7 +279,7 @@ def store_checksums(stores: Mapping[str, Any], tags: np.ndarray,
                 c = zlib.crc32(memoryview(np.ascontiguousarray(v[lead, slot])).cast("B"), c)
         crc[slot] = c
 
-    tagged = np.nonzero(tags != EMPTY_SLOT)[0].tolist()
+    tagged = np.nonzero(_tagged_rows(tags))[0].tolist()
     if pool is None:
         for slot in tagged:
             one(slot)
@@ -525,8 +543,9 @@ class Persister:
             if isinstance(into, np.ndarray):
                 into[...] = 0
             return None, f"{path}: {verdict}{note}"
-        chunks = int(np.count_nonzero(_save_ids(tags) != EMPTY_SLOT))
-        return Restored(seq, path, tags, index, stores, chunks, chunks * slot_bytes, time.perf_counter() - t0,
+        ids = _save_ids(tags)
+        chunks, held_bytes = int(np.count_nonzero(ids != EMPTY_SLOT)), int(_tagged_rows(ids).sum()) * slot_bytes
+        return Restored(seq, path, tags, index, stores, chunks, held_bytes, time.perf_counter() - t0,
                         tuple(choice["partial"])), ""
 
     def _all_accept(self, name: str, ok: bool, why: str) -> str:
@@ -556,7 +575,7 @@ class Persister:
             return False, {}, (), (f"host slots: checkpoint {meta.get('num_slots')}, this deployment {num_slots} "
                                    "(cpu_bytes_to_use changed?)")
         tail = meta.get("tags_tail")
-        if not isinstance(tail, list) or len(tail) > 1 or not all(isinstance(t, int) and t > 0 for t in tail):
+        if not isinstance(tail, list) or len(tail) > 2 or not all(isinstance(t, int) and t > 0 for t in tail):
             return False, {}, (), f"unreadable meta (tags_tail {tail!r})"
         if meta.get("slots") != spec:
             return False, {}, (), f"slot layout: checkpoint {meta.get('slots')}, this deployment {spec}"
@@ -611,7 +630,8 @@ class Persister:
         ``storage`` is this host's slots, (num_slots, slot_bytes) uint8, or the engine's stores
         ``{name: global jax.Array}`` (slot axis 1, sharded over every host, in host memory: saved
         as they are, each host writing its own shards). ``tags`` is this host's slot table, int64
-        (num_slots,) or (num_slots, columns) with the save id (EMPTY_SLOT: empty slot) in column 0;
+        (num_slots,) or (num_slots, columns) with the save id (EMPTY_SLOT: empty slot) in column 0,
+        or (num_slots, chunks, columns) where a slot row holds several chunks (one per DP rank);
         ``index`` is the scheduler's (identical on every host; host 0's copy is written);
         ``checksums`` may give the crc32 of every tagged slot (else computed here, in parallel).
         Tagged slots must not change until the handle resolves, and a store must not be donated to
@@ -625,8 +645,8 @@ class Persister:
             return SaveHandle(-1, refused)
         rows = isinstance(storage, np.ndarray)
         tags = np.ascontiguousarray(tags, dtype=np.int64)
-        if tags.ndim not in (1, 2):
-            raise ValueError("tags must be (num_slots,) or (num_slots, columns)")
+        if tags.ndim not in (1, 2, 3):
+            raise ValueError("tags must be (num_slots,), (num_slots, columns) or (num_slots, chunks per slot, columns)")
         num_slots, ids = tags.shape[0], _save_ids(tags)
         if rows:
             if storage.dtype != np.uint8 or storage.ndim != 2 or storage.shape[0] != num_slots:
@@ -645,7 +665,8 @@ class Persister:
             checksums = (slot_checksums(storage, ids, self._pool) if rows
                          else store_checksums(storage, ids, self._pool))
         slot_bytes = storage.shape[1] if rows else _host_slot_bytes(storage)
-        n_tagged = int(np.count_nonzero(ids != EMPTY_SLOT))
+        n_tagged = int(np.count_nonzero(ids != EMPTY_SLOT))  # chunks
+        held_bytes = int(_tagged_rows(ids).sum()) * slot_bytes  # bytes of the rows holding them
         meta = {"fingerprint": self.fingerprint.to_json(), "seq": seq, "num_slots": num_slots,
                 "tags_tail": list(tags.shape[1:]),
                 "slots": _slots_spec(storage), "index_crc": _canonical_crc(encoded), "created_unix": time.time()}
@@ -694,8 +715,8 @@ class Persister:
                 return
             if self.host == 0:
                 self._prune(seq)
-            self._count({PERSIST_SAVED_CHUNKS: n_tagged, PERSIST_SAVED_BYTES: n_tagged * slot_bytes})
-            future.set_result(SaveReport(seq, True, "", path, n_tagged, n_tagged * slot_bytes, blocking,
+            self._count({PERSIST_SAVED_CHUNKS: n_tagged, PERSIST_SAVED_BYTES: held_bytes})
+            future.set_result(SaveReport(seq, True, "", path, n_tagged, held_bytes, blocking,
                                          time.perf_counter() - t0))
 
         threading.Thread(target=wait, name=f"persist-wait-{seq}", daemon=True).start()

@@ -58,7 +58,7 @@ from tpuoffload.persist import Fingerprint, PersistFaults
 from tpuoffload.worker.disk_stage import DiskStage, clear_other_ranks, rank_path
 from tpuoffload.worker.shared_stage import SharedStage
 from tpuoffload.backend.shared_store import SharedURL
-from tpuoffload.worker.persistence import Deployment, HostPersistence, fingerprint
+from tpuoffload.worker.persistence import Deployment, HostPersistence, RankPersistence, fingerprint
 from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.pooled_engine import PooledEngine
 
@@ -141,7 +141,7 @@ class OffloadWorker:
         )
         deployment = fingerprint(layouts[0], self.deployment, jax.process_count())
         if self.config.persist_path:
-            self.tiers.append(self._start_persistence(deployment))
+            self.tiers += self._start_persistence(deployment)
         if self.config.disk_path:
             self.tiers += self._start_disk(deployment)
         if self.config.shared_url:  # the store every replica shares: a stage per DP rank (worker/shared_stage.py)
@@ -181,15 +181,17 @@ class OffloadWorker:
         """The tier of that name, if configured."""
         return next((t for t in self.tiers if t.name == name), None)
 
-    def _start_persistence(self, deployment: Fingerprint) -> HostPersistence:
-        """Warm restart: restore the newest matching checkpoint now, before the first step."""
+    def _start_persistence(self, deployment: Fingerprint) -> list[RankPersistence]:
+        """Warm restart: restore the newest matching checkpoint now, before the first step. One
+        checkpoint per host holds every rank's slots; each DP rank's half hears of its own rows
+        through its own part (worker/persistence.py)."""
         if self.host_id != jax.process_index():
             raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
                              f"process {jax.process_index()})")
         persistence = HostPersistence(self.config.persist_path, self.engine.engines[0], deployment,
                                       self.host_id, self.config.persist_timeout_s, self._persist_faults)
         persistence.restore()
-        return persistence
+        return persistence.parts
 
     def _start_disk(self, deployment: Fingerprint) -> list[DiskStage]:
         """The disk tier: one stage, or under DPScheduler one per rank (batch shard), each with its

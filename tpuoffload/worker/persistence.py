@@ -36,7 +36,8 @@ import numpy as np
 
 from tpuoffload.backend.slot_table import EMPTY_SLOT
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch, unpack_keys
+from tpuoffload.messages import (RANK_SAVE_ID_SHIFT, RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch,
+                                 unpack_keys)
 from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle
 from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
@@ -57,12 +58,14 @@ class Deployment:
 def fingerprint(layout: CacheLayout, deployment: Deployment, num_hosts: int) -> Fingerprint:
     """What a checkpoint of this deployment is checked against: the model, every layer group's
     block shape, dtype and sharding (not the number of blocks in HBM, which may change freely), the
-    block size, the hosts and the bytes of a slot."""
+    block size, the hosts, the bytes of a slot and the DP ranks (batch shards) the slots are split
+    over."""
     groups = "; ".join(f"{len(g.layers)} layers of {g.shape[1:]} {g.dtype} sharded {g.sharding.spec}, "
                        f"{g.num_shards} block shard(s)" for g in layout.groups)
     dtypes = ",".join(sorted({str(g.dtype) for g in layout.groups}))
     return Fingerprint(model=deployment.model, kv_layout=groups, kv_dtype=dtypes, block_size=deployment.block_size,
-                       num_hosts=num_hosts, chunk_bytes=layout.slot_bytes)
+                       num_hosts=num_hosts, chunk_bytes=layout.slot_bytes,
+                       dp_ranks=max(g.num_shards for g in layout.groups))
 
 
 class SlotKeys:
@@ -84,27 +87,26 @@ class SlotKeys:
         self.keys[slots] = keys
 
 
-class HostPersistence(WorkerTier):
+class HostPersistence:
     """One host's warm-restart state: its Persister, the keys of its slots, the checkpoint in flight.
-    The worker's "persist" tier (worker/tier.py)."""
-
-    name = "persist"
+    One per host, whatever the number of DP ranks: a checkpoint holds every slot of the host's
+    stores, so every rank's rows; each rank's scheduler half talks to it through its own
+    ``RankPersistence`` (``parts``), the worker's "persist" tier of that rank (worker/tier.py)."""
 
     def __init__(self, path: str, engine: TransferEngine, fingerprint: Fingerprint, host: int,
                  timeout_s: float, faults: PersistFaults | None = None) -> None:
         self.engine = engine
         self.host = host
+        table = engine.slot_table
+        self.ranks, self.shard_slots = table.shards, table.shard_slots  # DP ranks: batch shards of the cache
         self.persister = Persister(path, fingerprint, host=host, barrier_timeout_s=timeout_s, faults=faults)
-        self.keys = SlotKeys(engine.slot_table.num_slots)
+        self.keys = SlotKeys(table.num_slots)
         self._inflight: SaveHandle | None = None  # main thread only
-        self._lock = threading.Lock()  # guards _done (appended by the Persister's waiter thread)
-        self._done: list[tuple[int, int, bool]] = []  # (step planned, number, ok), not yet reported
-        self._restored_rows: bytes | None = None  # reported until the scheduler stops waiting
-        self._rows_sent = False
-        self._waiting = False  # the step's plan says the manager still waits for our news
-        self._last_done: tuple[int, int, bool] | None = None  # the last checkpoint resolved (repeated on demand)
+        self._inflight_step: int | None = None  # the step that planned it (main thread only)
+        self._lock = threading.Lock()  # guards every part's _done (appended by the Persister's waiter thread)
         self._counted: Counter[str] = Counter()  # the Persister's counts already taken
         self._closed = False
+        self.parts = [RankPersistence(self, r) for r in range(self.ranks)]
         # tpu-inference's worker does not call the connector's shutdown (0.32): checkpoint at a normal
         # interpreter exit too. Registered with threading's exit hooks, which run (newest first)
         # before the thread pools that orbax and the Persister use are shut down; plain atexit
@@ -113,96 +115,106 @@ class HostPersistence(WorkerTier):
 
     # ---------------------------------------------------------------- start-up
     def restore(self) -> None:
-        """Restore the newest complete, matching checkpoint, or start cold (one log line either way)."""
+        """Restore the newest complete, matching checkpoint, or start cold (one log line either way).
+        Each rank's part reports the restored rows of its own range of slots, in its own numbering
+        (``split_rows``)."""
         restored, reason = self.persister.restore(self.engine.store_targets())
+        cold = [b""] * self.ranks
         if restored is None:
             logger.info("tpuoffload persist: host %d starting cold: %s", self.host, reason)
-            self._restored_rows = b""
+            self._set_rows(cold)
             return
-        table = restored.tags.reshape(len(restored.tags), -1)
-        if table.shape[1] != len(_COLUMNS):
-            logger.warning("tpuoffload persist: host %d starting cold: %s has %d columns per slot, not %d",
-                           self.host, restored.path, table.shape[1], len(_COLUMNS))
-            self._restored_rows = b""
+        want = (len(_COLUMNS),) if self.ranks == 1 else (self.ranks, len(_COLUMNS))
+        if restored.tags.shape[1:] != want:
+            logger.warning("tpuoffload persist: host %d starting cold: %s has slot rows of %s tags, not %s",
+                           self.host, restored.path, restored.tags.shape[1:], want)
+            self._set_rows(cold)
             return
+        table = self._engine_table(restored.tags)
         self.engine.replace_stores(restored.stores)
         held = np.flatnonzero(table[:, 0] != EMPTY_SLOT)
+        rank = held // self.shard_slots
         tags = np.full(len(table), EMPTY_SLOT, np.int64)
-        tags[held] = RESTORED_BASE + held
-        self.engine.slot_table.restore(tags, table[:, 1].copy())
+        # A restored chunk's save id: RESTORED_BASE + its slot in its rank's numbering, placed in the
+        # rank's range of save ids (what the rank's plans will name it by).
+        tags[held] = RESTORED_BASE + (held - rank * self.shard_slots) + (rank << RANK_SAVE_ID_SHIFT)
+        sources = table[:, 1].copy()
+        if self.ranks > 1:  # a rank's slots hold its batch shard's chunks: name the shard's first block
+            sources[held] = rank * self.engine.layout.groups[0].blocks_per_shard  # (HBM's size may change)
+        self.engine.slot_table.restore(tags, sources)
+        self.keys.save_id[held] = tags[held]  # a restored chunk not saved over is checkpointed again
+        self.keys.keys[held] = table[held, 2:].view(np.uint64)
         rows = np.zeros(len(held), RESTORED_ROW)
         rows["slot"], rows["save_id"] = held, table[held, 0]
         rows["k1"], rows["k2"] = table[held, 2].view(np.uint64), table[held, 3].view(np.uint64)
-        self._restored_rows = rows.tobytes()
-        logger.info("tpuoffload persist: restored %s on host %d: %d chunks, %.2f GiB in %.1f s",
-                    restored.path, self.host, len(held), restored.bytes / 2**30, restored.seconds)
+        self._set_rows(split_rows(rows, self.ranks, self.shard_slots))
+        logger.info("tpuoffload persist: restored %s on host %d: %d chunks (%s), %.2f GiB in %.1f s",
+                    restored.path, self.host, len(held),
+                    ", ".join(f"rank {r}: {int((rank == r).sum())}" for r in range(self.ranks)),
+                    restored.bytes / 2**30, restored.seconds)
 
-    @override
-    def report(self) -> PersistReport | None:
-        """This host's news: the restored rows (first report), checkpoints resolved since the last
-        report; while the manager still waits (``PersistPlan.waiting``) the rows and the last
-        resolved checkpoint again, in case a report was lost on the way."""
-        repeat = self._waiting
-        rows = None
-        if self._restored_rows is not None and (repeat or not self._rows_sent):
-            rows, self._rows_sent = self._restored_rows, True
-        elif self._rows_sent and not repeat:
-            self._restored_rows = None  # the manager has them
-        with self._lock:
-            done, self._done = self._done, []
-        if done:
-            self._last_done = done[-1]
-        elif repeat and self._last_done is not None:
-            done = [self._last_done]
-        if rows is None and not done:
-            return None
-        return PersistReport(rows, tuple(done))
+    def _row_table(self, table: np.ndarray) -> np.ndarray:
+        """The slot table (engine slots x columns) as the checkpoint keeps it, by row of the stores
+        (their axis 1): with one rank the same; under DP row ``i`` holds slot ``i`` of every rank's
+        range (each on its batch shard's devices), so the table is (rows, ranks, columns), spare
+        rows empty."""
+        if self.ranks == 1:
+            return table
+        rows = np.zeros((self.engine.slot_table.rows, self.ranks, len(_COLUMNS)), np.int64)
+        rows[..., 0] = EMPTY_SLOT
+        rows[:self.shard_slots] = table.reshape(self.ranks, self.shard_slots, -1).transpose(1, 0, 2)
+        return rows
+
+    def _engine_table(self, rows: np.ndarray) -> np.ndarray:
+        """``_row_table``'s inverse: engine slots x columns."""
+        if self.ranks == 1:
+            return rows
+        return rows[:self.shard_slots].transpose(1, 0, 2).reshape(-1, len(_COLUMNS))
+
+    def _set_rows(self, rows: list[bytes]) -> None:
+        for part, part_rows in zip(self.parts, rows):
+            part.restored_rows = part_rows
 
     # ---------------------------------------------------------------- per step
-    @override
-    def act(self, step: int, part: PersistPlan | None, placement: Placement = Placement()) -> None:
-        part = part or PersistPlan()
-        self._waiting = part.waiting
-        if part.revoke_below is not None:
-            self.engine.slot_table.revoke_below(part.revoke_below)
-        if part.checkpoint:
-            try:
-                self.checkpoint(step)
-            except Exception:  # a failed checkpoint never stops serving; it is reported as failed
-                logger.exception("tpuoffload: checkpoint failed on host %d", self.host)
-
-    @override
     def before_donate(self) -> None:
         """A save or an install donates the stores: let the checkpoint that reads them finish first."""
         if self._inflight is not None and not self._inflight.done():
             self._inflight.result()
 
-    @override
     def saving(self, batch: SaveBatch) -> None:
         self.keys.record(batch)
 
-    def checkpoint(self, step: int = -1) -> SaveHandle:
-        """Write a checkpoint of this host's slots (main thread, at the start of ``step`` on every
-        host; -1: at shutdown)."""
-        self.before_donate()  # one checkpoint at a time
-        self.engine.wait_idle()
-        tags, sources = self.engine.slot_table.table()
-        keyed = (self.keys.save_id == tags) & (tags != EMPTY_SLOT)
-        table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
-        table[:, 0] = np.where(keyed, tags, EMPTY_SLOT)
-        table[:, 1] = sources
-        table[:, 2:] = self.keys.keys.view(np.int64)
-        table[~keyed, 2:] = 0
-        handle = self.persister.save(self.engine.stores(), table, {"columns": list(_COLUMNS)})
-        self._inflight = handle
-        handle.add_done_callback(lambda report: self._finished(step, report))
+    def checkpoint(self, step: int = -1, part: "RankPersistence | None" = None) -> SaveHandle:
+        """Write a checkpoint of every slot of this host (main thread, at the start of ``step`` on
+        every host; -1: at shutdown). ``part``: the rank whose plan asked, told the outcome; parts
+        that ask in the same step share one checkpoint."""
+        if step >= 0 and step == self._inflight_step and self._inflight is not None:
+            handle = self._inflight
+        else:
+            self.before_donate()  # one checkpoint at a time
+            self.engine.wait_idle()
+            tags, sources = self.engine.slot_table.table()
+            keyed = (self.keys.save_id == tags) & (tags != EMPTY_SLOT)
+            table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
+            table[:, 0] = np.where(keyed, tags, EMPTY_SLOT)
+            table[:, 1] = sources
+            table[:, 2:] = self.keys.keys.view(np.int64)
+            table[~keyed, 2:] = 0
+            handle = self.persister.save(self.engine.stores(), self._row_table(table), {"columns": list(_COLUMNS)})
+            self._inflight, self._inflight_step = handle, step
+        if part is not None:
+            handle.add_done_callback(lambda report: self._finished(part, step, report))
         return handle
 
-    def _finished(self, step: int, report) -> None:
+    def _finished(self, part: "RankPersistence", step: int, report) -> None:
         with self._lock:
-            self._done.append((step, report.seq, report.ok))
+            part.done.append((step, report.seq, report.ok))
 
-    @override
+    def take_done(self, part: "RankPersistence") -> list[tuple[int, int, bool]]:
+        with self._lock:
+            done, part.done = part.done, []
+        return done
+
     def take_counters(self) -> Counter[str]:
         """The Persister's counts (PERSIST_* names) since the last call."""
         now = Counter(self.persister.counters_snapshot())
@@ -210,7 +222,6 @@ class HostPersistence(WorkerTier):
         return delta
 
     # ---------------------------------------------------------------- shutdown
-    @override
     def close(self) -> None:
         """Clean shutdown: a last checkpoint, waited for, then the Persister's threads go."""
         if self._closed:
@@ -222,6 +233,86 @@ class HostPersistence(WorkerTier):
                         f"{report.path}, {report.chunks} chunks" if report.ok else f"failed: {report.reason}")
         finally:
             self.persister.close()
+
+
+def split_rows(rows: np.ndarray, ranks: int, shard_slots: int) -> list[bytes]:
+    """The host's restored rows (``RESTORED_ROW``, engine numbering) as each DP rank's, in the
+    rank's own numbering: the slot within its range, the save id within its range of ids (the
+    rank's own save ids; a chunk restored before keeps ``RESTORED_BASE + slot``). With one rank
+    the rows as they are."""
+    out = []
+    for r in range(ranks):
+        mine = rows[rows["slot"] // shard_slots == r].copy()
+        mine["slot"] -= r * shard_slots
+        mine["save_id"] -= r << RANK_SAVE_ID_SHIFT
+        out.append(mine.tobytes())
+    return out
+
+
+class RankPersistence(WorkerTier):
+    """The worker's "persist" tier of one DP rank (rank 0 with one scheduler): acts on that rank's
+    plan (a checkpoint of the host, shared with the other ranks; a reset revoking the rank's range
+    of slots) and reports to that rank's half its restored rows and its checkpoints' outcomes."""
+
+    name = "persist"
+
+    def __init__(self, host: HostPersistence, rank: int) -> None:
+        self.host = host
+        self.rank = rank
+        self.restored_rows: bytes | None = None  # reported until the scheduler stops waiting
+        self._rows_sent = False
+        self._waiting = False  # the step's plan says the manager still waits for our news
+        self.done: list[tuple[int, int, bool]] = []  # (step planned, number, ok), not yet reported (host._lock)
+        self._last_done: tuple[int, int, bool] | None = None  # the last checkpoint resolved (repeated on demand)
+
+    @override
+    def report(self) -> PersistReport | None:
+        """This rank's news: the restored rows (first report), checkpoints resolved since the last
+        report; while the manager still waits (``PersistPlan.waiting``) the rows and the last
+        resolved checkpoint again, in case a report was lost on the way."""
+        repeat = self._waiting
+        rows = None
+        if self.restored_rows is not None and (repeat or not self._rows_sent):
+            rows, self._rows_sent = self.restored_rows, True
+        elif self._rows_sent and not repeat:
+            self.restored_rows = None  # the manager has them
+        done = self.host.take_done(self)
+        if done:
+            self._last_done = done[-1]
+        elif repeat and self._last_done is not None:
+            done = [self._last_done]
+        if rows is None and not done:
+            return None
+        return PersistReport(rows, tuple(done))
+
+    @override
+    def act(self, step: int, part: PersistPlan | None, placement: Placement = Placement()) -> None:
+        part = part or PersistPlan()
+        self._waiting = part.waiting
+        if part.revoke_below is not None:  # the rank's saves, in the engine's numbering
+            self.host.engine.slot_table.revoke_below(placement.id_offset + part.revoke_below, self.rank)
+        if part.checkpoint:
+            try:
+                self.host.checkpoint(step, self)
+            except Exception:  # a failed checkpoint never stops serving; it is reported as failed
+                logger.exception("tpuoffload: checkpoint failed on host %d", self.host.host)
+
+    @override
+    def before_donate(self) -> None:
+        self.host.before_donate()
+
+    @override
+    def saving(self, batch: SaveBatch) -> None:
+        if self.rank == 0:  # the host's keys, once per save (the batch holds every rank's saves)
+            self.host.saving(batch)
+
+    @override
+    def take_counters(self) -> Counter[str]:
+        return self.host.take_counters() if self.rank == 0 else Counter()
+
+    @override
+    def close(self) -> None:
+        self.host.close()  # once, by the first part closed
 
 
 def _register_exit_hook(fn) -> None:
