@@ -363,11 +363,10 @@ def test_state_row_fault_fails_only_its_request_and_dispatches_as_a_clean_host(l
 
 
 # ------------------------------------------------------------------ refusals
-def test_tiers_beside_host_ram_are_refused_with_state_layers(layout, tmp_path):
-    for extra in ({"disk_path": str(tmp_path / "disk"), "disk_bytes_to_use": 1 << 24},
-                  {"persist_path": str(tmp_path / "persist")}):
+def test_warm_restart_is_refused_with_state_layers(layout, tmp_path):
+    for extra in ({"persist_path": str(tmp_path / "persist")},):  # the disk tier: tests/test_gdn_disk.py
         worker = OffloadWorker(parse_config({"num_cpu_chunks": 64, **extra}), host_id=0)
-        with pytest.raises(ValueError, match=r"(disk_path|persist_path) with GDN/mamba state layers"):
+        with pytest.raises(ValueError, match=r"persist_path with GDN/mamba state layers"):
             worker.register_runner(types.SimpleNamespace(kv_caches=layout.kv_caches))
         assert worker.engine is None
 

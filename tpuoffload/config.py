@@ -59,7 +59,8 @@ class OffloadConfig:
     # How long the hosts wait for each other while writing or agreeing on a checkpoint.
     persist_timeout_s: float = 300.0
     # The disk tier below host RAM (None: off): a directory on a local disk of each host ("{host}"
-    # is replaced by the host's index) and the bytes of chunk files it may hold (exact).
+    # is replaced by the host's index) and the bytes of chunk files it may hold (exact; with a GDN
+    # state pool split between the pools as host RAM is: disk_pool_bytes).
     disk_path: str | None = None
     disk_bytes_to_use: int | None = None
     # GDN/mamba hybrids (Qwen3.5): the share of host RAM that holds state chunks (one state row of
@@ -82,6 +83,17 @@ class OffloadConfig:
         ``host_bytes(chunk_bytes)``; with a state pool (GDN/mamba layers, a second pool) that pool
         takes ``state_ram_fraction`` of them. Both halves split alike, each with its own chunk sizes."""
         total = self.host_bytes(chunk_bytes)
+        if pools == 1:
+            return (total,)
+        state = int(total * self.state_ram_fraction)
+        return (total - state, state)
+
+    def disk_pool_bytes(self, pools: int) -> tuple[int, ...]:
+        """Disk bytes of each slot pool's chunk files (``disk_bytes_to_use`` split as host RAM is:
+        with a state pool, ``state_ram_fraction`` of them hold state chunk files, in a directory
+        of their own: worker/disk_stage.py). Each pool's budget is exact on its own; both halves
+        split alike."""
+        total = self.disk_bytes_to_use or 0
         if pools == 1:
             return (total,)
         state = int(total * self.state_ram_fraction)
@@ -254,9 +266,6 @@ LIMITS: dict[str, dict[str, str]] = {
     },
     "persist_path": {
         GDN: "checkpoints hold the KV pool's slots only; lifted by a second array per slot pool",
-    },
-    "disk_path": {
-        GDN: "chunk files hold the KV pool's chunks only; lifted by a file kind per slot pool",
     },
     "shared_url": {
         HYBRID: "objects are keyed by group 0 only; lifted by the group in the key and per-group hits",

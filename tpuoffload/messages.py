@@ -44,16 +44,26 @@ class DiskBatch:
     As a spill: the chunks just evicted from ``slots`` (which must still hold ``save_ids``), to be
     copied to disk under ``disk_ids`` before this step's saves reuse the slots. As a fetch: the
     disk chunks ``disk_ids`` to read back in the background and write into ``slots`` under the
-    new ``save_ids`` at the start of the next step. As drops: disk chunks to delete (keys only).
+    new ``save_ids`` at the start of the next step. As drops: disk chunks to delete (keys and
+    pools only).
+
+    ``pools``: each chunk's slot pool (one int8 each; b"": every chunk the KV pool's), the one
+    thing that says which pool a chunk file holds: its directory and chunk size on the workers
+    (worker/disk_stage.py) and, for a spill or a fetch, which host store its slot is in.
     """
 
     slots: Sequence[int] = ()
     save_ids: Sequence[int] = ()
     disk_ids: Sequence[int] = ()
     keys: bytes = b""
+    pools: bytes = b""
 
     def __len__(self) -> int:
         return len(self.keys) // 16
+
+    def pool_of(self) -> np.ndarray:
+        """Each chunk's slot pool (int8)."""
+        return np.frombuffer(self.pools, np.int8) if self.pools else np.zeros(len(self), np.int8)
 
 
 @dataclass(frozen=True)
@@ -186,6 +196,11 @@ class StepPlan:
     # The last ``state_slots`` of the ``num_slots`` slots are the state pool's: GDN/mamba state
     # rows, kept in the workers' second store (worker/pooled_engine.py); 0: one pool (KV chunks).
     state_slots: int = 0
+    # Under DPScheduler with a state pool: the planning rank's rows of tpu-inference's compact
+    # state pool (DPScheduler gives each rank ``mamba_num_blocks // ranks``); its state row ``b``
+    # is the engine's row ``rank * state_rows + b`` (the pool splits over the ranks along axis 0,
+    # as the attention blocks do). 0: one scheduler, whose state rows are the engine's.
+    state_rows: int = 0
 
     def placement(self) -> tuple[int, int, int]:
         """(block offset, slot offset, save id offset) of this plan in the engine's numbering: a DP
@@ -196,11 +211,6 @@ class StepPlan:
         rank = block_offset // self.num_blocks if self.num_blocks else 0
         return block_offset, rank * self.num_slots, rank << RANK_SAVE_ID_SHIFT
 
-    # Under DPScheduler with a state pool: the planning rank's rows of tpu-inference's compact
-    # state pool (DPScheduler gives each rank ``mamba_num_blocks // ranks``); its state row ``b``
-    # is the engine's row ``rank * state_rows + b`` (the pool splits over the ranks along axis 0,
-    # as the attention blocks do). 0: one scheduler, whose state rows are the engine's.
-    state_rows: int = 0
 
 #: A DP rank's save ids are offset by ``rank << RANK_SAVE_ID_SHIFT`` in the engine (ranks plan
 #: their own ids from 0; no rank plans 2**40 saves).
@@ -385,8 +395,9 @@ class SharedReport:
 RESTORED_BASE = 1 << 62
 #: One restored chunk as a host reports it: slot, the save id it was checkpointed under, k1, k2.
 RESTORED_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
-#: One chunk file a host's disk tier kept at start-up: the disk id it was written under, k1, k2.
-DISK_ROW = np.dtype([("disk_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
+#: One chunk file a host's disk tier kept at start-up: the disk id it was written under, k1, k2,
+#: and the slot pool whose chunk it holds (the directory it was found in).
+DISK_ROW = np.dtype([("disk_id", "<i8"), ("k1", "<u8"), ("k2", "<u8"), ("pool", "<i8")])
 
 
 def pack_keys(k1: np.ndarray, k2: np.ndarray) -> bytes:

@@ -11,6 +11,13 @@ its own disk index over its own files (docs/design.md, "The disk tier per rank")
 then every host holding a piece of the rank's batch shard, the others confirming what they hold no
 byte of.
 
+With a GDN/mamba state pool (manager/kv_groups.py) the disk index has the host-RAM index's pools
+too: entries ``[0, kv)`` are KV chunk files, ``[kv, kv + state)`` state chunk files (each pool its
+own budget, ``OffloadConfig.disk_pool_bytes``, its own LRU order), a spill goes to the pool of
+the host-RAM slot it leaves, a fetch claims a host-RAM slot of the pool its file is in, and every
+``DiskBatch`` names each chunk's pool (``DiskBatch.pools``), which the workers keep in a
+directory per pool.
+
 A fetch (``FetchPlanner``) is a save into host RAM whose bytes come from disk:
 
     lookup (get_num_new_matched_tokens): host RAM's prefix stops where the disk's continues ->
@@ -61,9 +68,14 @@ class DiskIndex:
     """``events``: the sink of the disk's KV events (medium "STORAGE": a chunk every host's disk
     holds is READY in ``index``)."""
 
-    def __init__(self, num_chunks: int, num_hosts: int, counters: Counter[str], clock: Callable[[], float],
-                 timeout_s: float, events: ChunkEvents = NO_EVENTS) -> None:
-        self.index = ChunkIndex(num_chunks, events=events)  # disk chunk number -> chunk; its own counters
+    def __init__(self, num_chunks: int | tuple[int, ...], num_hosts: int, counters: Counter[str],
+                 clock: Callable[[], float], timeout_s: float, events: ChunkEvents = NO_EVENTS) -> None:
+        """``num_chunks``: chunk files of each slot pool (an int: the KV pool's alone)."""
+        pools = (num_chunks,) if isinstance(num_chunks, int) else tuple(num_chunks)
+        num_chunks = sum(pools)
+        self.num_pools = len(pools)
+        # disk chunk number -> chunk, in the pools' ranges; its own counters
+        self.index = ChunkIndex(num_chunks, events=events, pools=pools)
         self.ledger = CompletionLedger(num_hosts, source="disk tier")
         self.counters = counters
         self.clock = clock
@@ -79,28 +91,42 @@ class DiskIndex:
         return files_per_rank(disk_bytes, chunk_bytes, ranks)
 
     # ---------------------------------------------------------------- spills
-    def spill(self, slots: np.ndarray, save_ids: np.ndarray, keys: HashKeys, records, step: int) -> DiskBatch:
+    def spill(self, slots: np.ndarray, save_ids: np.ndarray, keys: HashKeys, records, step: int,
+              pools: np.ndarray | None = None) -> DiskBatch:
         """Chunks just evicted from host RAM go to disk (those not there already), with their event
-        records (``ChunkIndex.take_evicted``)."""
+        records (``ChunkIndex.take_evicted``); ``pools``: the slot pool of each (None: the KV
+        pool), whose files take them (pool 0's chunks listed first)."""
         if not len(slots):
             return _EMPTY_BATCH
         events = self.index.events
         keys, new, _, _ = self.index.select_new(keys)
         slots, save_ids, records = slots[new], save_ids[new], events.subset(records, new)
-        entries = self.index.allocate(len(slots))
-        self._forget(entries[self._held[entries]])  # evicted from disk: the hosts delete them
-        n = len(entries)
+        pools = np.zeros(len(slots), np.int8) if pools is None else np.asarray(pools, np.int8)[new]
+        picked, taken = [], []
+        for pool in range(self.num_pools):
+            pos = np.flatnonzero(pools == pool)
+            if len(pos):
+                got = self.index.allocate(len(pos), pool)
+                self._forget(got[self._held[got]])  # evicted from disk: the hosts delete them
+                picked.append(pos[:len(got)])
+                taken.append(got)
+        n = sum(len(e) for e in taken)
         if not n:
             return _EMPTY_BATCH
-        slots, save_ids, keys = slots[:n], save_ids[:n], keys.take(slice(0, n))
+        pos, entries = np.concatenate(picked), np.concatenate(taken)
+        slots, save_ids, keys, pools = slots[pos], save_ids[pos], keys.take(pos), pools[pos]
         base = self.ledger.open_batch(entries, self.clock() + self.timeout_s, step)
         self.index.add_saving(keys, entries, base)
-        events.copy_in(entries, events.subset(records, slice(0, n)))
+        events.copy_in(entries, events.subset(records, pos))
         self._keys[entries, 0], self._keys[entries, 1] = keys.k1, keys.k2
         self._held[entries] = True
         self.counters[C.SPILLS_ISSUED] += n
         return DiskBatch(tuple(slots.tolist()), tuple(save_ids.tolist()), range(base, base + n),
-                         pack_keys(keys.k1, keys.k2))
+                         pack_keys(keys.k1, keys.k2), self._pools_bytes(pools))
+
+    def _pools_bytes(self, pools: np.ndarray) -> bytes:
+        """``DiskBatch.pools`` of these chunks (b"" with one pool)."""
+        return pools.astype(np.int8).tobytes() if self.num_pools > 1 else b""
 
     def report(self, host: int, ok: tuple[Range, ...] = (), failed: tuple[Range, ...] = ()) -> None:
         self.ledger.report(host, ok=ok, failed=failed)
@@ -120,24 +146,27 @@ class DiskIndex:
     def take_drops(self) -> DiskBatch:
         if not self._drops:
             return _EMPTY_BATCH
-        keys = np.concatenate(self._drops)
+        rows = np.concatenate(self._drops)
         self._drops = []
-        return DiskBatch(keys=pack_keys(keys[:, 0], keys[:, 1]))
+        return DiskBatch(keys=pack_keys(rows[:, 0], rows[:, 1]), pools=self._pools_bytes(rows[:, 2]))
 
     def _forget(self, entries: np.ndarray) -> None:
         if len(entries):
             self._held[entries] = False
-            self._drops.append(self._keys[entries])
+            pools = self.index.pool_of(entries).astype(np.uint64)[:, None]
+            self._drops.append(np.concatenate([self._keys[entries], pools], axis=1))
 
     # ---------------------------------------------------------------- warm restart
     def adopt(self, kept: list[np.ndarray]) -> tuple[int, int]:
         """Warm restart: the chunk files every host kept alike (``DISK_ROW`` rows of each host, least
-        recently used first) become READY under the disk ids they were written with, in host 0's
-        recency order; every other file a host kept is deleted on every host. Call before the
-        first spill (no save is planned until the restore is settled). Returns (adopted, dropped)."""
+        recently used first; the same pool included) become READY under the disk ids they were
+        written with, each in its pool's entries, in host 0's recency order; every other file a
+        host kept is deleted on every host. Call before the first spill (no save is planned until
+        the restore is settled). Returns (adopted, dropped)."""
         common = kept[0]
         for rows in kept[1:]:
             common = common[np.isin(_void(common), _void(rows))]
+        common = common[(common["pool"] >= 0) & (common["pool"] < self.num_pools)]
         keys, valid = HashKeys.of_rows(common)
         common = common[valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
@@ -147,15 +176,22 @@ class DiskIndex:
         if not described.all():
             common, keys, records = common[described], keys.take(described), events.subset(records, described)
         free = np.flatnonzero(self.index.free_slots_mask(np.arange(self.index.num_slots)))
-        skip = max(0, len(common) - len(free))  # the most recently used fit
-        common, keys, entries = common[skip:], keys.take(slice(skip, None)), free[:len(common) - skip]
-        self.index.adopt(keys, entries, common["disk_id"], events.subset(records, slice(skip, None)))
+        free_pool = self.index.pool_of(free)
+        picked, taken = [], []
+        for pool in range(self.num_pools):
+            pos, room = np.flatnonzero(common["pool"] == pool), free[free_pool == pool]
+            pos = pos[max(0, len(pos) - len(room)):]  # the most recently used fit
+            picked.append(pos)
+            taken.append(room[:len(pos)])
+        pos, entries = np.concatenate(picked), np.concatenate(taken)
+        common, keys = common[pos], keys.take(pos)
+        self.index.adopt(keys, entries, common["disk_id"], events.subset(records, pos))
         self._keys[entries, 0], self._keys[entries, 1] = keys.k1, keys.k2
         self._held[entries] = True
-        offered = np.unique(_void(_hash_keys(np.concatenate(kept))))
-        others = offered[~np.isin(offered, _void(_hash_keys(common)))]
+        offered = np.unique(_void(_file_keys(np.concatenate(kept))))
+        others = offered[~np.isin(offered, _void(_file_keys(common)))]
         if len(others):
-            self._drops.append(np.frombuffer(others.tobytes(), "<u8").reshape(-1, 2))
+            self._drops.append(np.frombuffer(others.tobytes(), "<u8").reshape(-1, 3))
         return len(entries), len(others)
 
     # ---------------------------------------------------------------- fetches
@@ -185,9 +221,9 @@ def _void(rows: np.ndarray) -> np.ndarray:
     return rows.view(np.dtype((np.void, size))).reshape(-1)
 
 
-def _hash_keys(rows: np.ndarray) -> np.ndarray:
-    """(n, 2) uint64 hash keys of DISK_ROW rows."""
-    return np.stack([rows["k1"], rows["k2"]], axis=1)
+def _file_keys(rows: np.ndarray) -> np.ndarray:
+    """(n, 3) uint64 (k1, k2, pool) of DISK_ROW rows: what names a chunk file on the hosts."""
+    return np.stack([rows["k1"], rows["k2"], rows["pool"].astype(np.uint64)], axis=1)
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -196,10 +232,12 @@ _NONE = np.zeros(0, dtype=np.int64)
 @dataclass(frozen=True)
 class _Wanted:
     """What a request waits for: disk ``entries`` and their chunk ``keys`` (earliest block first),
-    and the keys of the host-RAM chunks of the hit they complete (``in_ram``)."""
+    each chunk's slot pool (``pools``), and the keys of the host-RAM chunks of the hit they
+    complete (``in_ram``)."""
 
     entries: np.ndarray
     keys: PackedHashes
+    pools: np.ndarray
     in_ram: PackedHashes
 
 
@@ -268,7 +306,8 @@ class FetchPlanner:
         def pick(mask: np.ndarray) -> PackedHashes:  # block by block, so a cut keeps early prefixes
             return PackedHashes(keys[mask].tobytes(), packed.width)
 
-        return _Wanted(disk[part & ~ram].astype(np.int64), pick(part & ~ram), pick(part & ram))
+        pools = np.broadcast_to(self.groups.pool_of_groups(), part.shape)[part & ~ram]
+        return _Wanted(disk[part & ~ram].astype(np.int64), pick(part & ~ram), pools, pick(part & ram))
 
     def _may_continue(self, block_hash: bytes) -> bool:
         """One probe (the usual answer): a longer hit needs the block after the host-RAM hit, so
@@ -282,7 +321,7 @@ class FetchPlanner:
         save meanwhile, would otherwise evict them (they are often the least recently used)."""
         if not self._wanted:
             return DiskBatch()
-        slots_out, ids_out, disk_out, keys_out = [], [], [], []
+        slots_out, ids_out, disk_out, keys_out, pools_out = [], [], [], [], []
         retry: dict[str, _Wanted] = {}
         for rid, wanted in self._wanted.items():
             entries, packed = wanted.entries, wanted.keys
@@ -293,7 +332,9 @@ class FetchPlanner:
             held = self.ram.ready_slots(HashKeys.of(wanted.in_ram))
             held = held[held >= 0]
             self.ram.pin(held)
-            claim = self.saves.claim(PackedHashes(packed.buf[:n * packed.width], packed.width), step)
+            # Each chunk into a slot of its own pool (a state chunk into the state pool).
+            claim = self.saves.claim_pools(PackedHashes(packed.buf[:n * packed.width], packed.width),
+                                           wanted.pools[:n], step)
             slots = claim.slots
             if not len(slots):
                 self.ram.unpin(held)
@@ -306,7 +347,8 @@ class FetchPlanner:
                 continue
             self._held[rid] = held
             n, base, keys = len(slots), claim.first_save_id, claim.keys
-            entries = entries[claim.keep]  # the chunks are distinct and new: a prefix of them
+            entries = entries[claim.keep]  # the chunks are distinct and new: each pool's a prefix of its own
+            pools_out.append(wanted.pools[claim.keep])
             self.ram.events.copy_in(slots, self.disk.index.events.rows(entries))  # KV events: their records
             disk_ids = self.disk.start_fetch(entries)
             for i in range(n):
@@ -322,7 +364,8 @@ class FetchPlanner:
         if not slots_out:
             return DiskBatch()
         return DiskBatch(tuple(np.concatenate(slots_out).tolist()), tuple(np.concatenate(ids_out).tolist()),
-                         tuple(np.concatenate(disk_out).tolist()), b"".join(keys_out))
+                         tuple(np.concatenate(disk_out).tolist()), b"".join(keys_out),
+                         self.disk._pools_bytes(np.concatenate(pools_out)))
 
     def resolved(self, ready_ids: np.ndarray, dropped_ids: np.ndarray) -> None:
         """RAM saves resolved: those that were fetches unpin their disk chunks."""
@@ -413,7 +456,8 @@ class DiskTierPlanner(Tier):
     def finish_step(self, step: int) -> DiskPlan | None:
         """What this plan evicted from host RAM goes to disk first."""
         self.disk.apply_resolved()
-        spill = self.disk.spill(*self.ram.take_evicted(), step)
+        slots, save_ids, keys, records = self.ram.take_evicted()
+        spill = self.disk.spill(slots, save_ids, keys, records, step, self.ram.pool_of(slots))
         drop, fetch, self._fetch = self.disk.take_drops(), self._fetch, _EMPTY_BATCH
         delete_all, self._delete_all = self._delete_all, False
         waiting = self._kept is not None

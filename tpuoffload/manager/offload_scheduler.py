@@ -172,17 +172,20 @@ class OffloadScheduler:
     def _make_tiers(self, config: OffloadConfig, num_hosts: int) -> list[Tier]:
         """The tiers beside host RAM, in the order their hooks run (manager/tier.py)."""
         tiers: list[Tier] = []
-        disk_chunks = (DiskIndex.capacity(config.disk_bytes_to_use, self.chunk_bytes, self.dp.ranks)
-                       if config.disk_path else 0)
-        disk_events = self._sink(disk_chunks, MEDIUM_STORAGE)
+        # Chunk files per slot pool, each pool its share of the disk (OffloadConfig.disk_pool_bytes).
+        disk_chunks = tuple(DiskIndex.capacity(b, chunk, self.dp.ranks) for b, chunk in
+                            zip(config.disk_pool_bytes(self.kv_groups.num_pools), self.saves.pool_chunk_bytes)
+                            ) if config.disk_path else (0,)
+        disk_events = self._sink(sum(disk_chunks), MEDIUM_STORAGE)
         if config.persist_path is not None:
             tiers.append(WarmRestart(config.persist_path, config.persist_interval_s, config.persist_timeout_s,
                                      self.index, num_hosts, self.counters, lambda: self.clock(),
                                      on_checkpoint=self._meta_writer.write,
                                      plans_checkpoints=lambda: self.dp_rank == 0))
         if config.disk_path is not None:
-            if disk_chunks == 0:
-                raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file")
+            if min(disk_chunks) == 0:
+                raise ValueError(f"disk_bytes_to_use={config.disk_bytes_to_use} is smaller than one chunk file"
+                                 + (f" of each slot pool (KV, state: {disk_chunks} files)" if len(disk_chunks) > 1 else ""))
             disk = DiskIndex(disk_chunks, num_hosts, self.counters, lambda: self.clock(), config.save_timeout_s,
                              events=disk_events)
             fetches = FetchPlanner(self.saves, disk, self.block_size, self.counters, self.loads.take_lookup,

@@ -14,7 +14,7 @@ deduplicates and names the chunks that free slots take; ``allocate`` and ``add_s
 rest, when eviction makes room; kernels.py); the rest is a fixed number of calls per batch.
 
 With two slot pools (GDN/mamba state chunks beside KV chunks: manager/kv_groups.py) each
-candidate names its pool, and each pool's candidates are claimed apart (``_claim_pools``): its own
+candidate names its pool, and each pool's candidates are claimed apart (``claim_pools``): its own
 free slots, its own LRU victims, its own chunk size against the staging budget; the claims' save
 ids follow each other, so the step still saves one SaveBatch of contiguous save ids.
 
@@ -95,7 +95,7 @@ class SavePlanner:
             return NO_SAVES
         packed = hashes if type(hashes) is PackedHashes else PackedHashes.of(hashes)
         split = pools is not None and bool(pools.any())  # then the claim lists its chunks pool by pool
-        c = self._claim_pools(packed, pools, step) if split else self.claim(packed, step)
+        c = self.claim_pools(packed, pools, step) if split else self.claim(packed, step)
         counters = self.counters
         for name, k in ((C.DEDUP_BATCH, c.n_dup), (C.DEDUP_INDEX, c.n_held), (C.SKIPPED_STAGING, c.n_staging),
                         (C.SKIPPED_NO_SPACE, c.n_no_space)):
@@ -115,16 +115,19 @@ class SavePlanner:
         return SaveBatch(block_ids=blocks, slots=compact_ints(c.slots, c.run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
 
-    def _claim_pools(self, packed: PackedHashes, pools: np.ndarray, step: int) -> Claim:
-        """``claim`` of each pool's candidates in turn, as one Claim: its chunks are pool 0's
-        claimed chunks then pool 1's, under consecutive save ids. The KV pool claims first: a
-        state chunk serves a hit only with every attention chunk before it."""
+    def claim_pools(self, packed: PackedHashes, pools: np.ndarray, step: int) -> Claim:
+        """``claim`` of each pool's candidates (``pools``: each candidate's slot pool) in turn, as
+        one Claim: its chunks are pool 0's claimed chunks then pool 1's, under consecutive save
+        ids (``keep`` says which candidate each is). The KV pool claims first: a state chunk
+        serves a hit only with every attention chunk before it. Saves and disk fetches alike."""
         rows = np.frombuffer(packed.buf, np.uint8).reshape(len(packed), packed.width)
         claims, positions = [], []
         for pool in np.unique(pools).tolist():
             pos = np.flatnonzero(pools == pool)
             claims.append(self.claim(PackedHashes(rows[pos].tobytes(), packed.width), step, pool))
             positions.append(pos)
+        if not claims:
+            return self.claim(packed, step)
         if len(claims) == 1:
             c = claims[0]
             return Claim(c.keys, positions[0][c.keep], c.slots, c.run_step, c.first_save_id, c.n_dup, c.n_held,

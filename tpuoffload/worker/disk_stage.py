@@ -26,6 +26,16 @@ shard (backend/slot_table.py), so its file holds those devices' pieces (``Transf
 rows_to_payloads``) and its install writes them into that shard's rows only
 (``TransferEngine.install``); a host with no device of the shard keeps no file for the rank
 (``NoChunkFiles``) but dispatches the same programs and confirms like every host.
+
+A GDN/mamba hybrid has two slot pools (worker/pooled_engine.py): the stage keeps one tier of files
+per pool, each over its pool's transfer engine, with that pool's chunk size and its share of the
+disk budget: the KV pool's files in the rank's directory, the state pool's in its ``state``
+sub-directory (``pool_path``). Which pool a chunk file holds is what the plan says
+(``DiskBatch.pools``), the one mechanism: a spill reads its pool's store, a fetch is read with
+its pool's chunk size and installed into its pool's store, a drop deletes from its pool's
+directory. A state chunk's slot is numbered as in saves and loads: from the plan's first state
+slot (``state_slot``) on, the state store's slot 0 on. Each pool's rows are dispatched in pool
+order, pool 0's first.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import threading
 import time
 from collections import Counter
 from concurrent import futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from typing_extensions import override
@@ -54,6 +64,16 @@ logger = logging.getLogger(__name__)
 def _hashes(batch: DiskBatch) -> list[bytes]:
     """The 16 bytes of each chunk's hash keys: its name in the tier."""
     return [row.tobytes() for row in unpack_keys(batch.keys)]
+
+
+#: The sub-directory of a rank's directory that holds each slot pool's chunk files ("": the rank's
+#: directory itself), by pool.
+POOL_DIRS = ("", "state")
+
+
+def pool_path(path: str, pool: int) -> str:
+    """The directory of slot pool ``pool``'s chunk files in a rank's directory ``path``."""
+    return os.path.join(path, POOL_DIRS[pool]) if POOL_DIRS[pool] else path
 
 
 def rank_path(path: str, rank: int, ranks: int) -> str:
@@ -76,19 +96,37 @@ def clear_other_ranks(path: str, ranks: int) -> int:
     return sum(DiskTier.clear(d) for d in others if d not in ours)
 
 
-def _placed(batch: DiskBatch, placement: Placement) -> DiskBatch:
-    """A spill or fetch in the engine's numbering: its host-RAM slots and save ids moved by the
-    plan's offsets (its disk ids are the rank's own, as are its files)."""
-    if not len(batch) or placement == Placement():
-        return batch
+@dataclass(frozen=True)
+class _Part:
+    """One slot pool's chunks of a spill or a fetch, in the engine's numbering: their slots in that
+    pool's store and their save ids moved by the plan's offsets (disk ids and files are the rank's
+    own), and the keys of their files."""
+
+    pool: int
+    slots: tuple[int, ...]
+    save_ids: tuple[int, ...]
+    keys: list[ChunkKey]
+
+
+def _parts(batch: DiskBatch, placement: Placement, state: int) -> list[_Part]:
+    """A spill's or a fetch's chunks by slot pool (``DiskBatch.pools``), pool 0's first; ``state``:
+    the plan's first state slot."""
+    pools = batch.pool_of()
+    hashes = _hashes(batch)
     s, i = placement
-    return DiskBatch(tuple(x + s for x in batch.slots), tuple(x + i for x in batch.save_ids), batch.disk_ids, batch.keys)
+    out = []
+    for pool in np.unique(pools).tolist():
+        rows = np.flatnonzero(pools == pool).tolist()
+        shift = s if pool == 0 else -state  # a state slot is numbered from 0 in the state store
+        out.append(_Part(pool, tuple(batch.slots[r] + shift for r in rows), tuple(batch.save_ids[r] + i for r in rows),
+                         [ChunkKey(int(batch.disk_ids[r]), hashes[r]) for r in rows]))
+    return out
 
 
 @dataclass
 class _Fetch:
     step: int
-    batch: DiskBatch
+    part: _Part
     reads: list[futures.Future]
 
 
@@ -97,21 +135,37 @@ class DiskStage(WorkerTier):
 
     name = "disk"
 
-    def __init__(self, engine: TransferEngine, path: str, files: int, read_timeout_s: float,
+    def __init__(self, engines: Sequence[TransferEngine], path: str, files: Sequence[int], read_timeout_s: float,
                  faults: DiskFaults | None = None, deployment: str | None = None,
-                 before_donate: Callable[[], None] = lambda: None, rank: int = 0) -> None:
-        """``files``: chunk files the tier may keep (backend/disk_tier.py:files_per_rank, the
-        scheduler's disk index has as many entries). ``deployment``: with warm restart, the
+                 before_donate: Callable[[], None] = lambda: None, rank: int = 0,
+                 state_slot: Callable[[], int] = lambda: 0) -> None:
+        """``engines``: the transfer engine of each slot pool (pool 0's alone without a state
+        pool); ``files[p]``: chunk files pool ``p``'s tier may keep (backend/disk_tier.py:
+        files_per_rank of the pool's share of the disk, the scheduler's disk index has as many
+        entries in that pool), in ``pool_path(path, p)``. ``deployment``: with warm restart, the
         fingerprint that chunk files kept from an earlier start must have been written under
         (None: none is kept, see DiskTier); the kept files are reported until the manager has them.
         ``before_donate``: called before an install donates the stores (the other tiers'
-        ``before_donate``). ``rank``: the DP rank (batch shard) whose chunks it keeps (module doc)."""
-        self.engine = engine
+        ``before_donate``). ``rank``: the DP rank (batch shard) whose chunks it keeps (module doc).
+        ``state_slot``: the first state slot of the plan being acted on (worker/pooled_engine.py)."""
+        if len(engines) != len(files):
+            raise ValueError(f"{len(files)} file budgets for {len(engines)} slot pools")
+        if len(engines) > 1 and engines[1].slot_table.shards > 1:
+            raise ValueError("the disk tier keeps GDN/mamba state chunks of one scheduler only: under DPScheduler a "
+                             "rank's state slots and rows are not placed by the disk stage yet (lifted by numbering "
+                             "them per rank as worker/offload_worker.py's _Placed does for saves and loads)")
+        self.engines = tuple(engines)
+        self.engine = self.engines[0]
         self.rank = rank
-        payload = engine.disk_chunk_bytes(rank)
-        self.tier = (DiskTier(path, files * file_bytes_for(payload), payload, faults=faults, deployment=deployment)
-                     if payload else NoChunkFiles(path))
+        self.tiers: tuple[DiskTier, ...] = tuple(
+            self._files(engine.disk_chunk_bytes(rank if p == 0 else 0), pool_path(path, p), n, faults, deployment)
+            for p, (engine, n) in enumerate(zip(self.engines, files)))
+        self.tier = self.tiers[0]
+        for p in range(len(self.tiers), len(POOL_DIRS)):  # a pool this start does not have keeps no file
+            if os.path.isdir(pool_path(path, p)):
+                DiskTier.clear(pool_path(path, p))
         self.read_timeout_s = read_timeout_s
+        self._state_slot = state_slot
         self._fetches: list[_Fetch] = []  # main thread only
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="disk-spill")
         self._lock = threading.Lock()  # guards _written, _failed, _pending
@@ -123,19 +177,32 @@ class DiskStage(WorkerTier):
         self._kept: bytes | None = self.kept_rows() if deployment is not None else None
         self._kept_sent = False
         self._waiting = False
-        logger.info("tpuoffload disk tier at %s: %d chunk files of %d bytes (%d adopted at start-up)",
-                    self.tier.path, self.tier.capacity_chunks, self.tier.file_bytes, self.tier.scan_report.adopted)
+        for p, tier in enumerate(self.tiers):
+            logger.info("tpuoffload disk tier at %s (pool %d): %d chunk files of %d bytes (%d adopted at start-up)",
+                        tier.path, p, tier.capacity_chunks, tier.file_bytes, tier.scan_report.adopted)
+
+    @staticmethod
+    def _files(payload: int, path: str, files: int, faults: DiskFaults | None, deployment: str | None) -> DiskTier:
+        """One pool's chunk files: ``files`` of ``payload`` bytes each in ``path`` (none: a host that
+        holds no byte of the rank's chunks)."""
+        if not payload:
+            return NoChunkFiles(path)
+        return DiskTier(path, files * file_bytes_for(payload), payload, faults=faults, deployment=deployment)
 
     def kept_rows(self) -> bytes:
         """The chunk files kept from an earlier start, as a warm restart reports them (``DISK_ROW``,
-        least recently used first); files whose name is not one of our 16-byte keys are left out."""
-        keys = [k for k in self.tier.keys() if len(k.hash) == 16]
-        rows = np.zeros(len(keys), DISK_ROW)
-        if keys:
-            rows["disk_id"] = [k.save_id for k in keys]
-            hashes = np.frombuffer(b"".join(k.hash for k in keys), "<u8").reshape(-1, 2)
-            rows["k1"], rows["k2"] = hashes[:, 0], hashes[:, 1]
-        return rows.tobytes()
+        each pool's least recently used first, pool 0's first); files whose name is not one of our
+        16-byte keys are left out."""
+        parts = []
+        for p, tier in enumerate(self.tiers):
+            keys = [k for k in tier.keys() if len(k.hash) == 16]
+            rows = np.zeros(len(keys), DISK_ROW)
+            if keys:
+                rows["disk_id"] = [k.save_id for k in keys]
+                hashes = np.frombuffer(b"".join(k.hash for k in keys), "<u8").reshape(-1, 2)
+                rows["k1"], rows["k2"], rows["pool"] = hashes[:, 0], hashes[:, 1], p
+            parts.append(rows)
+        return np.concatenate(parts).tobytes()
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
@@ -145,29 +212,30 @@ class DiskStage(WorkerTier):
         if part.delete_all:
             self.delete_all()
         try:
-            self.run(step, part.drop, _placed(part.spill, placement), _placed(part.fetch, placement))
+            state = self._state_slot()
+            self.run(step, part.drop, _parts(part.spill, placement, state), _parts(part.fetch, placement, state))
         except Exception:  # what failed is reported by the stage (failed spills, failed fetches)
             logger.exception("tpuoffload: disk-tier step failed")
 
-    def run(self, step: int, drop: DiskBatch, spill: DiskBatch, fetch: DiskBatch) -> None:
+    def run(self, step: int, drop: DiskBatch, spill: list[_Part], fetch: list[_Part]) -> None:
         if self._fetches:
             self._before_donate()  # installs donate the stores
             self._install_due(step)
         if len(drop):
-            for h in _hashes(drop):
-                self.tier.delete(h)
-        if len(spill):
-            self._spill(spill)
-        if len(fetch):
-            self._fetches.append(_Fetch(step, fetch, [self.tier.read(ChunkKey(int(d), h))
-                                                      for d, h in zip(fetch.disk_ids, _hashes(fetch))]))
+            for h, pool in zip(_hashes(drop), drop.pool_of().tolist()):
+                self.tiers[pool].delete(h)
+        for part in spill:
+            self._spill(part)
+        for part in fetch:
+            self._fetches.append(_Fetch(step, part, [self.tiers[part.pool].read(k) for k in part.keys]))
 
     def delete_all(self) -> None:
         """A connector reset (``DiskPlan.delete_all``): every chunk file goes, also those kept from
         an earlier start that the manager never indexed (its restore was given up), so no file from
         before a weight update can be taken for a later spill of its hash."""
-        for key in self.tier.keys():
-            self.tier.delete(key.hash)
+        for tier in self.tiers:
+            for key in tier.keys():
+                tier.delete(key.hash)
 
     def _install_due(self, step: int) -> None:
         due = [f for f in self._fetches if f.step < step]
@@ -181,24 +249,29 @@ class DiskStage(WorkerTier):
                 except futures.TimeoutError:
                     result = None
                 payloads.append(result.data if result is not None and result.ok else None)
-            for piece in self.engine.pieces(len(f.batch.slots)):
-                self.engine.install(payloads[piece], f.batch.slots[piece], f.batch.save_ids[piece], self.rank)
+            engine, part = self.engines[f.part.pool], f.part
+            for piece in engine.pieces(len(part.slots)):
+                engine.install(payloads[piece], part.slots[piece], part.save_ids[piece], self._shard(part.pool))
 
-    def _spill(self, batch: DiskBatch) -> None:
-        hashes = _hashes(batch)
-        for piece in self.engine.pieces(len(batch.slots)):
-            rows, ok = self.engine.read_slots(batch.slots[piece], batch.save_ids[piece])
-            keys = [ChunkKey(int(d), h) for d, h in zip(batch.disk_ids[piece], hashes[piece])]
+    def _shard(self, pool: int) -> int:
+        """The batch shard of this rank's chunks in pool ``pool``'s store (the state store has one)."""
+        return self.rank if pool == 0 else 0
+
+    def _spill(self, part: _Part) -> None:
+        engine = self.engines[part.pool]
+        for piece in engine.pieces(len(part.slots)):
+            rows, ok = engine.read_slots(part.slots[piece], part.save_ids[piece])
             with self._lock:
                 self._pending += 1
-            self._pool.submit(self._write, rows, ok, keys)
+            self._pool.submit(self._write, part.pool, rows, ok, part.keys[piece])
 
     # ---------------------------------------------------------------- background
-    def _write(self, rows, ok: list[bool], keys: list[ChunkKey]) -> None:
+    def _write(self, pool: int, rows, ok: list[bool], keys: list[ChunkKey]) -> None:
         written, failed = [], [k.save_id for k, good in zip(keys, ok) if not good]
         try:
-            payloads = self.engine.rows_to_payloads(rows, self.rank)
-            writes = [(k, self.tier.write(k, p)) for k, p, good in zip(keys, payloads, ok) if good]
+            payloads = self.engines[pool].rows_to_payloads(rows, self._shard(pool))
+            tier = self.tiers[pool]
+            writes = [(k, tier.write(k, p)) for k, p, good in zip(keys, payloads, ok) if good]
             for key, w in writes:
                 (written if w.future.result().ok else failed).append(key.save_id)
         except Exception as exc:  # noqa: BLE001 - every chunk of the batch is reported failed
@@ -234,7 +307,9 @@ class DiskStage(WorkerTier):
     @override
     def take_counters(self) -> Counter[str]:
         """The tier's counts (registered names only) since the last call."""
-        now = Counter({k: v for k, v in self.tier.counters_snapshot().items() if k in C.REGISTRY})
+        now = Counter()
+        for tier in self.tiers:
+            now.update({k: v for k, v in tier.counters_snapshot().items() if k in C.REGISTRY})
         delta, self._counted = now - self._counted, now
         return delta
 
@@ -256,4 +331,5 @@ class DiskStage(WorkerTier):
     @override
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.tier.close()
+        for tier in self.tiers:
+            tier.close()

@@ -199,17 +199,19 @@ class OffloadWorker:
         files of the same deployment, and the manager indexes those that every host kept alike
         (manager/disk_index.py)."""
         keep = json.dumps(deployment.to_json(), sort_keys=True) if self.config.persist_path else None
-        engine = self.engine.engines[0]
-        ranks = engine.slot_table.shards
+        engines = self.engine.engines
+        ranks = engines[0].slot_table.shards
         path = self.config.disk_path.replace("{host}", str(self.host_id))
         cleared = clear_other_ranks(path, ranks)
         if cleared:
             logger.info("tpuoffload disk tier at %s: %d chunk files of another DP size deleted", path, cleared)
-        files = files_per_rank(self.config.disk_bytes_to_use, sum(engine.disk_chunk_bytes(r) for r in range(ranks)),
-                               ranks)
-        return [DiskStage(engine, rank_path(path, r, ranks), files,
+        # Each slot pool's files within its share of the disk (OffloadConfig.disk_pool_bytes).
+        files = [files_per_rank(budget, sum(e.disk_chunk_bytes(r) for r in range(e.slot_table.shards)), ranks)
+                 for budget, e in zip(self.config.disk_pool_bytes(len(engines)), engines)]
+        return [DiskStage(engines, rank_path(path, r, ranks), files,
                           self.config.load_wait_timeout_s, self._disk_faults, deployment=keep,
-                          before_donate=self._before_donate, rank=r) for r in range(ranks)]
+                          before_donate=self._before_donate, rank=r, state_slot=lambda: self._boundary)
+                for r in range(ranks)]
 
     def _before_donate(self) -> None:
         for t in self.tiers:
