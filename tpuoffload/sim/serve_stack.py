@@ -200,6 +200,12 @@ def _processes_mentioning(needle: str) -> list[tuple[int, str]]:
     return found
 
 
+#: What ``ray start`` says when its raylet did not register with the GCS within the 30 s that
+#: ray/_private/node.py hard-codes (``raylet_start_wait_time_s``); on a 2-core machine under load that
+#: happens (docs/real-engine.md), and such a worker node is started again, at most twice, and counted.
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
 @dataclass
 class RayHosts:
     """A local Ray cluster: one ``ray start --block`` node per host, each in its own session."""
@@ -209,6 +215,9 @@ class RayHosts:
     devices_per_host: int
     procs: list[subprocess.Popen] = field(default_factory=list)
     gcs_port: int = 0
+    #: nodes started again after Ray's own start-up timeout (``RAY_START_TIMEOUT``), by host
+    restarts: list[int] = field(default_factory=list)
+    _launch: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)
 
     @property
     def temp_dir(self) -> str:
@@ -247,14 +256,19 @@ class RayHosts:
                         "--temp-dir", self.temp_dir, *common]
             else:
                 args = [ray, "start", "--address", self.address, *common]
-            log = open(os.path.join(self.workdir, f"ray-node{host}.log"), "w")
-            self.procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-            with open(os.path.join(self.workdir, "pgids.txt"), "a") as f:
-                f.write(f"{self.procs[-1].pid}\n")
+            self._launch.append((args, env))
+            self.procs.append(self._popen(host))
             if host == 0:
                 self._wait_nodes(1, timeout_s)
         self._wait_nodes(self.hosts, timeout_s)
+
+    def _popen(self, host: int) -> subprocess.Popen:
+        args, env = self._launch[host]
+        log = open(os.path.join(self.workdir, f"ray-node{host}.log"), "a")
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(os.path.join(self.workdir, "pgids.txt"), "a") as f:
+            f.write(f"{proc.pid}\n")
+        return proc
 
     def _wait_nodes(self, n: int, timeout_s: float) -> None:
         """Until the first ``n`` nodes said "Ray runtime started." (``ray start`` prints it once its
@@ -262,8 +276,14 @@ class RayHosts:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for i, p in enumerate(self.procs):
-                if p.poll() is not None:
+                if p.poll() is None:
+                    continue
+                with open(os.path.join(self.workdir, f"ray-node{i}.log"), errors="replace") as f:
+                    timed_out = RAY_START_TIMEOUT in f.read()
+                if not (timed_out and i > 0 and self.restarts.count(i) < 2):  # a worker node only: the GCS is on 0
                     raise RuntimeError(f"ray node {i} exited {p.returncode}; see {self.workdir}/ray-node{i}.log")
+                self.restarts.append(i)
+                self.procs[i] = self._popen(i)
             started = 0
             for i in range(n):
                 with open(os.path.join(self.workdir, f"ray-node{i}.log"), errors="replace") as f:
@@ -371,8 +391,10 @@ class ServerRun:
     ``rounds``: each round sends the equality completions and (``bench``) ``vllm bench serve``;
     ``/reset_prefix_cache`` before every round after the first. ``fault_rounds``: the rounds during
     which host ``fault_host``'s worker half fails every load (engine_shims 12). ``kill_host``: after
-    the rounds, that host's Ray worker is killed with requests in flight. ``baseline``: the run
-    (without the connector) whose greedy tokens this one's must equal."""
+    the rounds, that host's Ray worker is killed with requests in flight. ``persist``: warm restart
+    on, with the ``persist_path`` every such server of the run shares (checkpoints every
+    ``PERSIST_INTERVAL_S``), so a later server restores what an earlier one checkpointed.
+    ``baseline``: the run (without the connector) whose greedy tokens this one's must equal."""
 
     name: str
     shape: str
@@ -383,6 +405,7 @@ class ServerRun:
     fault_rounds: tuple[int, ...] = ()
     fault_host: int = 1
     kill_host: int | None = None
+    persist: bool = False
     baseline: str | None = "baseline"
 
 
@@ -408,15 +431,32 @@ PLANS: dict[str, tuple[ServerRun, ...]] = {
         ServerRun("fail-policy", "tp2-2hosts", True, load_failure_policy="fail", bench=False, fault_rounds=(2,),
                   kill_host=1),
     ),
+    # A server checkpointing every PERSIST_INTERVAL_S, killed mid-run, then the same engine again
+    # (issue 33's warm start after a killed host). Not in the suite: it shows a defect not fixed yet
+    # (docs/real-engine.md): the surviving host's shutdown checkpoint waits for the dead host up to
+    # persist_timeout_s, so the server answers /health and holds its requests meanwhile.
+    "warm-restart": (
+        ServerRun("killed", "tp2-2hosts", True, rounds=1, bench=False, kill_host=1, persist=True, baseline=None),
+        ServerRun("warm-start", "tp2-2hosts", True, rounds=1, bench=False, persist=True, baseline=None),
+    ),
 }
 
 
-def kv_transfer_config(stats_dir: str, cpu_bytes: int, load_failure_policy: str = "recompute") -> dict[str, Any]:
-    """The README's config (``cpu_bytes_to_use`` scaled to this machine), with per-host snapshots."""
+#: How often a ``persist`` server checkpoints (docs/persistence.md's ``persist_interval_s``).
+PERSIST_INTERVAL_S = 10.0
+
+
+def kv_transfer_config(stats_dir: str, cpu_bytes: int, load_failure_policy: str = "recompute",
+                       persist_path: str | None = None) -> dict[str, Any]:
+    """The README's config (``cpu_bytes_to_use`` scaled to this machine), with per-host snapshots,
+    and warm restart when ``persist_path`` is given."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "lazy_offload": False, "stats_dir": stats_dir,
+                             "stats_interval_s": 0}
+    if persist_path is not None:
+        extra.update(persist_path=persist_path, persist_interval_s=PERSIST_INTERVAL_S)
     return {"kv_connector": "TPUOffloadConnector", "kv_connector_module_path": "tpuoffload.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": load_failure_policy,
-            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "lazy_offload": False,
-                                          "stats_dir": stats_dir, "stats_interval_s": 0}}
+            "kv_connector_extra_config": extra}
 
 
 class Server:
@@ -430,6 +470,8 @@ class Server:
         self.fault_flag = os.path.join(workdir, "faults", f"load-host{run.fault_host}") if run.fault_rounds else None
         self.port = free_port()
         self.stats_dir = os.path.join(workdir, "stats") if run.connector else None
+        # shared by the run's ``persist`` servers: a later one restores what an earlier one wrote
+        self.persist_path = os.path.join(os.path.dirname(workdir.rstrip("/")), "persist") if run.persist else None
         self.log_path = os.path.join(workdir, "server.log")
         self.proc: subprocess.Popen | None = None
 
@@ -453,7 +495,8 @@ class Server:
                *s.extra_args]
         if self.connector:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.stats_dir, w.cpu_bytes,
-                                                                          self.run.load_failure_policy))]
+                                                                          self.run.load_failure_policy,
+                                                                          self.persist_path))]
         return cmd
 
     def env(self) -> dict[str, str]:
@@ -770,6 +813,7 @@ def run_plan(workdir: str, plan: str, workload: Workload = Workload(), only: str
             t = time.monotonic()
             ray.start()
             report["ray_start_s"] = round(time.monotonic() - t, 1)
+            report["ray_node_restarts"] = ray.restarts
         for run in runs:
             model = MODELS[SHAPES[run.shape].model]
             model_dir = os.path.join(workdir, f"model-{model.name}")
