@@ -122,12 +122,12 @@ def test_negative_control_ranks_sharing_one_file_namespace_serve_the_wrong_bytes
     worker, runner, original, per_rank, bpr = _worker(tmp_path)
     stages = [t for t in worker.tiers if t.name == "disk"]
     stages[1].tier.close()
-    stages[1].tier = stages[0].tier
+    stages[1].tiers = (stages[0].tier,)
     _, failed = _spill_and_fetch(worker, per_rank, bpr)
     assert failed == set()  # nothing noticed ...
     assert _rank_blocks(runner, original, bpr) == [True, False]  # ... and rank 1 got rank 0's bytes
     assert all(np.array_equal(np.asarray(c)[bpr + 9], o[3]) for c, o in zip(runner.kv_caches, original))
-    stages[1].tier = NoChunkFiles(str(tmp_path))  # the shared files are closed once, by stage 0
+    stages[1].tiers = (NoChunkFiles(str(tmp_path)),)  # the shared files are closed once, by stage 0
     worker.close()
 
 

@@ -160,7 +160,6 @@ class DiskStage(WorkerTier):
         self.tiers: tuple[DiskTier, ...] = tuple(
             self._files(engine.disk_chunk_bytes(rank if p == 0 else 0), pool_path(path, p), n, faults, deployment)
             for p, (engine, n) in enumerate(zip(self.engines, files)))
-        self.tier = self.tiers[0]
         for p in range(len(self.tiers), len(POOL_DIRS)):  # a pool this start does not have keeps no file
             if os.path.isdir(pool_path(path, p)):
                 DiskTier.clear(pool_path(path, p))
@@ -180,6 +179,11 @@ class DiskStage(WorkerTier):
         for p, tier in enumerate(self.tiers):
             logger.info("tpuoffload disk tier at %s (pool %d): %d chunk files of %d bytes (%d adopted at start-up)",
                         tier.path, p, tier.capacity_chunks, tier.file_bytes, tier.scan_report.adopted)
+
+    @property
+    def tier(self) -> DiskTier:
+        """The KV pool's files (the only ones without a state pool)."""
+        return self.tiers[0]
 
     @staticmethod
     def _files(payload: int, path: str, files: int, faults: DiskFaults | None, deployment: str | None) -> DiskTier:
