@@ -137,10 +137,10 @@ def test_reset_revokes_on_every_host_and_drops_a_pending_restore(tmp_path):
 
 
 def disk_rows(*entries: tuple[int, int]) -> bytes:
-    """DISK_ROW rows of (disk id, k1); k2 = k1 + 1."""
+    """DISK_ROW rows of (disk id, k1); k2 = k1 + 1; the KV pool's files (pool 0)."""
     out = np.zeros(len(entries), DISK_ROW)
     for i, (disk_id, k1) in enumerate(entries):
-        out[i] = (disk_id, k1, k1 + 1)
+        out[i] = (disk_id, k1, k1 + 1, 0)
     return out.tobytes()
 
 
