@@ -18,7 +18,6 @@ import dataclasses
 import os
 import random
 
-import pytest
 
 from tpuoffload import counters as C
 from tpuoffload.backend.disk_tier import HEADER_BYTES
