@@ -21,19 +21,15 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import types
 
-import jax
 import numpy as np
 import pytest
 
+from dp_worker import dp_worker, rank_plan as _plan, run_step as _step
 from tpuoffload import counters as C
 from tpuoffload.backend.disk_tier import NoChunkFiles
-from tpuoffload.config import parse_config
-from tpuoffload.messages import DiskBatch, DiskPlan, LoadRequest, OffloadMetadata, SaveBatch, StepPlan, pack_keys
+from tpuoffload.messages import DiskBatch, DiskPlan, LoadRequest, SaveBatch, pack_keys
 from tpuoffload.manager.disk_index import DiskIndex
-from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
-from tpuoffload.worker.offload_worker import OffloadWorker
 
 KEY = pack_keys(np.array([0x1234_5678], np.uint64), np.array([0x9ABC], np.uint64))  # one hash, both ranks
 DISK_BYTES = 1 << 24
@@ -42,32 +38,7 @@ DISK_BYTES = 1 << 24
 def _worker(tmp_path, layout: str = "bf16-dp2-tp4"):
     """One host holding both batch shards of tpu-inference's DP 2 x TP 4 cache (or ``layout``), random
     contents, the disk tier on."""
-    caches, mesh = create_caches(LAYOUTS[layout])
-    rng = np.random.default_rng(36)
-    caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
-    original = [np.asarray(c) for c in caches]
-    runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
-    config = parse_config({"cpu_bytes_to_use": 1 << 24, "disk_path": str(tmp_path / "disk-{host}"),
-                           "disk_bytes_to_use": DISK_BYTES})
-    worker = OffloadWorker(config, host_id=0)
-    worker.register_runner(runner)
-    return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
-
-
-def _plan(rank: int, bpr: int, step: int, per_rank: int, **fields) -> StepPlan:
-    """A rank's plan as DPScheduler's merge hands it to the workers (test_dp_scheduler.py)."""
-    return StepPlan(step, per_rank, source=1000 + rank, num_blocks=bpr, failures_by_request=True,
-                    local_block_ids=[rank * bpr], **fields)
-
-
-def _step(worker, plans) -> set[str]:
-    worker.bind(OffloadMetadata(plans))
-    worker.wait_for_save()
-    worker.get_finished()
-    failed = worker.take_failed_recving()
-    worker.clear()
-    assert worker.wait_idle(30)
-    return failed
+    return dp_worker({"disk_path": str(tmp_path / "disk-{host}"), "disk_bytes_to_use": DISK_BYTES}, 36, layout)
 
 
 def _spill_and_fetch(worker, per_rank: int, bpr: int) -> tuple[dict, set[str]]:

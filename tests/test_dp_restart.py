@@ -26,51 +26,21 @@ What these tests prove, on tpu-inference's own DP cache layouts:
 from __future__ import annotations
 
 import logging
-import types
 
-import jax
 import numpy as np
 import pytest
 
+from dp_worker import dp_worker, rank_plan as _plan, run_step as _step
 from tpuoffload import counters as C
-from tpuoffload.config import parse_config
-from tpuoffload.messages import (RESTORED_BASE, RESTORED_ROW, LoadRequest, OffloadMetadata, SaveBatch, StepPlan,
-                                 pack_keys)
-from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, LoadRequest, SaveBatch, pack_keys
 from tpuoffload.worker import persistence
-from tpuoffload.worker.offload_worker import OffloadWorker
 
 KEYS = [pack_keys(np.array([0x1111 + r], np.uint64), np.array([0x2222 + r], np.uint64)) for r in range(2)]
 
 
 def _worker(tmp_path, seed: int, layout: str = "bf16-dp2-tp4"):
     """One host holding every batch shard of ``layout``, random contents, warm restart on."""
-    caches, mesh = create_caches(LAYOUTS[layout])
-    rng = np.random.default_rng(seed)
-    caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
-    original = [np.asarray(c) for c in caches]
-    runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
-    config = parse_config({"cpu_bytes_to_use": 1 << 24, "persist_path": str(tmp_path / "ckpt"),
-                           "persist_timeout_s": 30.0})
-    worker = OffloadWorker(config, host_id=0)
-    worker.register_runner(runner)
-    return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
-
-
-def _plan(rank: int, bpr: int, step: int, per_rank: int, **fields) -> StepPlan:
-    """A rank's plan as DPScheduler's merge hands it to the workers (test_dp_scheduler.py)."""
-    return StepPlan(step, per_rank, source=1000 + rank, num_blocks=bpr, failures_by_request=True,
-                    local_block_ids=[rank * bpr], **fields)
-
-
-def _step(worker, plans) -> set[str]:
-    worker.bind(OffloadMetadata(plans))
-    worker.wait_for_save()
-    worker.get_finished()
-    failed = worker.take_failed_recving()
-    worker.clear()
-    assert worker.wait_idle(30)
-    return failed
+    return dp_worker({"persist_path": str(tmp_path / "ckpt"), "persist_timeout_s": 30.0}, seed, layout)
 
 
 def _checkpoint_both_ranks(tmp_path):

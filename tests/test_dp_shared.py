@@ -23,19 +23,14 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import types
 
-import jax
 import numpy as np
 import pytest
 
+from dp_worker import dp_worker, rank_plan, run_step as _step
 from tpuoffload import counters as C
 from tpuoffload.backend.shared_store import HEADER_BYTES
-from tpuoffload.config import parse_config
-from tpuoffload.messages import (DiskBatch, LoadRequest, OffloadMetadata, SaveBatch, SharedPlan, StepPlan,
-                                 pack_keys)
-from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
-from tpuoffload.worker.offload_worker import OffloadWorker
+from tpuoffload.messages import DiskBatch, LoadRequest, SaveBatch, SharedPlan, StepPlan, pack_keys
 
 KEY = pack_keys(np.array([0x1234_5678], np.uint64), np.array([0x9ABC], np.uint64))
 
@@ -43,32 +38,11 @@ KEY = pack_keys(np.array([0x1234_5678], np.uint64), np.array([0x9ABC], np.uint64
 def _worker(tmp_path):
     """One host holding both batch shards of tpu-inference's DP 2 x TP 4 cache, random contents (each
     rank's local block 3 differs), the shared tier on a directory."""
-    caches, mesh = create_caches(LAYOUTS["bf16-dp2-tp4"])
-    rng = np.random.default_rng(37)
-    caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
-    original = [np.asarray(c) for c in caches]
-    runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
-    config = parse_config({"cpu_bytes_to_use": 1 << 24, "shared_url": f"file://{tmp_path}/shared?timeout_s=10"})
-    worker = OffloadWorker(config, host_id=0)
-    worker.register_runner(runner)
-    return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
+    return dp_worker({"shared_url": f"file://{tmp_path}/shared?timeout_s=10"}, 37)
 
 
 def _plan(rank: int, bpr: int, step: int, per_rank: int, shared: SharedPlan | None = None, **fields) -> StepPlan:
-    """A rank's plan as DPScheduler's merge hands it to the workers (test_dp_scheduler.py)."""
-    tiers = {"shared": shared} if shared is not None else {}
-    return StepPlan(step, per_rank, source=1000 + rank, num_blocks=bpr, failures_by_request=True,
-                    local_block_ids=[rank * bpr], tiers=tiers, **fields)
-
-
-def _step(worker, plans) -> set[str]:
-    worker.bind(OffloadMetadata(plans))
-    worker.wait_for_save()
-    worker.get_finished()
-    failed = worker.take_failed_recving()
-    worker.clear()
-    assert worker.wait_idle(30)
-    return failed
+    return rank_plan(rank, bpr, step, per_rank, tiers={"shared": shared} if shared is not None else {}, **fields)
 
 
 def _write_on_1_read_on_0(worker, per_rank: int, bpr: int) -> set[str]:

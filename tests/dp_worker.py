@@ -1,0 +1,47 @@
+"""One host's worker over every batch shard of a tpu-inference DP layout, driven plan by plan as
+DPScheduler's merge hands the ranks' plans to the workers (tests/test_dp_scheduler.py shows the
+merge). Shared by tests/test_dp_disk.py, test_dp_restart.py and test_dp_shared.py."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+
+from tpuoffload.config import parse_config
+from tpuoffload.messages import OffloadMetadata, StepPlan
+from tpuoffload.sim.tpu_layouts import LAYOUTS, create_caches
+from tpuoffload.worker.offload_worker import OffloadWorker
+
+
+def dp_worker(extra: dict, seed: int, layout: str = "bf16-dp2-tp4"):
+    """A worker on one host holding every batch shard of ``layout`` (random contents from ``seed``),
+    16 MiB of host RAM and ``extra`` config. Returns (worker, runner, the caches' original contents,
+    slots per rank, blocks per rank)."""
+    caches, mesh = create_caches(LAYOUTS[layout])
+    rng = np.random.default_rng(seed)
+    caches = [jax.device_put(rng.integers(0, 100, size=c.shape).astype(c.dtype), c.sharding) for c in caches]
+    original = [np.asarray(c) for c in caches]
+    runner = types.SimpleNamespace(kv_caches=caches, mesh=mesh)
+    worker = OffloadWorker(parse_config({"cpu_bytes_to_use": 1 << 24, **extra}), host_id=0)
+    worker.register_runner(runner)
+    return worker, runner, original, worker.engine.num_slots(0) // 2, caches[0].shape[0] // 2
+
+
+def rank_plan(rank: int, bpr: int, step: int, per_rank: int, **fields) -> StepPlan:
+    """Rank ``rank``'s plan as DPScheduler's merge hands it to the workers (its blocks moved by
+    ``rank * bpr``)."""
+    return StepPlan(step, per_rank, source=1000 + rank, num_blocks=bpr, failures_by_request=True,
+                    local_block_ids=[rank * bpr], **fields)
+
+
+def run_step(worker, plans) -> set[str]:
+    """One step of ``plans`` on ``worker``, waited until idle; the requests whose load failed."""
+    worker.bind(OffloadMetadata(plans))
+    worker.wait_for_save()
+    worker.get_finished()
+    failed = worker.take_failed_recving()
+    worker.clear()
+    assert worker.wait_idle(30)
+    return failed
