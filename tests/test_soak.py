@@ -101,11 +101,11 @@ def _check_clean(rc: int, out: str, data: dict, runs: int) -> None:
 
 @pytest.mark.timeout(900)
 def test_fast_soak_few_seeds(tmp_path):
-    # --runs-per-child 2: the 4 runs go through two fresh child processes (regression: a child that
+    # --runs-per-child 2: the 3 runs go through two fresh child processes (regression: a child that
     # ran ~320 runs exhausted its memory mappings, and its runs read as hangs).
-    rc, out, data = soak(tmp_path, "--mode", "fast", "--hosts", "2", "--runs", "4", "--seed", "9000",
+    rc, out, data = soak(tmp_path, "--mode", "fast", "--hosts", "2", "--runs", "3", "--seed", "9000",
                          "--runs-per-child", "2")
-    _check_clean(rc, out, data, 4)
+    _check_clean(rc, out, data, 3)
     logs = next(p for p in tmp_path.iterdir() if p.name.startswith("logs-"))
     assert sorted(f.name for f in logs.glob("child-*.log")) == ["child-0.log", "child-1.log"]
 

@@ -330,7 +330,7 @@ def _serve(pod):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("num_hosts,devices_per_host", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("num_hosts,devices_per_host", [(4, 1)])  # 2 hosts: the chaos, corrupt and killed restarts
 def test_podslice_restart_hits_restored_host_ram_byte_exact(make_slice, tmp_path, num_hosts, devices_per_host):
     persist = str(tmp_path / "ckpt")
     spec = _slice_spec(num_hosts, devices_per_host, persist)
