@@ -25,7 +25,7 @@ import os
 import numpy as np
 import pytest
 
-from dp_worker import dp_worker, rank_plan as _plan, run_step as _step
+from dp_helpers import dp_worker, serve_groups, rank_plan as _plan, run_step as _step
 from tpuoffload import counters as C
 from tpuoffload.backend.disk_tier import NoChunkFiles
 from tpuoffload.messages import DiskBatch, DiskPlan, LoadRequest, SaveBatch, pack_keys
@@ -158,27 +158,6 @@ def test_a_start_with_another_dp_size_deletes_the_files_of_the_ranks_it_does_not
 
 
 # ---------------------------------------------------------------------------- through DPScheduler
-def _serve_groups(pod, prompts: list[list[list[int]]], tag: str) -> list[list[int]]:
-    """Each group's requests added together (DPScheduler then gives the i-th to rank i: the ranks
-    are idle, and each request it places loads its rank), run until idle and settled (the spills
-    its saves caused are on disk before the next group is looked up: a lookup does not wait for a
-    spill in flight). Returns the ranks each group's requests went to."""
-    from tpuoffload.sim.vllm_setup import make_request
-    from tpuoffload.sim.workload import expected_output
-
-    placed = []
-    for g, group in enumerate(prompts):
-        ids = [f"{tag}{g}-{i}" for i in range(len(group))]
-        for rid, prompt in zip(ids, group):
-            pod.add_request(make_request(rid, prompt, max_tokens=2))
-        placed.append([pod.scheduler.assigned_dp_rank[rid] for rid in ids])
-        pod.run()
-        for rid, prompt in zip(ids, group):
-            assert pod.outputs[rid] == expected_output(prompt, 2, 32000), rid
-        assert pod.settle(60.0)
-    return placed
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dpscheduler_ranks_spill_to_their_own_disk_and_fetch_back_byte_exact(make_slice, tmp_path):
@@ -210,12 +189,12 @@ def test_dpscheduler_ranks_spill_to_their_own_disk_and_fetch_back_byte_exact(mak
     def rank_totals() -> list[dict]:
         return [snap["totals"] for snap in read_rank_snapshots(pod.stats_dir).values()]
 
-    first = _serve_groups(pod, prompts, "a")
+    first = serve_groups(pod, prompts, "a")
     assert first == [list(range(ranks))] * len(prompts), first
     spilled = [t.get(C.SPILLS_CONFIRMED, 0) for t in rank_totals()]
     assert all(s > 0 for s in spilled), spilled  # 24 chunks per rank into 10 slots
     assert pod.scheduler.reset_prefix_cache()  # HBM forgets; host RAM and every rank's disk remain
-    assert _serve_groups(pod, prompts, "b") == first  # the same ranks (DPScheduler: by load)
+    assert serve_groups(pod, prompts, "b") == first  # the same ranks (DPScheduler: by load)
     totals = rank_totals()
     for r, t in enumerate(totals):  # each rank fetched its own spilled chunks back and loaded them
         assert t.get(C.FETCHES_ISSUED, 0) > 0 and t.get(C.FETCHES_FAILED, 0) == 0, (r, t)

@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import pytest
 
-from dp_worker import dp_worker, rank_plan as _plan, run_step as _step
+from dp_helpers import dp_worker, serve_groups, rank_plan as _plan, run_step as _step
 from tpuoffload import counters as C
 from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, LoadRequest, SaveBatch, pack_keys
 from tpuoffload.worker import persistence
@@ -206,7 +206,6 @@ def test_dpscheduler_restart_loads_every_ranks_restored_host_ram_byte_exact(make
     part of each host's checkpoint reports; the same prompts, sent so that each lands on the rank
     that saved it, then rotated so that each lands on another rank, load every prefix from the
     restored host RAM (own and cross-rank), every position read exact on every host."""
-    from test_dp_disk import _serve_groups
     from test_podslice import _assert_clean_end
 
     persist = str(tmp_path / "ckpt")
@@ -216,7 +215,7 @@ def test_dpscheduler_restart_loads_every_ranks_restored_host_ram_byte_exact(make
     first = make_slice(_dp_spec(persist))
     assert first.dp_ranks == RANKS and type(first.scheduler).__name__ == "DPScheduler"
     _warm_up(first)  # a cold start: every rank hears "nothing restored" before it saves
-    assert _serve_groups(first, [prompts], "a") == [list(range(RANKS))]
+    assert serve_groups(first, [prompts], "a") == [list(range(RANKS))]
     saved = [t.get(C.SAVES_ISSUED, 0) for t in _rank_totals(first)]
     assert all(s >= 6 for s in saved), saved
     _assert_clean_end(first)
@@ -228,10 +227,10 @@ def test_dpscheduler_restart_loads_every_ranks_restored_host_ram_byte_exact(make
     restored = [t.get(C.RESTORED_READY, 0) for t in _rank_totals(second)]
     assert restored == saved, (restored, saved)  # each rank adopted exactly its own chunks
     # The same prompt on the rank that saved it, then each on the next rank (a cross-rank hit).
-    assert _serve_groups(second, [prompts], "b") == [list(range(RANKS))]
+    assert serve_groups(second, [prompts], "b") == [list(range(RANKS))]
     assert second.scheduler.reset_prefix_cache()  # HBM forgets (it would route each prompt back)
     rotated = prompts[1:] + prompts[:1]
-    assert _serve_groups(second, [rotated], "c") == [list(range(RANKS))]
+    assert serve_groups(second, [rotated], "c") == [list(range(RANKS))]
     totals = _rank_totals(second)
     for r, t in enumerate(totals):  # every prefix whole from restored host RAM, twice
         assert t[C.HIT_TOKENS] >= 2 * 6 * 16, (r, t)

@@ -27,7 +27,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dp_worker import dp_worker, rank_plan, run_step as _step
+from dp_helpers import dp_worker, serve_groups, rank_plan, run_step as _step
 from tpuoffload import counters as C
 from tpuoffload.backend.shared_store import HEADER_BYTES
 from tpuoffload.messages import DiskBatch, LoadRequest, SaveBatch, SharedPlan, StepPlan, pack_keys
@@ -117,26 +117,6 @@ def _dp_spec(url: str):
                      max_num_batched_tokens=256, extra_config=config, step_timeout_s=60.0)
 
 
-def _serve_groups(pod, prompts: list[list[list[int]]], tag: str) -> list[list[int]]:
-    """Each group's requests added together (DPScheduler gives the i-th to rank i: the ranks are
-    idle), run until idle and settled; every output equal to what the synthetic model computes from
-    scratch. Returns the ranks each group's requests went to."""
-    from tpuoffload.sim.vllm_setup import make_request
-    from tpuoffload.sim.workload import expected_output
-
-    placed = []
-    for g, group in enumerate(prompts):
-        ids = [f"{tag}{g}-{i}" for i in range(len(group))]
-        for rid, prompt in zip(ids, group):
-            pod.add_request(make_request(rid, prompt, max_tokens=2))
-        placed.append([pod.scheduler.assigned_dp_rank[rid] for rid in ids])
-        pod.run()
-        for rid, prompt in zip(ids, group):
-            assert pod.outputs[rid] == expected_output(prompt, 2, 32000), rid
-        assert pod.settle(60.0)
-    return placed
-
-
 def _rank_totals(pod) -> list[dict]:
     from tpuoffload.snapshot import read_rank_snapshots
 
@@ -172,7 +152,7 @@ def test_dpscheduler_slices_share_prefixes_across_ranks_and_hosts(make_slice, tm
 
     a = make_slice(_dp_spec(f"file://{store}?timeout_s=30"))
     assert a.dp_ranks == RANKS and type(a.scheduler).__name__ == "DPScheduler"
-    assert _serve_groups(a, prompts, "a") == [list(range(RANKS))] * len(prompts)
+    assert serve_groups(a, prompts, "a") == [list(range(RANKS))] * len(prompts)
     published = [t.get(C.SHARED_PUBLISH_ISSUED, 0) for t in _rank_totals(a)]
     assert all(p >= 6 * len(prompts) for p in published), published  # every rank published its own
     _clean_end(a)
@@ -192,7 +172,7 @@ def test_dpscheduler_slices_share_prefixes_across_ranks_and_hosts(make_slice, tm
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 1]))
     b = make_slice(_dp_spec(f"file://{damaged}?timeout_s=30"))
-    _serve_groups(b, prompts, "b")
+    serve_groups(b, prompts, "b")
     for r, t in enumerate(_rank_totals(b)):
         assert t.get(C.SHARED_FETCHES_ISSUED, 0) > 0, (r, t)
         assert t.get(C.SHARED_FETCHES_FAILED, 0) == t[C.SHARED_FETCHES_ISSUED] and not t.get(C.SHARED_FETCHES_READY), (r, t)
@@ -203,7 +183,7 @@ def test_dpscheduler_slices_share_prefixes_across_ranks_and_hosts(make_slice, tm
 
     c = make_slice(_dp_spec(f"file://{store}?timeout_s=30"))
     rotated = [group[-1:] + group[:-1] for group in prompts]  # rank r gets A's rank r-1's prompt
-    assert _serve_groups(c, rotated, "c") == [list(range(RANKS))] * len(prompts)
+    assert serve_groups(c, rotated, "c") == [list(range(RANKS))] * len(prompts)
     totals = _rank_totals(c)
     for r, t in enumerate(totals):  # each rank fetched another rank's objects and loaded them
         assert t.get(C.SHARED_FETCHES_READY, 0) >= 6 * len(prompts) and not t.get(C.SHARED_FETCHES_FAILED), (r, t)
@@ -231,7 +211,7 @@ def test_negative_control_slice_publishing_shard_0s_pieces_for_every_rank_is_cau
     rng = np.random.default_rng(37)
     prompts = [[rng.integers(3, 30000, 6 * 16 + 5).tolist() for _ in range(RANKS)]]
     a = make_slice(_dp_spec(f"file://{store}?timeout_s=30"), Chaos(broken="shard0_payloads"))
-    _serve_groups(a, prompts, "a")
+    serve_groups(a, prompts, "a")
     a.shutdown()
     c = make_slice(_dp_spec(f"file://{store}?timeout_s=30"))
     rotated = [group[-1:] + group[:-1] for group in prompts]

@@ -1,6 +1,7 @@
-"""One host's worker over every batch shard of a tpu-inference DP layout, driven plan by plan as
+"""Helpers of the DP tier tests (tests/test_dp_disk.py, test_dp_restart.py, test_dp_shared.py): one
+host's worker over every batch shard of a tpu-inference DP layout, driven plan by plan as
 DPScheduler's merge hands the ranks' plans to the workers (tests/test_dp_scheduler.py shows the
-merge). Shared by tests/test_dp_disk.py, test_dp_restart.py and test_dp_shared.py."""
+merge), and groups of requests served on a DPScheduler pod slice."""
 
 from __future__ import annotations
 
@@ -45,3 +46,24 @@ def run_step(worker, plans) -> set[str]:
     worker.clear()
     assert worker.wait_idle(30)
     return failed
+
+
+def serve_groups(pod, prompts: list[list[list[int]]], tag: str) -> list[list[int]]:
+    """Each group's requests added together (DPScheduler gives the i-th to rank i when the ranks are
+    idle), run until idle and settled (what a group's saves caused, spills included, is done before
+    the next group is looked up); every output equal to what the synthetic model computes from
+    scratch. Returns the ranks each group's requests went to."""
+    from tpuoffload.sim.vllm_setup import make_request
+    from tpuoffload.sim.workload import expected_output
+
+    placed = []
+    for g, group in enumerate(prompts):
+        ids = [f"{tag}{g}-{i}" for i in range(len(group))]
+        for rid, prompt in zip(ids, group):
+            pod.add_request(make_request(rid, prompt, max_tokens=2))
+        placed.append([pod.scheduler.assigned_dp_rank[rid] for rid in ids])
+        pod.run()
+        for rid, prompt in zip(ids, group):
+            assert pod.outputs[rid] == expected_output(prompt, 2, 32000), rid
+        assert pod.settle(60.0)
+    return placed
