@@ -139,6 +139,9 @@ class OffloadWorker:
             faults=self._faults,
             transfer_buffer_bytes=self.config.transfer_buffer_bytes,
         )
+        tables = self.engine.tables
+        # What _Placed needs of the stores, fixed from here on: batch shards, each pool's slots per shard.
+        self._store_shape = (tables[0].shards, tuple(t.shard_slots for t in tables))
         deployment = fingerprint(layouts[0], self.deployment, jax.process_count())
         if self.config.persist_path:
             self.tiers += self._start_persistence(deployment)
@@ -224,8 +227,7 @@ class OffloadWorker:
         plans = meta.requests_meta
         if not plans:
             raise ValueError("tpuoffload: the step's metadata carries no plan")
-        tables = self.engine.tables
-        placed = [_Placed(plan, tables[0].shards, tuple(t.shard_slots for t in tables)) for plan in plans]
+        placed = [_Placed(plan, *self._store_shape) for plan in plans]
         shape = tuple((p.plan.num_slots, p.plan.state_slots, p.plan.num_blocks, p.slot_offset) for p in placed)
         if shape != self._checked_shape:  # the plans' shape is the deployment's: checked when it changes
             self._check_slots(placed)
