@@ -11,7 +11,10 @@ are the installed ones. What is replaced is device detection, TPU-only compiler 
 no CPU build here (torchvision-bound multimodal modules, a newer tokamax kernel), the Pallas
 attention kernel (by tpu-inference's own pure-JAX reference of the same kernel), one
 float32-only weight-loading failure, the CPU hosts' join (shim 11) and, for the serving launcher's
-fault case only, the worker half's fault injector (shim 12, inert unless the launcher asks).
+fault case only, the worker half's fault injector (shim 12, inert unless the launcher asks). One
+shim is not about CPU at all: shim 13 works around a vLLM defect a TPU deployment has too (a
+remote worker's response read that its executor's shutdown cannot wake), so that the serving
+launcher's killed-host case measures the connector, not that hang.
 ``dp_output_aggregator`` is not a shim but an experiment, installed only on request.
 
 ``install()`` must run before ``vllm.platforms.current_platform`` is first resolved and before
@@ -271,7 +274,43 @@ def install(without: tuple[str, ...] = ()) -> list[str]:
     INSTALLED.append("tpuoffload.connector.OffloadWorker: on the host the serving launcher names (only when it "
                      "asks, for its fault case), the worker half fails every load while a flag file exists "
                      "(instead of the product's default injector, which never fails)")
+
+    # (13) a vLLM defect, not a CPU gap (a TPU deployment has it too): RayExecutorV2 reads the responses of a worker
+    # on another node through a zmq socket (MessageQueue remote reader) that polls without a bound, and its shutdown
+    # on a worker's death wakes only shared-memory readers. A host killed after host 0 answered a step but before it
+    # did leaves EngineCore blocked for ever: /health stays 200 and every request hangs. Here such a read polls in
+    # slices and gives up as a local reader does ("cancelled") once its queue is shut down.
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    MessageQueue.dequeue = dequeue_waking_on_shutdown(MessageQueue.dequeue)
+    INSTALLED.append("vllm MessageQueue.dequeue of a remote reader (RayExecutorV2's read of another node's worker): "
+                     "polls in slices and raises 'cancelled' once the queue is shut down, as a local reader does "
+                     "(vLLM 0.32's poll has no bound, so a host killed mid-step hangs EngineCore; not CPU-specific)")
     return INSTALLED
+
+
+#: How long a remote read polls before it looks at its queue's ``shutting_down`` again (shim 13).
+REMOTE_READ_SLICE_S = 0.5
+
+
+def dequeue_waking_on_shutdown(dequeue):
+    """vLLM's ``MessageQueue.dequeue`` with shim 13: a remote reader's wait is cut into
+    ``REMOTE_READ_SLICE_S`` polls, and raises ``RuntimeError("cancelled")`` (what a shared-memory
+    reader raises) once ``shutdown()`` has been called; the read itself is vLLM's."""
+    import time
+
+    def waking_dequeue(self, timeout: float | None = None, indefinite: bool = False):
+        if not self._is_remote_reader:
+            return dequeue(self, timeout, indefinite)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.remote_socket.poll(timeout=int(1000 * REMOTE_READ_SLICE_S)):
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError
+        return dequeue(self, timeout, indefinite)
+
+    return waking_dequeue
 
 
 #: Not a shim, an experiment (off unless this variable is 1; no test relies on it): see ``dp_output_aggregator``.
