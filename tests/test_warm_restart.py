@@ -122,9 +122,36 @@ def test_checkpoint_failed_on_one_host_or_unreported_is_answered_failed(tmp_path
     assert not part.saves_blocked and counters[C.CHECKPOINTS_FAILED] == 1
     clock.t = 20.0
     assert part.plan(9)  # the interval again
-    clock.t = 51.0  # host 1 never reports: given up, and the interval plans the next one
-    assert part.plan(12)
+    clock.t = 51.0  # host 1 never reports: given up; the next one waits as long as that one took
+    assert not part.plan(12)
     assert counters[C.CHECKPOINTS_FAILED] == 2
+    clock.t = 82.0
+    assert part.plan(13)
+
+
+def test_the_interval_counts_from_the_end_of_a_checkpoint_and_is_never_shorter_than_one(tmp_path):
+    """Saves stop while a checkpoint is written: with the interval counted from the plan, a
+    checkpoint slower than the interval would be followed at once by the next, and no save would
+    ever run (the serving stack's 10 s interval on a loaded box skipped every save)."""
+    part, _, counters, clock = restart_part(tmp_path, interval=10.0, timeout=300.0)
+    part.on_report({0: PersistReport(restored=b""), 1: PersistReport(restored=b"")})
+    clock.t = 10.0
+    assert part.plan(1)
+    clock.t = 25.0  # written in 15 s, longer than the interval
+    part.on_report({0: PersistReport(checkpoints=((1, 1, True),)), 1: PersistReport(checkpoints=((1, 1, True),))})
+    assert not part.saves_blocked
+    for t in (25.0, 30.0, 39.9):
+        clock.t = t
+        assert not part.plan(2), t  # saves get as long as the checkpoint took
+    clock.t = 40.0
+    assert part.plan(3)
+    clock.t = 42.0  # a quick one: the plain interval from its end
+    part.on_report({0: PersistReport(checkpoints=((3, 2, True),)), 1: PersistReport(checkpoints=((3, 2, True),))})
+    clock.t = 51.9
+    assert not part.plan(4)
+    clock.t = 52.0
+    assert part.plan(5)
+    assert counters[C.CHECKPOINTS_COMMITTED] == 2
 
 
 def test_reset_revokes_on_every_host_and_drops_a_pending_restore(tmp_path):

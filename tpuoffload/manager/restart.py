@@ -19,7 +19,8 @@ Checkpoints. An operator request (``CHECKPOINT_REQUEST`` in ``persist_path``, po
 second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the step's plan:
 every host writes its part at the start of that step. Until every host reported the checkpoint
 resolved (or ``timeout_s`` passed), no save is planned (``skipped_checkpoint``): a save donates
-the stores the checkpoint is reading. The answer to an operator request is ``CHECKPOINT_DONE``.
+the stores the checkpoint is reading. So the interval counts from the end of the last checkpoint
+and is never shorter than that checkpoint took (``_settle``): saves run at least half the time. The answer to an operator request is ``CHECKPOINT_DONE``.
 The checkpoint at shutdown is the hosts' own (vLLM stops stepping first).
 
 Under DPScheduler every rank's half runs this tier over its own index: it adopts the rows its own
@@ -65,6 +66,7 @@ class _Checkpoint:
     """A planned checkpoint until every host reported it."""
 
     step: int
+    planned_at: float
     deadline: float
     waiting: set[int]  # hosts that have not reported it
     request: CheckpointRequest | None
@@ -102,6 +104,7 @@ class WarmRestart(Tier):
         self._restored: dict[int, np.ndarray] | None = {}  # host -> RESTORED_ROW rows; None: settled
         self._checkpoint: _Checkpoint | None = None
         self._checkpoint_now = False  # this step's plan asks for a checkpoint
+        self._warned_slow = False  # a checkpoint took longer than the interval (said once)
         self._revoke_below: int | None = None
 
     # ---------------------------------------------------------------- the Tier hooks
@@ -143,8 +146,8 @@ class WarmRestart(Tier):
             return False
         if request is None and now < self._next_due:
             return False
-        self._next_due = now + self._interval if self._interval else math.inf
-        self._checkpoint = _Checkpoint(step, now + self.timeout_s, set(range(self.num_hosts)), request)
+        self._next_due = math.inf  # set when this one settles
+        self._checkpoint = _Checkpoint(step, now, now + self.timeout_s, set(range(self.num_hosts)), request)
         self.counters[C.CHECKPOINTS_PLANNED] += 1
         self._on_checkpoint()
         logger.info("tpuoffload persist: checkpoint planned (%s)", f"request {request.id}" if request else "interval")
@@ -223,7 +226,18 @@ class WarmRestart(Tier):
             self._settle(cp, f"host(s) {sorted(cp.waiting)} did not report it within {self.timeout_s:.0f} s")
 
     def _settle(self, cp: _Checkpoint, reason: str) -> None:
+        """End ``cp``; the interval counts from now, and is at least as long as ``cp`` took, so
+        saves (blocked while a checkpoint is written) run at least half the time."""
         self._checkpoint = None
+        now = self.clock()
+        if self._interval:
+            took = now - cp.planned_at
+            self._next_due = now + max(self._interval, took)
+            if took > self._interval and not self._warned_slow:
+                self._warned_slow = True
+                logger.warning("tpuoffload persist: a checkpoint took %.1f s, longer than persist_interval_s "
+                               "(%.1f s): the next one waits as long (saves stop while one is written)",
+                               took, self._interval)
         self.counters[C.CHECKPOINTS_COMMITTED if cp.ok else C.CHECKPOINTS_FAILED] += 1
         if cp.ok:
             logger.info("tpuoffload persist: checkpoint %s committed by every host", cp.seq)
