@@ -311,15 +311,16 @@ def test_multiprocess_dp_engines_are_single_scheduler_engines_with_their_own_fil
 
 
 def test_shared_url_is_validated_and_refused_where_it_cannot_work():
-    from tpuoffload.config import DP, HYBRID, check_features
+    from tpuoffload.config import DP, GDN, HYBRID, check_features
 
     with pytest.raises(ValueError, match="unknown scheme 'gs'"):
         parse({**BASE, "shared_url": "gs://bucket/kv"})
     with pytest.raises(ValueError, match="low .* must be below high"):
         parse({**BASE, "shared_url": "file:///kv?high=0.5&low=0.6"})
     check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {DP})  # per-rank plans (test_dp_shared.py)
-    with pytest.raises(ValueError, match="shared_url with several KV cache groups"):
-        check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {HYBRID})
+    check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {HYBRID})  # per-group objects (test_hybrid_shared.py)
+    with pytest.raises(ValueError, match="shared_url with GDN/mamba state layers"):
+        check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {GDN})
 
 
 def test_one_feature_table_refuses_with_every_reason_and_the_readme_prints_it():

@@ -268,7 +268,9 @@ LIMITS: dict[str, dict[str, str]] = {
         GDN: "checkpoints hold the KV pool's slots only; lifted by a second array per slot pool",
     },
     "shared_url": {
-        HYBRID: "objects are keyed by group 0 only; lifted by the group in the key and per-group hits",
+        GDN: "a state chunk (one row of every state array) lives in a second slot pool with its own bytes, and the "
+             "stage publishes, fetches and installs KV-pool chunks only; lifted by a stage per slot pool, as the "
+             "disk tier keeps its files per pool",
     },
 }
 

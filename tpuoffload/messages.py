@@ -122,17 +122,23 @@ class SharedPlan:
     # Hosts of the engine (the scheduler's count of reporting workers): each object names its shard
     # as "host i of hosts".
     hosts: int = 1
-    # (probe id, 16-byte keys): does this host's store hold (and would it verify) each chunk?
-    probe: tuple[tuple[int, bytes], ...] = ()
-    # READY chunks to read out of their host-RAM slots (still holding ``save_ids``) and publish.
+    # Every object is named by a chunk's content key (vLLM's block hash: ``keys``, 16 bytes each)
+    # and its KV cache group (``groups``: one uint8 per chunk; b"": every chunk group 0's), as
+    # vLLM's offload key is a block hash and a group.
+    # (probe id, keys, groups): does this host's store hold (and would it verify) each chunk?
+    probe: tuple[tuple[int, bytes, bytes], ...] = ()
+    # READY chunks to read out of their host-RAM slots (still holding ``save_ids``) and publish
+    # (``publish.keys``: content keys), of groups ``publish_groups``.
     publish: DiskBatch = field(default_factory=DiskBatch)
     # Chunks to read from the store in the background and verify, then hold: host-RAM ``slots``
-    # claimed under ``save_ids`` (a save whose bytes come from the store).
+    # claimed under ``save_ids`` (a save whose bytes come from the store), of groups ``fetch_groups``.
     fetch: DiskBatch = field(default_factory=DiskBatch)
     # Save ids of held fetches that every host verified: written into their slots now.
     install: tuple[int, ...] = ()
     # Save ids of held fetches that some host could not verify (or did not in time): dropped.
     cancel: tuple[int, ...] = ()
+    publish_groups: bytes = b""
+    fetch_groups: bytes = b""
 
 
 #: One chunk in ``ChunkNews.ready``: the rank's own slot and save id, and the hash key words.

@@ -12,8 +12,9 @@ everything that determines its bytes::
     namespace   16 bytes: a digest of model, KV dtype, block size, the cache layout on this host and
                 its sharding over hosts, chunk bytes, vLLM's block-hash seed (hash function and
                 PYTHONHASHSEED) and the operator's salt (worker/shared_stage.py:namespace)
-    key         16 bytes: the chunk's key (vLLM's block hash, mixed with its KV cache group)
-    group       the KV cache group
+    key         16 bytes: the chunk's content key (vLLM's block hash, the same for every group)
+    group       its KV cache group (as vLLM's offload key is a block hash and a group: with
+                several groups every group's chunk of a block is its own object)
     shard       this host's index, and the number of hosts (``num_shards``)
 
 and it is published once (put-if-absent: nobody ever replaces an object, so a name always means

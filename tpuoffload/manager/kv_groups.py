@@ -76,6 +76,14 @@ def chunk_keys(packed: PackedHashes, kv_group: int) -> PackedHashes:
     return PackedHashes(words.tobytes(), packed.width)
 
 
+def content_keys(keys: HashKeys, kv_groups: np.ndarray) -> HashKeys:
+    """The content-hash keys (group 0's) of chunks whose keys are ``keys``, chunk ``i`` of group
+    ``kv_groups[i]``: ``_key_words`` undone (an XOR: its own inverse)."""
+    g = np.asarray(kv_groups, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return HashKeys(keys.k1 ^ (g * _MIX1), keys.k2 ^ (g * _MIX2))
+
+
 def chunk_hash(block_hash: bytes, kv_group: int) -> bytes:
     """``chunk_keys`` of one hash (as a lookup's first probe takes it)."""
     return chunk_keys(PackedHashes.of([block_hash]), kv_group).buf if kv_group else block_hash

@@ -69,6 +69,10 @@ def _no_events() -> tuple:
     return ()
 
 
+def _no_note(candidates, batch) -> None:
+    """``note_saves`` without the shared tier, or with one KV cache group (every chunk group 0's)."""
+
+
 def waits_for_load(request: "Request") -> bool:
     """vLLM waits for a load of this request (and asserts on a load it does not wait for)."""
     return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -136,6 +140,9 @@ class OffloadScheduler:
         # or several, decided here once.
         self._step_saves = StepSaves.of(self.requests, kv_groups, config.lazy_offload)
         self.tiers: list[Tier] = self._make_tiers(config, num_hosts)
+        # Several KV cache groups and the shared tier: it learns each save's group (shared_tier.py).
+        shared = self.tier("shared")
+        self._note_saves = shared.note_saves if shared is not None and kv_groups.several else _no_note
         self.take_events = self._events_log.take if self._events_log is not None else _no_events
         self._kv_cache_manager: KVCacheManager | None = None
         self._step = 0
@@ -195,7 +202,7 @@ class OffloadScheduler:
         if config.shared_url is not None:  # the store every replica shares (manager/shared_tier.py)
             tiers.append(SharedTierPlanner(self.saves, self.ledger, num_hosts, self.block_size, self.counters,
                                            lambda: self.clock(), SharedURL.parse(config.shared_url).timeout_s,
-                                           self.loads.take_lookup))
+                                           self.loads.take_lookup, self.kv_groups))
         return tiers
 
     def _event_records(self) -> np.ndarray:
@@ -296,6 +303,8 @@ class OffloadScheduler:
             flush = plan(flush_blocks, flush_hashes, step, flush_origins)
             c = self._step_saves.candidates(scheduler_output, block_ids_of)
             save: SaveBatch = plan(c.block_ids, c.keys, step, c.origins, c.pools) if c is not None else NO_SAVES
+            if c is not None:
+                self._note_saves(c, save)
         finally:
             self.index.unpin(load_slots)
         parts = {t.name: part for t in self.tiers if (part := t.finish_step(step)) is not None}

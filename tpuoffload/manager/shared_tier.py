@@ -27,6 +27,18 @@ once (a bounded memory of keys published or found present); each plan takes at m
 reads its shard out of the slot and writes it in the background, after asking the store which
 objects it holds already (worker/shared_stage.py).
 
+Objects are named as vLLM's offload key names a block, by content hash and KV cache group: the
+content key (vLLM's block hash) and the group travel apart in the plan. Several KV cache groups
+(hybrid models, manager/kv_groups.py): a probe asks for every group's chunk of every block after
+the host-RAM hit, and the hit the store extends is the one ``KVCacheGroups.hit_length`` decides
+over host RAM and the store together, the rule host RAM's hits and the disk tier's fetches follow
+(a full-attention group needs every block of it, a sliding-window group the window ending at its
+boundary); each group's chunks of it that host RAM lacks are fetched, block by block (a cut keeps
+an early prefix of every group). A host-RAM chunk's key has its group mixed in, so a publish takes
+the group from the save that filled the slot (``note_saves``, by save id) and names the object by
+the content key ``kv_groups.content_keys`` recovers; a chunk READY by any other way (a disk fetch)
+is not published: its group is not known.
+
 After ``reset_cache()`` (new weights under the same model name) the tier is off for the rest of
 the engine's life: the store cannot tell which weights wrote an object. Operators who update
 weights change the URL's ``namespace`` parameter when they restart.
@@ -46,8 +58,10 @@ from typing_extensions import override
 
 from tpuoffload import counters as C
 from tpuoffload.messages import DiskBatch, SharedPlan, SharedReport, id_ranges, pack_keys
+from tpuoffload.manager.events import candidate_layout
 from tpuoffload.manager.hash_table import HashKeys, PackedHashes
 from tpuoffload.manager.index import READY
+from tpuoffload.manager.kv_groups import MIRROR, KVCacheGroups, chunk_keys, content_keys
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.save_planner import SavePlanner
 from tpuoffload.manager.tier import Tier
@@ -56,6 +70,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from tpuoffload.manager.ledger import Resolved
+    from tpuoffload.manager.step_saves import SaveCandidates
+    from tpuoffload.messages import SaveBatch
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +93,17 @@ def hash_scope() -> str:
 
 @dataclass
 class _Wait:
-    """A request waiting for the shared tier: its keys from the first block after its host-RAM
-    hit (``start``), the host-RAM part of the hit (``in_ram``, pinned while its fetch is in
-    flight), and where it is (PROBING -> WANTED -> IN_FLIGHT -> DONE)."""
+    """A request waiting for the shared tier: vLLM's hashes of its blocks from ``local`` (vLLM's
+    own hit) on (``span``), probed from ``start`` (after its host-RAM hit), and where it is
+    (PROBING -> WANTED -> IN_FLIGHT -> DONE)."""
 
     request: "Request"
+    local: int
     start: int
-    hashes: PackedHashes  # blocks start.. (vLLM's hashes; group 0)
-    in_ram: PackedHashes
+    span: PackedHashes  # blocks local.. (vLLM's hashes)
     state: int = 0
     probe: int = -1
-    found: int = 0  # blocks every host's store holds, from ``start``
+    stored: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))  # (block of span, group): every host's store holds it
     tries: int = 0
     held: np.ndarray = field(default_factory=lambda: _NONE)
     left: int = 0  # fetched chunks not resolved yet
@@ -95,8 +111,8 @@ class _Wait:
 
 
 class SharedTierPlanner(Tier):
-    """The shared tier as a ``Tier`` (module doc). One KV cache group only
-    (config.LIMITS refuses several)."""
+    """The shared tier as a ``Tier`` (module doc), for one KV cache group or several (not GDN/mamba
+    state groups: config.LIMITS refuses them)."""
 
     name = "shared"
     PROBING, WANTED, IN_FLIGHT, DONE = 0, 1, 2, 3
@@ -109,8 +125,11 @@ class SharedTierPlanner(Tier):
 
     def __init__(self, saves: SavePlanner, ram_ledger: CompletionLedger, num_hosts: int, block_size: int,
                  counters: Counter[str], clock: Callable[[], float], timeout_s: float,
-                 forget_lookup: Callable[[str], object]) -> None:
+                 forget_lookup: Callable[[str], object], groups: KVCacheGroups = KVCacheGroups()) -> None:
         self.saves, self.ram = saves, saves.index
+        self.groups = groups  # vLLM's KV cache groups: a hit is one every group can serve
+        # The groups whose chunks are probed and fetched (a mamba group mirroring another: none).
+        self._probed = np.array([g for g, w in enumerate(groups.windows) if w != MIRROR], dtype=np.int64)
         self.ram_ledger = ram_ledger  # a fetch no host can install is dropped through it
         self.num_hosts = num_hosts
         self.block_size = block_size
@@ -121,21 +140,26 @@ class SharedTierPlanner(Tier):
         self._scope: str | None = None
         self.enabled = True
         self._waits: dict[str, _Wait] = {}
-        self._probes: dict[int, tuple[str, bytes, float, dict[int, np.ndarray]]] = {}  # id -> (req, keys, deadline, answers)
+        self._probes: dict[int, tuple[str, bytes, float, dict[int, np.ndarray]]] = {}  # id -> (req, first key, deadline, answers)
         self._next_probe = 0
-        self._new_probes: list[tuple[int, bytes]] = []
-        self._fetch_batches: list[DiskBatch] = []
+        self._new_probes: list[tuple[int, bytes, bytes]] = []
+        self._fetch_batches: list[tuple[DiskBatch, np.ndarray]] = []  # (batch, each chunk's group)
         self._fetches: dict[int, tuple[str, float, set[int]]] = {}  # RAM save id -> (req, deadline, hosts verified)
         self._installing: set[int] = set()  # save ids sent to install, until the RAM ledger resolves them
         self._install: list[int] = []
         self._cancel: list[int] = []
-        self._publish: deque[tuple[int, int, int, int]] = deque()  # (slot, save id, k1, k2)
+        self._publish: deque[tuple[int, int, int, int, int]] = deque()  # (slot, save id, content k1, k2, group)
+        # Several groups: the group of each save in flight (save id -> group), from ``note_saves``.
+        self._save_groups: dict[int, int] = {}
         self._published: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._missing: OrderedDict[bytes, float] = OrderedDict()  # first key of a lookup that missed -> until
 
-    def _keys(self, hashes: PackedHashes) -> bytes:
-        keys = HashKeys.of(hashes)
-        return pack_keys(keys.k1, keys.k2)
+    def _chunk_keys(self, span: PackedHashes) -> np.ndarray:
+        """The host-RAM keys of every probed group's chunk of every block of ``span``: (block,
+        probed group, hash width) bytes, block by block."""
+        n, width = len(span), span.width
+        return np.stack([np.frombuffer(chunk_keys(span, int(g)).buf, np.uint8).reshape(n, width)
+                         for g in self._probed], axis=1)
 
     # ---------------------------------------------------------------- lookups
     @override
@@ -151,20 +175,28 @@ class SharedTierPlanner(Tier):
         if limit <= start:
             return False
         hashes = request.block_hashes
-        packed = PackedHashes.of(hashes[start:limit])
-        keys = self._keys(packed)
-        until = self._missing.get(keys[:16])
+        first = HashKeys.of([hashes[start]])
+        memo = pack_keys(first.k1, first.k2)
+        until = self._missing.get(memo)
         if until is not None:
             if until > self.clock():
                 return False
-            del self._missing[keys[:16]]
-        if self.ram.find(HashKeys.of(PackedHashes(packed.buf[:packed.width], packed.width)))[0] >= 0:
-            return False  # being saved in host RAM right now: a host-RAM hit soon
+            del self._missing[memo]
+        probe = self.groups.probe_key(hashes[start])
+        if probe is not None:
+            key = HashKeys.of([probe])
+            if self.ram.find(key)[0] >= 0 and self.ram.ready_slots(key)[0] < 0:
+                return False  # being saved in host RAM right now: a host-RAM hit soon
+        probed = PackedHashes.of(hashes[start:limit])
+        keys = HashKeys.of(probed)  # each block's content key, once per probed group
+        groups = np.tile(self._probed, len(probed))
+        k1, k2 = np.repeat(keys.k1, len(self._probed)), np.repeat(keys.k2, len(self._probed))
         pid = self._next_probe
         self._next_probe += 1
-        self._probes[pid] = (rid, keys, self.clock() + self.timeout_s, {})
-        self._new_probes.append((pid, keys))
-        self._waits[rid] = _Wait(request, start, packed, PackedHashes.of(hashes[local_blocks:start]), self.PROBING, pid)
+        self._probes[pid] = (rid, memo, self.clock() + self.timeout_s, {})
+        self._new_probes.append((pid, pack_keys(k1, k2), self._groups_bytes(groups)))
+        self._waits[rid] = _Wait(request, local_blocks, start, PackedHashes.of(hashes[local_blocks:limit]),
+                                 self.PROBING, pid)
         self.counters[C.SHARED_PROBES] += 1
         return True
 
@@ -185,8 +217,8 @@ class SharedTierPlanner(Tier):
             wait.state = self.DONE
             self._forget_lookup(rid)  # the next lookup sees what host RAM holds now
 
-    def _missed(self, keys: bytes) -> None:
-        self._missing[keys[:16]] = self.clock() + self.timeout_s
+    def _missed(self, memo: bytes) -> None:
+        self._missing[memo] = self.clock() + self.timeout_s
         if len(self._missing) > self.MISSES_REMEMBERED:
             self._missing.popitem(last=False)
 
@@ -202,30 +234,54 @@ class SharedTierPlanner(Tier):
         late = [sid for sid, (_, deadline, _) in self._fetches.items() if now > deadline and sid not in self._installing]
         self._drop_fetches(late)
 
+    def _in_ram(self, wait: _Wait) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The chunks of the request's span, (block, probed group): their host-RAM keys (with the
+        hash width as a last axis), READY slots (-1: none) and whether host RAM names them at all
+        (READY, or being saved or fetched)."""
+        keys = self._chunk_keys(wait.span)
+        rows, cols, width = keys.shape
+        flat = HashKeys.of(PackedHashes(keys.tobytes(), width))
+        return (keys, self.ram.ready_slots(flat).reshape(rows, cols),
+                (self.ram.find(flat) >= 0).reshape(rows, cols))
+
+    def _hit_length(self, available: np.ndarray) -> int:
+        """The longest hit every group can serve from the chunks ``available`` (block, probed
+        group): ``KVCacheGroups.hit_length``, host RAM's own rule."""
+        cols = dict(zip(self._probed.tolist(), available.T))
+        none = np.zeros(len(available), bool)
+        return self.groups.hit_length([cols.get(g, none) for g in range(self.groups.num)])
+
+    def _part(self, n: int, rows: int) -> np.ndarray:
+        """(block, probed group): the chunks a hit of ``n`` blocks loads (``first_blocks``)."""
+        first = np.array(self.groups.first_blocks(n), dtype=np.int64)[self._probed]
+        block = np.arange(rows)[:, None]
+        return (block >= first[None, :]) & (block < n)
+
     @override
     def plan_into_ram(self, step: int) -> None:
-        """Fetches of the chunks found since the last plan (module doc); the host-RAM part of each
-        hit stays pinned until its fetch resolves, as the disk tier's does."""
+        """Fetches of the chunks found since the last plan (module doc): each group's chunks of the
+        longest hit host RAM and the store serve together that host RAM lacks; the host-RAM part of
+        the hit stays pinned until its fetch resolves, as the disk tier's does."""
         for rid, wait in self._waits.items():
             if wait.state != self.WANTED:
                 continue
-            width = wait.hashes.width
-            keys = HashKeys.of(PackedHashes(wait.hashes.buf[:wait.found * width], width))
-            named = self.ram.find(keys) >= 0  # in host RAM meanwhile (saved, or another request's fetch)
-            lead = len(named) if named.all() else int(named.argmin())
-            if not (self.ram.ready_slots(keys.take(slice(0, lead))) >= 0).all():
-                wait.tries += 1  # still being saved or fetched: its READY chunks will extend the hit
-                if wait.tries >= self.MAX_WAITS:
+            keys, slots, named = self._in_ram(wait)
+            ready = slots >= 0
+            base = self._hit_length(ready)
+            n = self._hit_length(ready | (wait.stored & ~named))  # a chunk being saved or fetched: not again
+            if n <= base:
+                if self._hit_length(ready | wait.stored) > base:
+                    wait.tries += 1  # still being saved or fetched: its READY chunks will extend the hit
+                    if wait.tries >= self.MAX_WAITS:
+                        self._done(rid)
+                else:
                     self._done(rid)
                 continue
-            m = len(named) - lead if not named[lead:].any() else int(named[lead:].argmax())
-            if m == 0:
-                self._done(rid)
-                continue
-            held = self.ram.ready_slots(HashKeys.of(wait.in_ram))
-            held = np.concatenate((held[held >= 0], self.ram.ready_slots(keys.take(slice(0, lead)))))
+            part = self._part(n, len(ready))
+            need = part & ~ready  # block by block: a cut keeps an early prefix of every group
+            held = slots[part & ready]
             self.ram.pin(held)
-            claim = self.saves.claim(PackedHashes(wait.hashes.buf[lead * width:(lead + m) * width], width), step)
+            claim = self.saves.claim(PackedHashes(keys[need].tobytes(), keys.shape[2]), step)
             if not len(claim.slots):
                 self.ram.unpin(held)
                 wait.tries += 1
@@ -233,14 +289,34 @@ class SharedTierPlanner(Tier):
                     self._done(rid)
                 continue
             n, base = len(claim.slots), claim.first_save_id
-            self.ram.events.record(claim.slots, claim.keep, [(wait.request, wait.start + lead, m, 0)])  # KV events
+            blocks = np.nonzero(need)[0]
+            groups = np.broadcast_to(self._probed, need.shape)[need]
+            self.ram.events.record(claim.slots, claim.keep, [(wait.request, wait.local + b, 1, g) for b, g in
+                                                             zip(blocks.tolist(), groups.tolist())])  # KV events
+            groups = groups[claim.keep]
             deadline = self.clock() + 2 * self.timeout_s
             for sid in range(base, base + n):
                 self._fetches[sid] = (rid, deadline, set())
             wait.held, wait.left, wait.state = held, n, self.IN_FLIGHT
-            self._fetch_batches.append(DiskBatch(tuple(claim.slots.tolist()), range(base, base + n),
-                                                 keys=pack_keys(claim.keys.k1, claim.keys.k2)))
+            content = content_keys(claim.keys, groups)
+            self._fetch_batches.append((DiskBatch(tuple(claim.slots.tolist()), range(base, base + n),
+                                                  keys=pack_keys(content.k1, content.k2)), groups))
             self.counters[C.SHARED_FETCHES_ISSUED] += n
+
+    def note_saves(self, candidates: "SaveCandidates", batch: "SaveBatch") -> None:
+        """Several KV cache groups: the group of each chunk a step's saves claimed, by save id, for
+        its publish (a host-RAM key has its group mixed in). A block id is one group's at a time,
+        so the step's candidates name the group of each saved block."""
+        if not self.enabled or not len(batch):
+            return
+        _, _, _, groups = candidate_layout(candidates.origins)
+        of_block = dict(zip(candidates.block_ids, groups.tolist()))
+        for sid, block in zip(batch.save_ids, batch.block_ids):
+            self._save_groups[sid] = of_block[block]
+
+    def _groups_bytes(self, groups) -> bytes:
+        """A plan's groups of its chunks (b"": one KV cache group, every chunk group 0's)."""
+        return np.asarray(groups, dtype=np.uint8).tobytes() if self.groups.several else b""
 
     @override
     def finish_step(self, step: int) -> SharedPlan | None:
@@ -250,28 +326,32 @@ class SharedTierPlanner(Tier):
         probes, self._new_probes = tuple(self._new_probes), []
         install, self._install = tuple(self._install), []
         cancel, self._cancel = tuple(self._cancel), []
-        fetch = _concat(self._fetch_batches)
+        fetch = _concat([b for b, _ in self._fetch_batches])
+        fetch_groups = self._groups_bytes(np.concatenate([g for _, g in self._fetch_batches])
+                                          if self._fetch_batches else ())
         self._fetch_batches = []
-        publish = self._take_publish()
+        publish, publish_groups = self._take_publish()
         if not (probes or install or cancel or len(fetch) or len(publish)):
             return None
         if self._scope is None:
             self._scope = hash_scope()
-        return SharedPlan(self._scope, self.num_hosts, probes, publish, fetch, install, cancel)
+        return SharedPlan(self._scope, self.num_hosts, probes, publish, fetch, install, cancel,
+                          publish_groups=publish_groups, fetch_groups=fetch_groups)
 
-    def _take_publish(self) -> DiskBatch:
-        slots, ids, keys = [], [], []
+    def _take_publish(self) -> tuple[DiskBatch, bytes]:
+        slots, ids, keys, groups = [], [], [], []
         while self._publish and len(slots) < self.PUBLISH_PER_STEP:
-            slot, sid, k1, k2 = self._publish.popleft()
+            slot, sid, k1, k2, g = self._publish.popleft()
             if self.ram.save_id_of(slot) == sid and self.ram.state_of(slot) == READY:  # (the save id names the key)
                 slots.append(slot)
                 ids.append(sid)
                 keys.append((k1, k2))
+                groups.append(g)
         if not slots:
-            return DiskBatch()
+            return DiskBatch(), b""
         self.counters[C.SHARED_PUBLISH_ISSUED] += len(slots)
         k = np.array(keys, dtype=np.uint64)
-        return DiskBatch(tuple(slots), tuple(ids), keys=pack_keys(k[:, 0], k[:, 1]))
+        return DiskBatch(tuple(slots), tuple(ids), keys=pack_keys(k[:, 0], k[:, 1])), self._groups_bytes(groups)
 
     # ---------------------------------------------------------------- reports
     @override
@@ -290,21 +370,27 @@ class SharedTierPlanner(Tier):
                     if fetch is not None:
                         fetch[2].add(host)
             failed.extend(sid for a, b in part.fetch_failed for sid in range(a, b) if sid in self._fetches)
-        for pid, (rid, keys, _, answers) in list(self._probes.items()):
+        for pid, (rid, memo, _, answers) in list(self._probes.items()):
             if len(answers) < self.num_hosts:
                 continue
             del self._probes[pid]
-            everywhere = np.logical_and.reduce([answers[h] for h in range(self.num_hosts)])
-            n = len(everywhere) if everywhere.all() else int(everywhere.argmin())
             wait = self._waits.get(rid)
             if wait is None:
                 continue
-            if n == 0:
-                self._missed(keys)
+            stored = np.zeros((len(wait.span), len(self._probed)), bool)
+            probed = stored[wait.start - wait.local:]
+            if all(len(answers[h]) == probed.size for h in range(self.num_hosts)):  # (else a host's answer is garbled: a miss)
+                probed[:] = np.logical_and.reduce([answers[h] for h in range(self.num_hosts)]).reshape(probed.shape)
+            # The chunks of the longest hit host RAM and the store serve together that the store adds.
+            _, slots, _ = self._in_ram(wait)
+            ready = slots >= 0
+            found = int((self._part(self._hit_length(ready | stored), len(ready)) & stored & ~ready).sum())
+            if found == 0:
+                self._missed(memo)
                 self._done(rid)
             else:
-                self.counters[C.SHARED_PROBE_HIT_CHUNKS] += n
-                wait.found, wait.state = n, self.WANTED
+                self.counters[C.SHARED_PROBE_HIT_CHUNKS] += found
+                wait.stored, wait.state = stored, self.WANTED
         self._drop_fetches(failed)
         for sid, (_, _, hosts) in self._fetches.items():
             if len(hosts) == self.num_hosts and sid not in self._installing:
@@ -324,6 +410,13 @@ class SharedTierPlanner(Tier):
 
     @override
     def on_resolved(self, resolved: "Resolved") -> None:
+        groups = np.zeros(len(resolved.ready_ids), np.int64)
+        if self._save_groups:  # several groups: each save's, popped (-1: not a save's: never published)
+            groups = np.array([self._save_groups.pop(sid, -1) for sid in resolved.ready_ids.tolist()], np.int64)
+            for sid in resolved.dropped_ids.tolist():
+                self._save_groups.pop(sid, None)
+        elif self.groups.several:
+            groups -= 1
         fetched: set[int] = set()
         for ids, ok in ((resolved.ready_ids, True), (resolved.dropped_ids, False)):
             for sid in ids.tolist():
@@ -345,20 +438,23 @@ class SharedTierPlanner(Tier):
                     else:
                         self._done(fetch[0])
         if self.enabled and len(resolved.ready_ids):
-            self._queue_publish(resolved, fetched)
+            self._queue_publish(resolved, fetched, groups)
 
-    def _queue_publish(self, resolved: "Resolved", fetched: set[int]) -> None:
-        """Chunks saved into host RAM (not fetched from the store) go to the store once."""
+    def _queue_publish(self, resolved: "Resolved", fetched: set[int], groups: np.ndarray) -> None:
+        """Chunks saved into host RAM (not fetched from the store) of a known group go to the store
+        once, named by content key and group."""
         slots, ids = resolved.ready_slots, resolved.ready_ids
         keys = self.ram.keys_of(np.asarray(slots, dtype=np.int64))
-        for slot, sid, k1, k2 in zip(slots.tolist(), ids.tolist(), keys.k1.tolist(), keys.k2.tolist()):
-            key = (k1, k2)
-            if key in self._published or sid in fetched:
+        content = content_keys(keys, np.maximum(groups, 0))
+        for slot, sid, k1, k2, c1, c2, g in zip(slots.tolist(), ids.tolist(), keys.k1.tolist(), keys.k2.tolist(),
+                                                content.k1.tolist(), content.k2.tolist(), groups.tolist()):
+            key = (k1, k2)  # the host-RAM key: hash and group
+            if key in self._published or sid in fetched or g < 0:
                 continue
             self._published[key] = None
             if len(self._published) > self.REMEMBERED:
                 self._published.popitem(last=False)
-            self._publish.append((slot, sid, k1, k2))
+            self._publish.append((slot, sid, c1, c2, g))
 
     @override
     def reset(self, next_save_id: int) -> None:
@@ -378,11 +474,13 @@ class SharedTierPlanner(Tier):
         self._probes.clear()
         self._new_probes = []
         self._publish.clear()
+        self._save_groups.clear()
 
     @override
     def leak_report(self) -> dict[str, int]:
         return {"shared_probes": len(self._probes), "shared_fetches": len(self._fetches),
-                "shared_waiting": sum(w.state != self.DONE for w in self._waits.values())}
+                "shared_waiting": sum(w.state != self.DONE for w in self._waits.values()),
+                "shared_save_groups": len(self._save_groups)}
 
 
 def _concat(batches: list[DiskBatch]) -> DiskBatch:

@@ -18,7 +18,9 @@ plan's ``SharedPlan`` (manager/shared_tier.py decides; every host gets the same 
 Nothing here waits on the store: the main thread only dispatches programs and hands work to the
 tier's threads, and whatever the store does (slow, gone, corrupt) only changes what this host
 reports; the scheduler turns late answers into misses. Every object is this host's part of a
-chunk only: ``ObjectId(namespace, key, group, part, parts)``. The namespace digests what changes
+chunk only: ``ObjectId(namespace, key, group, part, parts)``, the key the chunk's content hash and
+the group its KV cache group (the plan names both, as vLLM's offload key is a block hash and a
+group: with several groups every group's chunk of a block is its own object). The namespace digests what changes
 the bytes, with the scheduler's hash scope (vLLM's block-hash seed), the operator's salt and the
 object format:
 
@@ -126,9 +128,13 @@ class SharedStage(WorkerTier):
             ns = self._namespaces[key] = namespace(self.deployment, scope, self.spec.namespace)
         return ns
 
-    def _ids(self, ns: bytes, keys: bytes, hosts: int) -> list[ObjectId]:
+    def _ids(self, ns: bytes, keys: bytes, groups: bytes, hosts: int) -> list[ObjectId]:
+        """The objects of this host's part of chunks with these content keys, of these KV cache
+        groups (b"": group 0 each): as vLLM's offload key, a block hash and a group."""
         parts = self.parts or hosts
-        return [ObjectId(ns, row.tobytes(), 0, max(self.part, 0), parts) for row in unpack_keys(keys)]
+        rows = unpack_keys(keys)
+        of = np.frombuffer(groups, np.uint8).tolist() if groups else [0] * len(rows)
+        return [ObjectId(ns, row.tobytes(), g, max(self.part, 0), parts) for row, g in zip(rows, of)]
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
@@ -155,11 +161,12 @@ class SharedStage(WorkerTier):
         if part.install:
             self._install(part.install)
         if len(part.publish):
-            self._publish(part.publish, self._ids(ns, part.publish.keys, part.hosts), s, i)
-        for pid, keys in part.probe:
-            self._submit(self._readers, self._probe, pid, self._ids(ns, keys, part.hosts))
+            self._publish(part.publish, self._ids(ns, part.publish.keys, part.publish_groups, part.hosts), s, i)
+        for pid, keys, groups in part.probe:
+            self._submit(self._readers, self._probe, pid, self._ids(ns, keys, groups, part.hosts))
         if len(part.fetch):
-            for sid, slot, oid in zip(part.fetch.save_ids, part.fetch.slots, self._ids(ns, part.fetch.keys, part.hosts)):
+            oids = self._ids(ns, part.fetch.keys, part.fetch_groups, part.hosts)
+            for sid, slot, oid in zip(part.fetch.save_ids, part.fetch.slots, oids):
                 self._slots[sid] = (slot + s, sid + i)
                 with self._lock:
                     self._reading.add(sid)
