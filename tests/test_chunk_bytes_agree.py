@@ -115,3 +115,126 @@ def test_mla_and_non_mla_groups_together_are_refused():
     vllm_config = type("C", (), {"sharding_config": sharding_config(LAYOUTS["mla-tp4"])})()
     with pytest.raises(ValueError, match="mixes MLA and non-MLA"):
         topology.storage_factor(vllm_config, kv)
+
+
+# ------------------------------------------------------------------ GDN (mamba) hybrids: two pools
+# tpu-inference's and vLLM's own code for a Qwen3.5-like model (sim/gdn_layout.py): vLLM's specs as
+# tpu-inference reports them (every page padded to one size, update_mamba_page_size_padded), the
+# scheduler's KV cache config (each DPScheduler rank's from tpu-inference's _create_per_rank_configs),
+# the arrays its KVCacheManager allocates. Both halves are the connector's own, built from one config.
+# Under DPScheduler each device keeps SHARD_SPARE_ROWS spare rows of each pool: host RAM for more.
+GDN_BUDGET = {"cpu_bytes_to_use": 24 << 20, "state_ram_fraction": 0.5, "disk_bytes_to_use": 5 << 20}
+
+
+@pytest.fixture(scope="module", params=["qwen3.5-like", "qwen3.5-like-dp2"])
+def gdn(request):
+    from tpuoffload.sim import gdn_layout as gl
+
+    return gl.build(gl.GDN_LAYOUTS[request.param])
+
+
+def _gdn_scheduler_halves(layout, extra: dict) -> list:
+    """The scheduler half as the engine builds it: one, or under DPScheduler one per rank over that
+    rank's KV cache config (tpu-inference's own split)."""
+    import copy
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tpuoffload.connector import TPUOffloadConnector
+    from tpuoffload.sim import gdn_layout as gl
+    from tpuoffload.sim.tpu_layouts import tpu_inference
+
+    spec = layout.spec
+    vc = gl.make_vllm_config(spec, extra)
+    vc.sharding_config = sharding_config(spec.tpu_spec())  # tpu-inference's platform attaches it
+    configs = [copy.deepcopy(layout.kv_cache_config)]
+    if spec.dp > 1:
+        tpu_inference()
+        from tpu_inference.core.sched.dp_scheduler import DPScheduler, update_vllm_config_for_dp_scheduler
+
+        update_vllm_config_for_dp_scheduler(vc)
+        vc.cache_config.mamba_num_blocks = layout.mamba_num_blocks  # propagate_mamba_num_blocks
+        dp = types.SimpleNamespace(vllm_config=vc, dp_size=spec.dp)
+        DPScheduler._create_per_rank_configs(dp, layout.kv_cache_config)
+        configs = dp.per_rank_kv_cache_configs
+    return [TPUOffloadConnector(vc, KVConnectorRole.SCHEDULER, cfg) for cfg in configs]
+
+
+def _gdn_bytes_per_chunk(kv_caches) -> tuple[int, int]:
+    """What tpu-inference allocated, read off its arrays: the bytes of one block of every attention
+    array and of one row of every state array, on every device (a device's shard of a block or row,
+    padding and replicated KV heads included), summed over the devices: what the workers copy."""
+    def per_row(arrays) -> int:
+        return sum(s.data.nbytes // s.data.shape[0] for a in arrays for s in a.addressable_shards)
+
+    return (per_row([c for c in kv_caches if not isinstance(c, tuple)]),
+            per_row([a for c in kv_caches if isinstance(c, tuple) for a in c]))
+
+
+def test_gdn_both_halves_agree_on_each_pools_chunk_bytes_and_slots(gdn, tmp_path):
+    """``cpu_bytes_to_use`` and ``disk_bytes_to_use`` mean what they say on a GDN hybrid: per host,
+    the scheduler half's KV chunk and state chunk are the bytes the workers store (one block of
+    every attention array, one row of every state array, as tpu-inference allocated them), and one
+    byte budget gives both halves the same slots of each pool and the same chunk files of each
+    pool. The worker here holds every device (one process); per host it stores its share."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tpuoffload.connector import TPUOffloadConnector
+    from tpuoffload.sim import gdn_layout as gl
+
+    spec = gdn.spec
+    truth = _gdn_bytes_per_chunk(gdn.kv_caches)
+    wrong = []  # every disagreement, then one assert (each names what it counts: scheduler, workers)
+    for hosts in (1, 2, 4):
+        halves = _gdn_scheduler_halves(gdn, {"num_cpu_chunks": 1024, "state_ram_fraction": 0.5, "num_hosts": hosts})
+        assert len(halves) == spec.dp
+        for h in halves:
+            sched, host = tuple(h.scheduler.saves.pool_chunk_bytes), (truth[0] // hosts, truth[1] // hosts)
+            if sched != host:
+                wrong.append(f"{hosts} hosts, bytes per (KV, state) chunk per host: {sched} != {host}")
+            h.shutdown()
+    # One host's byte budget, through both halves' own code: the same slots of each pool and (one
+    # scheduler: the disk tier keeps state chunks of one scheduler only) the same chunk files.
+    extra = dict(GDN_BUDGET, disk_path=str(tmp_path / "disk"))
+    if spec.dp > 1:
+        del extra["disk_path"], extra["disk_bytes_to_use"]
+    halves = _gdn_scheduler_halves(gdn, extra)
+    gdn.runner.kv_caches = list(gdn.kv_caches)
+    worker = TPUOffloadConnector(gl.make_vllm_config(spec, extra), KVConnectorRole.WORKER,
+                                 copy.deepcopy(gdn.worker_kv_cache_config))
+    worker.register_runner(gdn.runner)
+    try:
+        engine = worker.worker.engine
+        assert tuple(e.slot_table.slot_bytes for e in engine.engines) == truth
+        sched = [h.scheduler for h in halves]
+        planned = tuple(sum(s.index.pool_sizes[p] for s in sched) for p in range(2))
+        have = (engine.num_slots(0), engine.num_slots(1))
+        if planned != have:
+            wrong.append(f"slots per pool: {planned} != {have}")
+        if spec.dp == 1:
+            files_planned = sched[0].tier("disk").disk.index.pool_sizes
+            files_kept = tuple(t.capacity_chunks for t in worker.worker.tier("disk").tiers)
+            if files_planned != files_kept:
+                wrong.append(f"chunk files per pool: {files_planned} != {files_kept}")
+        assert not wrong, (spec.name, wrong)
+    finally:
+        worker.shutdown()
+        for h in halves:
+            h.shutdown()
+
+
+def test_gdn_negative_control_vllms_attention_page_misses_the_arrays_padding(gdn):
+    """The rule before (the attention spec's ``real_page_size_bytes``, vLLM's count): head_dim 64
+    without tpu-inference's padding to 128, half the bytes the workers store per KV chunk, so the
+    scheduler planned twice the KV slots (and chunk files) a host has."""
+    from tpuoffload.manager.topology import _is_state
+
+    kv = gdn.kv_cache_config
+    old = sum(g.kv_cache_spec.real_page_size_bytes * len(g.layer_names)
+              for g in kv.kv_cache_groups if not _is_state(g.kv_cache_spec)) * gdn.spec.dp
+    worker = _gdn_bytes_per_chunk(gdn.kv_caches)[0]
+    assert gdn.spec.head_dim == 64 and 2 * old == worker, (old, worker)
+    assert host_chunk_bytes(kv, 1, gdn.spec.dp) == worker

@@ -28,12 +28,11 @@ from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 # prefix only in host RAM (vLLM's prefix cache is reset between waves), on either rank.
 WORKLOAD = PrefixRepetition(num_prefixes=8, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
                             num_requests=16, waves=2, arrivals_per_step=4, seed=3)
-# Per host, as the scheduler half sizes them: a KV chunk 16 KiB, a state chunk 210 KiB; 512 chunks
-# of host RAM, a quarter KV rows (128 per device: 112 slots per rank), three quarters state rows (29
-# per device: 13 state slots per rank, past the 16 spare rows a batch-split store keeps). The hosts
-# store 32 KiB per KV chunk of this layout (so num_cpu_chunks, not cpu_bytes_to_use: the workers
-# then keep the same KV slots and more state slots than planned).
-CONFIG = {"num_cpu_chunks": 512, "state_ram_fraction": 0.75, "save_timeout_s": 30.0, "load_wait_timeout_s": 5.0}
+# Per host, as both halves size them (tests/test_chunk_bytes_agree.py): a KV chunk 32 KiB, a state
+# chunk 210 KiB; 10 MiB of host RAM, 40% KV rows (128 per device: 112 slots per rank), 60% state rows
+# (29 per device: 13 state slots per rank, past the 16 spare rows a batch-split store keeps).
+CONFIG = {"cpu_bytes_to_use": 10 << 20, "state_ram_fraction": 0.6, "save_timeout_s": 30.0,
+          "load_wait_timeout_s": 5.0}
 
 
 def _spec(**extra) -> SliceSpec:

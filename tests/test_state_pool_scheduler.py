@@ -158,11 +158,22 @@ def test_planner_staging_takes_each_pools_chunk_size():
 
 
 def test_scheduler_splits_host_ram_between_the_pools():
-    cfg = _config(_mamba(), _mamba(), FULL)
+    from dataclasses import replace
+
+    # Padded as tpu-inference pads a GDN hybrid (update_mamba_page_size_padded): every page is
+    # attention groups x its attention page (here twice vLLM's count, as head_dim 64 padded to 128
+    # makes it) + mamba groups x the unpadded mamba page.
+    mamba = _mamba().real_page_size_bytes
+    tpu_page = 2 * FULL.real_page_size_bytes
+    padded = tpu_page + 2 * mamba
+    cfg = _config(*(replace(s, page_size_padded=padded) for s in (_mamba(), _mamba(), FULL)))
     state = host_state_bytes(cfg, 1)
-    assert state == 2 * (3 * 8 * 2 + 2 * 4 * 4 * 4)  # the real (unpadded) state of both mamba layers
+    assert state == 2 * mamba == 2 * (3 * 8 * 2 + 2 * 4 * 4 * 4)  # the real (unpadded) state of both mamba layers
     kv = host_chunk_bytes(cfg, 1)
-    assert kv == FULL.real_page_size_bytes
+    assert kv == tpu_page  # the array's block, not vLLM's count (tests/test_chunk_bytes_agree.py)
+    # Pages not padded as tpu-inference pads them: an attention block's bytes are unknown.
+    with pytest.raises(ValueError, match="not padded as tpu-inference pads it"):
+        host_chunk_bytes(_config(_mamba(), _mamba(), FULL), 1)
     groups = KVCacheGroups.of(cfg, BS)
     sched = OffloadScheduler(OffloadConfig(cpu_bytes_to_use=100 * kv, state_ram_fraction=0.5), block_size=BS,
                              chunk_bytes=kv, num_hosts=1, kv_groups=groups, state_chunk_bytes=state)
@@ -191,7 +202,8 @@ def test_connector_scheduler_half_on_the_qwen35_like_layout():
     vc = gl.make_vllm_config(gl.QWEN35_LIKE, {"cpu_bytes_to_use": 64 << 20})
     conn = TPUOffloadConnector(vc, KVConnectorRole.SCHEDULER, copy.deepcopy(cfg))
     sched = conn.scheduler
-    # 6 GDN layers of (3, 512) bf16 + (8, 32, 32) float32; 2 attention layers of 16 KiB pages.
-    assert list(sched.saves.pool_chunk_bytes) == [2 * 16384, 6 * 35840]
+    # 6 GDN layers of (3, 512) bf16 + (8, 32, 32) float32; 2 attention layers of 32 KiB blocks (the
+    # arrays' (16, 4, 2, 128) bf16: head_dim 64 padded to 128; vLLM's own count says 16 KiB).
+    assert list(sched.saves.pool_chunk_bytes) == [2 * 32768, 6 * 35840]
     kv_slots, state_slots = sched.index.pool_sizes
-    assert kv_slots == (48 << 20) // (2 * 16384) and state_slots == (16 << 20) // (6 * 35840)
+    assert kv_slots == (48 << 20) // (2 * 32768) and state_slots == (16 << 20) // (6 * 35840)

@@ -270,18 +270,16 @@ def test_both_pools_round_trip_bit_exact_in_one_plan(layout, vllm_config, monkey
 
 
 def test_the_scheduler_halfs_numbering_binds_on_the_workers_pools(layout, vllm_config):
-    """Both halves built from one vLLM config: the scheduler half's pools fit the worker's, and a
-    plan in its numbering (the last state slot included) saves into the right pools.
-
-    The worker's pool sizes are from its own chunk bytes (a KV chunk of the TPU arrays, head_dim
-    padded to 128: 65536 bytes; the scheduler half's KV chunk is vLLM's 32768-byte page), so with
-    num_cpu_chunks the KV pools agree and the worker has at least the scheduler's state slots."""
+    """Both halves built from one vLLM config: the scheduler half's pools are the worker's, and a
+    plan in its numbering (the last state slot included) saves into the right pools. (Both count a
+    KV chunk as the TPU arrays' block, head_dim padded to 128: 65536 bytes, not vLLM's 32768-byte
+    count; tests/test_chunk_bytes_agree.py.)"""
     sched_half = TPUOffloadConnector(vllm_config, KVConnectorRole.SCHEDULER, copy.deepcopy(layout.kv_cache_config))
     conn = _worker(layout, vllm_config)
     try:
         kv, state = sched_half.scheduler.index.pool_sizes
         engine = conn.worker.engine
-        assert kv == engine.num_slots(0) and 0 < state <= engine.num_slots(1)
+        assert (kv, state) == (engine.num_slots(0), engine.num_slots(1))
         meta = OffloadMetadata([StepPlan(step=0, num_slots=kv + state, state_slots=state, failures_by_request=True,
                                          save=SaveBatch((5, 5), (kv - 1, kv + state - 1), (1, 2)))])
         _, report, _ = _step(conn, meta)

@@ -111,10 +111,10 @@ def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor:
     layers``, times ``storage_factor``, is divided by the number of reporting processes."""
     groups = kv_cache_config.kv_cache_groups
     if any(_is_state(g.kv_cache_spec) for g in groups):
-        # A GDN/mamba hybrid: tpu-inference pads every page to one size (attention page + the
-        # mamba pages), but an attention array's block is its real page; one array per layer.
-        total = factor * max(g.kv_cache_spec.real_page_size_bytes * len(g.layer_names)
-                             for g in groups if not _is_state(g.kv_cache_spec))
+        # A GDN/mamba hybrid: one array per attention layer, each block of it tpu-inference's
+        # attention page (read back from the padded page every spec reports).
+        total = factor * _hybrid_attention_page(groups) * max(
+            len(g.layer_names) for g in groups if not _is_state(g.kv_cache_spec))
     elif len(groups) > 1:
         # vLLM's hybrid KV cache manager: the groups share one block pool and tpu-inference's
         # arrays each serve one layer of every group, so a chunk (one block of every array, keyed
@@ -123,6 +123,36 @@ def host_chunk_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor:
     else:
         total = factor * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     return _per_worker(total, num_workers, "one block of every layer")
+
+
+def _hybrid_attention_page(groups) -> int:
+    """Bytes of one block of one attention layer's array in a GDN/mamba hybrid, as tpu-inference
+    allocates it.
+
+    tpu-inference's ``KVCacheManager.update_mamba_page_size_padded`` reports every layer of such a
+    model (attention and mamba) with one padded page, ``attention groups x A + mamba groups x S``:
+    A its attention page (``get_attention_page_size_bytes``: the array's real block, head_dim
+    padded to 128, KV heads padded to the model shards, packed by dtype) and S the mamba layers'
+    unpadded page (the spec's ``real_page_size_bytes``). A spec's own ``real_page_size_bytes`` of an
+    attention layer is vLLM's count, without tpu-inference's head_dim padding (half of A for
+    head_dim 64), so A is read back from the padded page. Refused when the specs are not what that
+    rule gives (pages of several sizes, mamba layers of several sizes, an attention page smaller
+    than vLLM's count): the scheduler could not know an attention block's bytes."""
+    attn = [g.kv_cache_spec for g in groups if not _is_state(g.kv_cache_spec)]
+    mamba = [g.kv_cache_spec for g in groups if _is_state(g.kv_cache_spec)]
+    pages = {s.page_size_bytes for s in attn + mamba}
+    states = {s.real_page_size_bytes for s in mamba}
+    page, rest = 0, 1
+    if len(pages) == len(states) == 1:
+        page, rest = divmod(pages.pop() - len(mamba) * states.pop(), len(attn))
+    if rest or page < max(s.real_page_size_bytes for s in attn):
+        raise ValueError(
+            "the KV cache config of this GDN/mamba hybrid is not padded as tpu-inference pads it (one page for "
+            "every layer: attention groups x attention page + mamba groups x mamba page): page sizes "
+            f"{sorted({s.page_size_bytes for s in attn + mamba})}, mamba pages "
+            f"{sorted({s.real_page_size_bytes for s in mamba})}, {len(attn)} attention groups; tpuoffload cannot "
+            "tell an attention block's bytes")
+    return page
 
 
 def host_state_bytes(kv_cache_config: "KVCacheConfig", num_workers: int, factor: int = 1) -> int:
