@@ -23,7 +23,8 @@ import pytest
 from tpuoffload.sim.serve_stack import (MARKER_ENV, PLANS, Workload, requests_ok_failed, run_child, run_processes, sweep,
                                         texts, write_tokenizer)
 
-PLAN = "issue33"  # shapes (a) and (b), a load fault (recompute) and its negative control (fail), a host killed
+PLAN = "issue33"  # shapes (a) and (b), a load fault (recompute) and its negative control (fail), a host killed,
+# then a warm start from the checkpoint taken before the kill
 slow = pytest.mark.slow  # one Ray cluster, four server start-ups: about 20 minutes on an idle 2-core machine
 # the first test that asks for the report waits for the whole run (its own outside timeout: run_child's)
 TIMEOUT_S = 3300
@@ -173,6 +174,27 @@ def test_a_host_killed_mid_run_fails_its_requests_within_a_bound(report):
     host1 = [line for line in kill["stats_table"].splitlines() if line.strip().startswith("host 1")]
     assert kill["stats_rc"] == 1 and "STOPPED" in kill["stats_table"], kill["stats_table"]
     assert host1, kill["stats_table"]
+
+
+@slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_warm_start_after_the_killed_host_loads_what_was_checkpointed(report):
+    """The server whose host was killed had warm restart on; before the kill the operator's
+    checkpoint (``tpuoffload checkpoint --wait``, the installed CLI) was committed by every host.
+    The same engine started again on that ``persist_path`` restores it on both hosts: its first
+    round (no earlier round to hit) loads restored KV, and its tokens are those of the engine
+    without the connector."""
+    killed, warm, base = (report["runs"][n] for n in ("fail-policy", "warm-start", "baseline"))
+    c = killed["checkpoint"]
+    assert c["rc"] == 0 and c["done"] and c["done"]["ok"], c
+    restored = [s["totals"].get("restored_ready", 0) for s in warm["snapshots"].values() if s.get("kind") == "scheduler"]
+    assert restored and all(n > 0 for n in restored), restored
+    first = warm["rounds"][0]
+    assert first["external"]["vllm:external_prefix_cache_hits_total"] > 0, first["external"]
+    assert all(x["ok"] for x in first["completions"]) and texts(first) == texts(base["rounds"][0]), first["completions"]
+    digests, _ = _host_digests(warm)
+    common = set(digests[0]) & set(digests[1])
+    assert common and all(digests[0][s] == digests[1][s] for s in common), digests
 
 
 @slow

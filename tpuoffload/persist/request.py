@@ -4,7 +4,8 @@
 
 drops ``DIR/CHECKPOINT_REQUEST`` (JSON: id, time, who; written to a temp file and renamed, so the
 engine never reads half a request; ``touch DIR/CHECKPOINT_REQUEST`` works too). DIR is the
-deployment's ``persist_path``. The scheduler polls it with ``RequestWatcher.poll()`` every step:
+deployment's ``persist_path``. The checkpoint is taken at the engine's next step: an idle engine
+(no request in flight: vLLM runs no step then) takes it when the next request arrives. The scheduler polls it with ``RequestWatcher.poll()`` every step:
 between polls (``poll_interval_s``, default 1 s) a poll is one clock read, and a poll that finds the
 file unchanged is one ``os.stat``. When the checkpoint is committed by every host (or failed), the
 engine calls ``RequestWatcher.complete``: it writes ``DIR/CHECKPOINT_DONE`` (JSON: id, ok,
@@ -175,8 +176,9 @@ def checkpoint_command(directory: str, wait: float) -> int:
         return 0
     done = wait_done(directory, req.id, wait)
     if done is None:
-        print(f"no answer within {wait:.0f} s (is an engine with persist_path={directory} running?)",
-              file=sys.stderr)
+        print(f"no answer within {wait:.0f} s (is an engine with persist_path={directory} running? The "
+              "checkpoint is taken at the engine's next step, and vLLM runs no step while no request is "
+              "in flight)", file=sys.stderr)
         return 2
     if done.ok:
         print(f"checkpoint {done.seq} committed by every host")

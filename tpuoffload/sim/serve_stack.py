@@ -392,8 +392,10 @@ class ServerRun:
     ``/reset_prefix_cache`` before every round after the first. ``fault_rounds``: the rounds during
     which host ``fault_host``'s worker half fails every load (engine_shims 12). ``kill_host``: after
     the rounds, that host's Ray worker is killed with requests in flight. ``persist``: warm restart
-    on, with the ``persist_path`` every such server of the run shares (checkpoints every
-    ``PERSIST_INTERVAL_S``), so a later server restores what an earlier one checkpointed.
+    on, with the ``persist_path`` every such server of the run shares, so a later server restores
+    what an earlier one checkpointed. ``checkpoint_round``: the operator's checkpoint
+    (``tpuoffload checkpoint DIR --wait``) asked as that round starts (the engine takes it at a
+    step: an idle vLLM engine runs none) and waited for after it.
     ``baseline``: the run (without the connector) whose greedy tokens this one's must equal."""
 
     name: str
@@ -406,6 +408,7 @@ class ServerRun:
     fault_host: int = 1
     kill_host: int | None = None
     persist: bool = False
+    checkpoint_round: int | None = None
     baseline: str | None = "baseline"
 
 
@@ -421,7 +424,9 @@ def shape_plan(shape: str) -> tuple[ServerRun, ...]:
 #: through DPScheduler with the connector, its tokens compared with (a)'s run without it (the
 #: attention-DP engine without the connector gives the same tokens: docs/real-engine.md); then the
 #: load fault's negative control, vLLM's default policy ``fail``, under which the same fault fails
-#: requests (completions only), and at its end host 1's Ray worker killed mid-run.
+#: requests (completions only), with warm restart on: after its rounds the operator's checkpoint,
+#: then host 1's Ray worker killed mid-run; last, the same engine started again on that
+#: ``persist_path`` (the warm start after a killed host): its first round loads what was restored.
 PLANS: dict[str, tuple[ServerRun, ...]] = {
     **{name: shape_plan(name) for name in SHAPES},
     "issue33": (
@@ -429,21 +434,10 @@ PLANS: dict[str, tuple[ServerRun, ...]] = {
         ServerRun("connector", "tp2-2hosts", True, rounds=3, fault_rounds=(3,)),
         ServerRun("attndp-connector", "attndp2-2hosts", True),
         ServerRun("fail-policy", "tp2-2hosts", True, load_failure_policy="fail", bench=False, fault_rounds=(2,),
-                  kill_host=1),
-    ),
-    # A server checkpointing every PERSIST_INTERVAL_S, killed mid-run, then the same engine again
-    # (issue 33's warm start after a killed host). Not in the suite: it shows a defect not fixed yet
-    # (docs/real-engine.md): the surviving host's shutdown checkpoint waits for the dead host up to
-    # persist_timeout_s, so the server answers /health and holds its requests meanwhile.
-    "warm-restart": (
-        ServerRun("killed", "tp2-2hosts", True, rounds=1, bench=False, kill_host=1, persist=True, baseline=None),
-        ServerRun("warm-start", "tp2-2hosts", True, rounds=1, bench=False, persist=True, baseline=None),
+                  kill_host=1, persist=True, checkpoint_round=2),
+        ServerRun("warm-start", "tp2-2hosts", True, rounds=1, bench=False, persist=True),
     ),
 }
-
-
-#: How often a ``persist`` server checkpoints (docs/persistence.md's ``persist_interval_s``).
-PERSIST_INTERVAL_S = 10.0
 
 
 def kv_transfer_config(stats_dir: str, cpu_bytes: int, load_failure_policy: str = "recompute",
@@ -453,7 +447,7 @@ def kv_transfer_config(stats_dir: str, cpu_bytes: int, load_failure_policy: str 
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "lazy_offload": False, "stats_dir": stats_dir,
                              "stats_interval_s": 0}
     if persist_path is not None:
-        extra.update(persist_path=persist_path, persist_interval_s=PERSIST_INTERVAL_S)
+        extra.update(persist_path=persist_path)
     return {"kv_connector": "TPUOffloadConnector", "kv_connector_module_path": "tpuoffload.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": load_failure_policy,
             "kv_connector_extra_config": extra}
@@ -688,6 +682,7 @@ def run_server(workdir: str, run: ServerRun, model_dir: str, workload: Workload,
             if faulted:
                 with open(server.fault_flag, "w"):
                     pass
+            asked = OperatorCheckpoint(server.persist_path) if rnd == run.checkpoint_round else None
             before = _external(server)
             outs = completions(server, prompts, workload.output_len)
             b = bench(server, workload, f"round{rnd}-{run.name}") if run.bench and not faulted else None
@@ -696,6 +691,8 @@ def run_server(workdir: str, run: ServerRun, model_dir: str, workload: Workload,
             if faulted:
                 os.unlink(server.fault_flag)
                 entry["failed_loads"] = _failed_loads(server.fault_flag)
+            if asked is not None:
+                report["checkpoint"] = asked.answer()
             report["rounds"].append(entry)
         metrics = server.metrics()
         report["tpuoffload_series"] = sorted(k for k in metrics if k.startswith("vllm:tpuoffload_"))
@@ -713,6 +710,30 @@ def run_server(workdir: str, run: ServerRun, model_dir: str, workload: Workload,
         report["classes"] = engine_classes(log)
         report["wall_s"] = round(time.monotonic() - t0, 1)
     return report
+
+
+class OperatorCheckpoint:
+    """What an operator runs before maintenance (docs/persistence.md): ``tpuoffload checkpoint
+    persist_path --wait`` (the installed CLI), started now, in its own session; ``answer`` waits
+    for it and returns its exit status, output and the engine's answer (``CHECKPOINT_DONE``)."""
+
+    def __init__(self, persist_path: str, wait_s: float = 240.0) -> None:
+        self.persist_path, self.wait_s, self.t0 = persist_path, wait_s, time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tpuoffload.cli", "checkpoint", persist_path,
+                                      "--wait", str(wait_s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+
+    def answer(self) -> dict[str, Any]:
+        from tpuoffload.persist.request import read_done
+
+        try:
+            output, _ = self.proc.communicate(timeout=self.wait_s + 60)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.proc)
+            output, _ = self.proc.communicate()
+        done = read_done(self.persist_path)
+        return {"rc": self.proc.returncode, "after_s": round(time.monotonic() - self.t0, 1), "output": output[-1000:],
+                "done": None if done is None else done.__dict__}
 
 
 def _failed_loads(flag: str) -> list[int]:
@@ -799,9 +820,11 @@ def stats_table(stats_dir: str) -> tuple[str, int]:
 
 
 def run_plan(workdir: str, plan: str, workload: Workload = Workload(), only: str | None = None) -> dict[str, Any]:
-    """The servers of ``PLANS[plan]`` (or the one named ``only``) one after another, those that use
-    Ray on one Ray cluster; the cluster stopped and the run's leftovers listed."""
-    runs = [r for r in PLANS[plan] if only is None or r.name == only]
+    """The servers of ``PLANS[plan]`` (or those named in ``only``, comma-separated) one after
+    another, those that use Ray on one Ray cluster; the cluster stopped and the run's leftovers listed."""
+    runs = [r for r in PLANS[plan] if only is None or r.name in only.split(",")]
+    if only is not None and {r.name for r in runs} != set(only.split(",")):
+        raise ValueError(f"--only {only}: plan {plan} has {[r.name for r in PLANS[plan]]}")
     os.makedirs(workdir, exist_ok=True)
     ray_shapes = {(SHAPES[r.shape].hosts, SHAPES[r.shape].devices_per_host) for r in runs if SHAPES[r.shape].hosts}
     assert len(ray_shapes) <= 1, f"one Ray cluster per plan: {ray_shapes}"
@@ -917,6 +940,14 @@ def summary(report: dict[str, Any]) -> str:
                          f"exited after {k['exited_after_s']} s (rc {k['server_returncode']}); requests {states}; "
                          f"tpuoffload stats exit {k.get('stats_rc')}")
     for name, run in runs.items():
+        if "checkpoint" in run:
+            c = run["checkpoint"]
+            lines.append(f"  {name}: operator checkpoint exit {c['rc']} after {c['after_s']} s: {c['done']}")
+        if run["run"].get("persist") and "snapshots" in run:
+            totals = [x["totals"] for x in run["snapshots"].values() if x.get("kind") == "scheduler"]
+            lines.append(f"  {name}: chunks restored and loadable {[t.get('restored_ready', 0) for t in totals]}, "
+                         f"dropped {[t.get('restored_dropped', 0) for t in totals]}")
+    for name, run in runs.items():
         if run.get("stats_table"):
             lines.append(f"tpuoffload stats, {name} (per host, at the end):")
             lines += ["  " + x for x in run["stats_table"].splitlines()]
@@ -932,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", choices=sorted(PLANS), default="tp2-2hosts",
                     help="a shape (its server without, then with the connector) or a plan of several servers")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--only", default=None, help="run only the server of this name")
+    ap.add_argument("--only", default=None, help="run only the servers of these names (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import tempfile
