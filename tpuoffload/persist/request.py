@@ -5,7 +5,8 @@
 drops ``DIR/CHECKPOINT_REQUEST`` (JSON: id, time, who; written to a temp file and renamed, so the
 engine never reads half a request; ``touch DIR/CHECKPOINT_REQUEST`` works too). DIR is the
 deployment's ``persist_path``. The checkpoint is taken at the engine's next step: an idle engine
-(no request in flight: vLLM runs no step then) takes it when the next request arrives. The scheduler polls it with ``RequestWatcher.poll()`` every step:
+(no request in flight: vLLM runs no step then) takes it when the next request arrives. The
+scheduler polls it with ``RequestWatcher.poll()`` every step:
 between polls (``poll_interval_s``, default 1 s) a poll is one clock read, and a poll that finds the
 file unchanged is one ``os.stat``. When the checkpoint is committed by every host (or failed), the
 engine calls ``RequestWatcher.complete``: it writes ``DIR/CHECKPOINT_DONE`` (JSON: id, ok,
