@@ -6,7 +6,6 @@ cache config tpu-inference's and vLLM's code build for a Qwen3.5-like model (sim
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 from collections import Counter
 
@@ -181,10 +180,6 @@ def test_scheduler_splits_host_ram_between_the_pools():
     with pytest.raises(ValueError, match="holds no state chunk"):
         OffloadScheduler(OffloadConfig(cpu_bytes_to_use=100 * kv, state_ram_fraction=0.01), block_size=BS,
                          chunk_bytes=kv, num_hosts=1, kv_groups=groups, state_chunk_bytes=100 * kv)
-    for extra in ({"persist_path": "/tmp/y"},):  # the disk tier keeps state chunks: tests/test_gdn_disk.py
-        with pytest.raises(ValueError, match="GDN/mamba state layers"):
-            OffloadScheduler(dataclasses.replace(OffloadConfig(cpu_bytes_to_use=100 * kv), **extra), block_size=BS,
-                             chunk_bytes=kv, num_hosts=1, kv_groups=groups, state_chunk_bytes=state)
 
 
 def test_connector_scheduler_half_on_the_qwen35_like_layout():

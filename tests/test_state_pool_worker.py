@@ -361,14 +361,6 @@ def test_state_row_fault_fails_only_its_request_and_dispatches_as_a_clean_host(l
 
 
 # ------------------------------------------------------------------ refusals
-def test_warm_restart_is_refused_with_state_layers(layout, tmp_path):
-    for extra in ({"persist_path": str(tmp_path / "persist")},):  # the disk tier: tests/test_gdn_disk.py
-        worker = OffloadWorker(parse_config({"num_cpu_chunks": 64, **extra}), host_id=0)
-        with pytest.raises(ValueError, match=r"persist_path with GDN/mamba state layers"):
-            worker.register_runner(types.SimpleNamespace(kv_caches=layout.kv_caches))
-        assert worker.engine is None
-
-
 def test_plans_whose_pools_disagree_are_refused(layout, vllm_config):
     conn = _worker(layout, vllm_config)
     try:

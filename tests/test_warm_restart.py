@@ -42,10 +42,10 @@ class Clock:
 
 
 def rows(*entries: tuple[int, int, int]) -> bytes:
-    """RESTORED_ROW rows of (slot, save id, k1); k2 = k1 + 1."""
+    """RESTORED_ROW rows of (slot, save id, k1) in the KV pool; k2 = k1 + 1."""
     out = np.zeros(len(entries), RESTORED_ROW)
     for i, (slot, save_id, k1) in enumerate(entries):
-        out[i] = (slot, save_id, k1, k1 + 1)
+        out[i] = (slot, save_id, k1, k1 + 1, 0)
     return out.tobytes()
 
 

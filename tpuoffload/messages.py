@@ -396,11 +396,22 @@ class SharedReport:
 
 
 # ---------------------------------------------------------------------------- warm restart rows
-#: Save id of a chunk restored from a checkpoint into slot s: RESTORED_BASE + s (the scheduler's
-#: own ids count up from 0 and never get there).
+#: Save id of a chunk restored from a checkpoint into slot s of the KV pool: RESTORED_BASE + s (the
+#: scheduler's own ids count up from 0 and never get there); into slot s of slot pool p (a GDN/mamba
+#: state pool: its own slot numbering, from 0): ``restored_save_id(p, s)``.
 RESTORED_BASE = 1 << 62
-#: One restored chunk as a host reports it: slot, the save id it was checkpointed under, k1, k2.
-RESTORED_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8")])
+#: Restored save ids of pool p start at RESTORED_BASE + (p << RESTORED_POOL_SHIFT) (above every DP
+#: rank's offset, RANK_SAVE_ID_SHIFT).
+RESTORED_POOL_SHIFT = 60
+#: One restored chunk as a host reports it: slot (in its pool's own numbering), the save id it was
+#: checkpointed under, k1, k2, and its slot pool (0: KV, 1: GDN/mamba state).
+RESTORED_ROW = np.dtype([("slot", "<i8"), ("save_id", "<i8"), ("k1", "<u8"), ("k2", "<u8"), ("pool", "<i8")])
+
+
+def restored_save_id(pool, slot):
+    """The save id a chunk restored into ``slot`` of slot pool ``pool`` is known by on the hosts and
+    in the scheduler's index (ints or arrays)."""
+    return RESTORED_BASE + (pool << RESTORED_POOL_SHIFT) + slot
 #: One chunk file a host's disk tier kept at start-up: the disk id it was written under, k1, k2,
 #: and the slot pool whose chunk it holds (the directory it was found in).
 DISK_ROW = np.dtype([("disk_id", "<i8"), ("k1", "<u8"), ("k2", "<u8"), ("pool", "<i8")])

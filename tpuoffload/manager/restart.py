@@ -5,12 +5,16 @@ reads ``PersistReport`` parts.
 
 Restore. Each host restores its slots before the first step (worker/persistence.py) and reports,
 once, the chunks it restored (``PersistReport.restored``: ``RESTORED_ROW`` rows of slot,
-checkpointed save id and hash keys). When every host has reported, a chunk becomes READY in the
-index under save id ``RESTORED_BASE + slot`` only if every host restored the same row (a chunk one
-host had not confirmed when the checkpoint was taken is dropped), its slot is still FREE (the
-first steps' saves may already have reused it: their bytes replaced the restored ones) and its
-hash is not held already. Restored chunks enter the LRU order oldest save first. Until every host
-reported (the first step's outputs) no save is planned, so no save takes a restored slot, and
+checkpointed save id, hash keys and slot pool). When every host has reported, a chunk becomes
+READY in the index under save id ``restored_save_id(pool, slot)`` only if every host restored the
+same row, pool included (a chunk one host had not confirmed when the checkpoint was taken is
+dropped), its slot exists in its pool and is still FREE (the first steps' saves may already have
+reused it: their bytes replaced the restored ones) and its hash is not held already. A row's slot
+is its pool's own (a GDN/mamba state pool's slot ``s`` is the index's slot ``kv + s``), so a
+restored state chunk is adopted into the state pool only, at the slot the hosts hold its bytes
+in (the disk tier's per-pool adoption, ``DiskIndex.adopt``, is the same rule); a slot named by
+two rows is adopted for neither. Restored chunks enter the LRU order oldest save first. Until
+every host reported (the first step's outputs) no save is planned, so no save takes a restored slot, and
 restored chunks are not loadable; if a report never comes (``timeout_s``), or a connector reset
 comes first, nothing is adopted (counted in ``restored_dropped``). The disk tier's files kept over
 a restart are that tier's own business (``DiskTierPlanner``).
@@ -52,7 +56,7 @@ from typing_extensions import override
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.messages import RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport
+from tpuoffload.messages import RESTORED_ROW, PersistPlan, PersistReport, restored_save_id
 from tpuoffload.persist import CheckpointRequest, RequestWatcher
 from tpuoffload.manager.hash_table import HashKeys
 from tpuoffload.manager.index import ChunkIndex
@@ -179,18 +183,25 @@ class WarmRestart(Tier):
             common = np.intersect1d(common, rows[host], assume_unique=True)
         offered = max(len(r) for r in rows.values())
         common = common[np.argsort(common["save_id"], kind="stable")]  # LRU order: oldest save first
-        slots = common["slot"]
-        ok = (slots < self.index.num_slots) & (slots >= 0)
-        ok[ok] = self.index.free_slots_mask(slots[ok])
+        sizes = self.index.pool_sizes
+        starts = np.cumsum((0,) + sizes[:-1])
+        pool, slots = common["pool"], common["slot"]
+        ok = (pool >= 0) & (pool < len(sizes))  # a pool this deployment has, a slot that exists in it
+        ok[ok] = (slots[ok] >= 0) & (slots[ok] < np.asarray(sizes)[pool[ok]])
+        at = np.where(ok, starts[np.where(ok, pool, 0)] + slots, -1)  # the index's slot of each row
+        named, count = np.unique(at[ok], return_counts=True)
+        ok[ok] = ~np.isin(at[ok], named[count > 1])  # a slot named twice holds neither for sure
+        ok[ok] = self.index.free_slots_mask(at[ok])
         keys, valid = HashKeys.of_rows(common[ok])
-        common = common[ok][valid]
+        common, at = common[ok][valid], at[ok][valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one chunk per hash, none already held (invariant 5)
-        common = common[keep]
+        common, at = common[keep], at[keep]
         events = self.index.events
         records, described = events.lookup(keys)  # KV events: only chunks it can announce
         if not described.all():
-            common, keys, records = common[described], keys.take(described), events.subset(records, described)
-        self.index.adopt(keys, common["slot"], RESTORED_BASE + common["slot"], records)
+            common, at, keys = common[described], at[described], keys.take(described)
+            records = events.subset(records, described)
+        self.index.adopt(keys, at, restored_save_id(common["pool"], common["slot"]), records)
         self.counters[C.RESTORED_READY] += len(common)
         self.counters[C.RESTORED_DROPPED] += offered - len(common)
         logger.info("tpuoffload persist: %d restored chunks loadable (%d dropped: not on every host alike, "

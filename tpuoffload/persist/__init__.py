@@ -6,6 +6,7 @@ from tpuoffload.persist.checkpoint import (
     Fingerprint,
     PersistFaults,
     Persister,
+    PoolSlots,
     Restored,
     SaveHandle,
     SaveReport,
@@ -14,4 +15,4 @@ from tpuoffload.persist.checkpoint import (
 from tpuoffload.persist.request import CheckpointDone, CheckpointRequest, RequestWatcher, request_checkpoint
 
 __all__ = ["FORMAT_VERSION", "CheckpointDone", "CheckpointRequest", "Fingerprint", "PersistFaults", "Persister",
-           "RequestWatcher", "Restored", "SaveHandle", "SaveReport", "read_index", "request_checkpoint"]
+           "PoolSlots", "RequestWatcher", "Restored", "SaveHandle", "SaveReport", "read_index", "request_checkpoint"]

@@ -15,9 +15,15 @@ What one checkpoint holds (``<persist_path>/ckpt-<n>``, an orbax Composite of th
     with the slot axis at 1, sharded over the cache's mesh, saved as they are (no copy) and
     restored onto the sharding the caller describes.
 
+  With more than one slot pool (a GDN/mamba hybrid: the KV pool above, then the state pool), each
+  further pool ``p`` is an item ``pool<p>`` of the same tree: its own ``tags``, ``crc`` and
+  ``stores`` (its own number of slots and slot bytes), written and checked like the first pool's
+  (``PoolSlots``). A checkpoint of one pool has no such item (the format of one pool is unchanged).
+
 * ``meta`` (JSON, written by host 0): fingerprint, checkpoint number, num_slots, the slot layout
-  (the form, slot_bytes or every store's shape and dtype) and the crc32 of the index's canonical
-  JSON.
+  (the form, slot_bytes or every store's shape and dtype), with further pools ``pools`` (each
+  pool's num_slots, tag shape and slot layout; absent with one pool) and the crc32 of the index's
+  canonical JSON.
 * ``index`` (JSON, written by host 0): the scheduler's index, an opaque dict (bytes values are
   encoded as ``{"__bytes__": hex}``; tuples come back as lists).
 
@@ -33,9 +39,10 @@ called on the engine's main thread, at the same point of the step sequence on ev
 scheduler plans them in the step metadata). The JAX calls they issue are local (no collective
 program) and always the same, in this order, whatever the data:
 
-* save: for ``tags``, ``crc`` (and ``storage`` in the numpy form) in turn: ``jax.device_put`` of this
-  host's row onto its device (host memory: the CPU device, or ``pinned_host`` memory of an
-  accelerator; on CPU an aligned row is aliased, not copied) and
+* save: for ``tags``, ``crc`` (and ``storage`` in the numpy form), then each further pool's
+  ``tags`` and ``crc``, in turn: ``jax.device_put`` of this host's row onto its device (host
+  memory: the CPU device, or ``pinned_host`` memory of an accelerator; on CPU an aligned row is
+  aliased, not copied) and
   ``jax.make_array_from_single_device_arrays``; then orbax's blocking phase (coordination barriers,
   temp directory, device-to-host copies of those host arrays, which are no-ops: ``np.asarray`` of a
   host-memory array is a view). Checksums of the stores form read the local shards the same way.
@@ -73,7 +80,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -109,18 +116,26 @@ class Fingerprint:
     # chunk's bytes over other devices and numbers the slots per rank differently. Left out of the
     # JSON when 1, so checkpoints and disk tiers of one scheduler keep the fingerprint they had.
     dp_ranks: int = 1
+    # A GDN/mamba hybrid's state pool (a second slot pool): its arrays' row shape, dtype and
+    # sharding, and the bytes of a state chunk on one host; "" without one. Left out of the JSON
+    # when empty, like dp_ranks.
+    state_layout: str = ""
+
+    #: Fields left out of the JSON at these values (older checkpoints and disk tiers lack them).
+    _OPTIONAL = {"dp_ranks": 1, "state_layout": ""}
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if self.dp_ranks == 1:
-            del out["dp_ranks"]
+        for name, default in self._OPTIONAL.items():
+            if out[name] == default:
+                del out[name]
         return out
 
     @classmethod
     def from_json(cls, d: Any) -> "Fingerprint":
         names = {f.name: f.type for f in dataclasses.fields(cls)}
-        if isinstance(d, dict) and "dp_ranks" not in d:
-            d = {**d, "dp_ranks": 1}
+        if isinstance(d, dict):
+            d = {**cls._OPTIONAL, **d}
         if not isinstance(d, dict) or set(d) != set(names):
             raise ValueError(f"fingerprint fields {sorted(d) if isinstance(d, dict) else d!r} are not {sorted(names)}")
         return cls(**d)
@@ -166,6 +181,17 @@ class SaveHandle:
 
 
 @dataclass(frozen=True)
+class PoolSlots:
+    """A further slot pool's part of a checkpoint (a GDN/mamba state pool beside the KV pool): its
+    stores ``{name: global jax.Array}`` (slot axis 1, as the first pool's stores form) and its slot
+    table (``tags``, shaped as ``Persister.save``'s). At restore: the stores are the targets
+    (``jax.ShapeDtypeStruct`` with sharding) and ``tags`` is None."""
+
+    stores: Mapping[str, Any]
+    tags: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class Restored:
     """What a host restored from a checkpoint: its number and path, the slot tags saved with it, the
     index, the stores (or None when restored into host rows), and what it cost."""
@@ -176,10 +202,11 @@ class Restored:
     # save id (column 0) EMPTY_SLOT: empty
     index: dict
     stores: dict | None  # the restored global arrays (stores form), None for host rows (in ``into``)
-    chunks: int  # tagged slots restored on this host
+    chunks: int  # tagged slots restored on this host (every pool's)
     bytes: int
     seconds: float
     ignored_partial: tuple[str, ...] = ()  # newer checkpoints some host never committed
+    pools: tuple[PoolSlots, ...] = ()  # each further slot pool's restored stores and tags, in pool order
 
 
 class PersistFaults:
@@ -290,6 +317,14 @@ def store_checksums(stores: Mapping[str, Any], tags: np.ndarray,
 
 def _host_slot_bytes(stores: Mapping[str, Any]) -> int:
     return sum(v[:, 0].nbytes for v in _store_views(stores))
+
+
+def _num_slots(stores: Mapping[str, Any]) -> int:
+    """The slots (axis 1) every store of a pool has."""
+    counts = {int(v.shape[1]) for v in stores.values()}
+    if len(counts) != 1:
+        raise ValueError(f"stores disagree on the number of slots (axis 1): {sorted(counts)}")
+    return counts.pop()
 
 
 def _slots_spec(storage: Any) -> dict:
@@ -475,18 +510,21 @@ class Persister:
         return best, highest, sorted(partial)
 
     # ---------------------------------------------------------------- restore
-    def restore(self, into: np.ndarray | Mapping[str, Any]) -> tuple[Restored | None, str]:
+    def restore(self, into: np.ndarray | Mapping[str, Any],
+                pools: Sequence[Mapping[str, Any]] = ()) -> tuple[Restored | None, str]:
         """Restore the newest complete checkpoint. ``into`` is either this host's storage
         ((num_slots, slot_bytes) uint8, writable: filled in place) or, for slots kept in global
         jax.Arrays, ``{name: jax.ShapeDtypeStruct(shape, dtype, sharding=...)}`` describing the
-        stores (slot axis 1): the restored arrays come back in ``Restored.stores``.
+        stores (slot axis 1): the restored arrays come back in ``Restored.stores``. ``pools``:
+        the targets of each further slot pool's stores (stores form only), which the checkpoint
+        must hold alike (``Restored.pools``).
 
         Returns ``(Restored, "")`` on every host, or ``(None, reason)`` on every host (then nothing
         restored may be used: every slot is empty). Never raises for a bad, partial or foreign
         checkpoint. Call it once at start-up, also when nothing is expected: it numbers the saves."""
         t0 = time.perf_counter()
         try:
-            restored, reason = self._restore(into, t0)
+            restored, reason = self._restore(into, tuple(pools), t0)
         except Exception as e:  # noqa: BLE001 - never crash the engine over a checkpoint
             restored, reason = None, f"restore failed: {type(e).__name__}: {e}"
         if restored is None:
@@ -499,16 +537,17 @@ class Persister:
                      f" (ignored partial: {', '.join(restored.ignored_partial)})" if restored.ignored_partial else "")
         return restored, reason
 
-    def _restore(self, into: np.ndarray | Mapping[str, Any], t0: float) -> tuple[Restored | None, str]:
+    def _restore(self, into: np.ndarray | Mapping[str, Any], pools: tuple[Mapping[str, Any], ...],
+                 t0: float) -> tuple[Restored | None, str]:
         if isinstance(into, np.ndarray):
             if into.dtype != np.uint8 or into.ndim != 2 or not into.flags.writeable:
                 raise ValueError("restore target must be a writable (num_slots, slot_bytes) uint8 array")
+            if pools:
+                raise ValueError("further slot pools need the stores form")
             num_slots = into.shape[0]
         else:
-            num_slots = {int(v.shape[1]) for v in into.values()}
-            if len(num_slots) != 1:
-                raise ValueError(f"stores disagree on the number of slots (axis 1): {sorted(num_slots)}")
-            num_slots = num_slots.pop()
+            num_slots = _num_slots(into)
+        pool_specs = [{"num_slots": _num_slots(targets), "slots": _slots_spec(targets)} for targets in pools]
         # 1. host 0 picks the checkpoint; everyone learns the numbering.
         pick = ""
         if self.host == 0:
@@ -531,22 +570,26 @@ class Persister:
         path = os.path.join(self.path, f"{CKPT_PREFIX}{seq}")
 
         # 2. every host reads and checks the meta and the index; all must accept.
-        meta_ok, index, tag_tail, why = self._check_meta(path, seq, num_slots, _slots_spec(into))
+        meta_ok, index, tag_tail, why = self._check_meta(path, seq, num_slots, _slots_spec(into), pool_specs)
         verdict = self._all_accept("meta", meta_ok, why)
         if verdict:
             return None, f"{path}: {verdict}{note}"
 
         # 3. every host restores its part (the same JAX calls on every host), checks every checksum.
-        ok, why, tags, stores, slot_bytes = self._restore_slots(path, into, num_slots, tag_tail)
+        ok, why, parts = self._restore_slots(path, into, num_slots, tag_tail, pools, pool_specs)
         verdict = self._all_accept("slots", ok, why)
         if verdict:
             if isinstance(into, np.ndarray):
                 into[...] = 0
             return None, f"{path}: {verdict}{note}"
-        ids = _save_ids(tags)
-        chunks, held_bytes = int(np.count_nonzero(ids != EMPTY_SLOT)), int(_tagged_rows(ids).sum()) * slot_bytes
+        chunks = held_bytes = 0
+        for tags, _, slot_bytes in parts:
+            ids = _save_ids(tags)
+            chunks += int(np.count_nonzero(ids != EMPTY_SLOT))
+            held_bytes += int(_tagged_rows(ids).sum()) * slot_bytes
+        (tags, stores, _), further = parts[0], parts[1:]
         return Restored(seq, path, tags, index, stores, chunks, held_bytes, time.perf_counter() - t0,
-                        tuple(choice["partial"])), ""
+                        tuple(choice["partial"]), tuple(PoolSlots(s, t) for t, s, _ in further)), ""
 
     def _all_accept(self, name: str, ok: bool, why: str) -> str:
         """'' if every host accepted, else the first refusal (``host i: why``)."""
@@ -558,9 +601,9 @@ class Persister:
                 return f"host {h}: {a[3:]}"
         return ""
 
-    def _check_meta(self, path: str, seq: int, num_slots: int,
-                    spec: dict) -> tuple[bool, dict, tuple[int, ...], str]:
-        """(ok, decoded index, shape of a slot's tag row, why not)."""
+    def _check_meta(self, path: str, seq: int, num_slots: int, spec: dict,
+                    pool_specs: list[dict]) -> tuple[bool, dict, list[tuple[int, ...]], str]:
+        """(ok, decoded index, shape of a slot's tag row of each pool, why not)."""
         try:
             meta = _read_json(os.path.join(path, "meta", "metadata"))
             stored = Fingerprint.from_json(meta.get("fingerprint"))
@@ -574,57 +617,82 @@ class Persister:
         if meta.get("num_slots") != num_slots:
             return False, {}, (), (f"host slots: checkpoint {meta.get('num_slots')}, this deployment {num_slots} "
                                    "(cpu_bytes_to_use changed?)")
-        tail = meta.get("tags_tail")
-        if not isinstance(tail, list) or len(tail) > 2 or not all(isinstance(t, int) and t > 0 for t in tail):
-            return False, {}, (), f"unreadable meta (tags_tail {tail!r})"
-        if meta.get("slots") != spec:
-            return False, {}, (), f"slot layout: checkpoint {meta.get('slots')}, this deployment {spec}"
+        stored_pools = meta.get("pools", [])
+        if not isinstance(stored_pools, list) or not all(isinstance(p, dict) for p in stored_pools):
+            return False, {}, (), f"unreadable meta (pools {stored_pools!r})"
+        if len(stored_pools) != len(pool_specs):
+            return False, {}, (), (f"slot pools: checkpoint {1 + len(stored_pools)}, this deployment "
+                                   f"{1 + len(pool_specs)} (a GDN/mamba state pool on one side only)")
+        tails = []
+        for p, (want, have) in enumerate(zip([{"num_slots": num_slots, "slots": spec}] + pool_specs,
+                                             [meta] + stored_pools)):
+            tail = have.get("tags_tail")
+            if not isinstance(tail, list) or len(tail) > 2 or not all(isinstance(t, int) and t > 0 for t in tail):
+                return False, {}, (), f"unreadable meta (tags_tail {tail!r})"
+            where = f"pool {p} " if p else ""
+            if p and have.get("num_slots") != want["num_slots"]:
+                return False, {}, (), (f"{where}host slots: checkpoint {have.get('num_slots')}, this deployment "
+                                       f"{want['num_slots']} (cpu_bytes_to_use or state_ram_fraction changed?)")
+            if have.get("slots") != want["slots"]:
+                return False, {}, (), (f"{where}slot layout: checkpoint {have.get('slots')}, "
+                                       f"this deployment {want['slots']}")
+            tails.append(tuple(tail))
         try:
             encoded = _read_json(os.path.join(path, "index", "metadata"))
         except Exception as e:  # noqa: BLE001
             return False, {}, (), f"unreadable index ({type(e).__name__}: {e})"
         if _canonical_crc(encoded) != meta.get("index_crc"):
             return False, {}, (), "index checksum mismatch"
-        return True, decode_index(encoded), tuple(tail), ""
+        return True, decode_index(encoded), tails, ""
 
     def _restore_slots(self, path: str, into: np.ndarray | Mapping[str, Any], num_slots: int,
-                       tag_tail: tuple[int, ...]) -> tuple[bool, str, np.ndarray, dict | None, int]:
-        """(ok, why, tags, restored stores or None, this host's bytes per slot)."""
+                       tag_tails: list[tuple[int, ...]], pools: tuple[Mapping[str, Any], ...],
+                       pool_specs: list[dict]) -> tuple[bool, str, list[tuple[np.ndarray, dict | None, int]]]:
+        """(ok, why, each pool's (tags, restored stores or None, this host's bytes per slot))."""
         import orbax.checkpoint as ocp
         from etils import epath
 
-        empty = np.full((num_slots, *tag_tail), EMPTY_SLOT, np.int64)
+        counts = [num_slots] + [p["num_slots"] for p in pool_specs]
+        empty = [(np.full((n, *tail), EMPTY_SLOT, np.int64), None, 0) for n, tail in zip(counts, tag_tails)]
         rows = isinstance(into, np.ndarray)
-        abstract = self._abstract(num_slots, 8 * int(np.prod(tag_tail, dtype=np.int64)))
+        abstract = self._abstract(num_slots, 8 * int(np.prod(tag_tails[0], dtype=np.int64)))
         if rows:
             abstract["storage"] = self._abstract_rows(into.shape)
         else:
             abstract["stores"] = dict(into)
+        for p, (targets, n, tail) in enumerate(zip(pools, counts[1:], tag_tails[1:]), start=1):
+            abstract[f"pool{p}"] = {**self._abstract(n, 8 * int(np.prod(tail, dtype=np.int64))),
+                                    "stores": dict(targets)}
         try:
             handler, _ = self._handler()
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
             out = handler.restore(epath.Path(path), ocp.args.Composite(
                 slots=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)))["slots"]
-            tags = np.asarray(out["tags"].addressable_shards[0].data)[0].copy().view(np.int64)
-            tags = tags.reshape(num_slots, *tag_tail)
-            stored_crc = np.asarray(out["crc"].addressable_shards[0].data)[0]
+            items = [out] + [out[f"pool{p}"] for p in range(1, len(counts))]
+            tags = [np.asarray(item["tags"].addressable_shards[0].data)[0].copy().view(np.int64).reshape(n, *tail)
+                    for item, n, tail in zip(items, counts, tag_tails)]
+            stored_crc = [np.asarray(item["crc"].addressable_shards[0].data)[0] for item in items]
             if rows:
                 np.copyto(into, np.asarray(out["storage"].addressable_shards[0].data)[0])
         except Exception as e:  # noqa: BLE001 - a missing/truncated/garbled data file
-            return False, f"unreadable slots ({type(e).__name__}: {str(e).splitlines()[0][:300]})", empty, None, 0
-        if rows:
-            crc, stores, slot_bytes = slot_checksums(into, _save_ids(tags), self._pool), None, into.shape[1]
-        else:
-            stores = dict(out["stores"])
-            crc, slot_bytes = store_checksums(stores, _save_ids(tags), self._pool), _host_slot_bytes(stores)
-        bad = np.nonzero(crc != stored_crc)[0]
-        if bad.size:
-            return False, f"{bad.size} slot(s) fail their checksum (first: slot {int(bad[0])})", empty, None, 0
-        return True, "", tags, stores, slot_bytes
+            return False, f"unreadable slots ({type(e).__name__}: {str(e).splitlines()[0][:300]})", empty
+        parts = []
+        for p, (item, pool_tags, crc_stored) in enumerate(zip(items, tags, stored_crc)):
+            if rows:
+                crc, stores, slot_bytes = slot_checksums(into, _save_ids(pool_tags), self._pool), None, into.shape[1]
+            else:
+                stores = dict(item["stores"])
+                crc, slot_bytes = store_checksums(stores, _save_ids(pool_tags), self._pool), _host_slot_bytes(stores)
+            bad = np.nonzero(crc != crc_stored)[0]
+            if bad.size:
+                where = f"pool {p}: " if p else ""
+                return False, f"{where}{bad.size} slot(s) fail their checksum (first: slot {int(bad[0])})", empty
+            parts.append((pool_tags, stores, slot_bytes))
+        return True, "", parts
 
     # ---------------------------------------------------------------- save
     def save(self, storage: np.ndarray | Mapping[str, Any], tags: np.ndarray, index: dict,
-             checksums: np.ndarray | None = None) -> SaveHandle:
+             checksums: np.ndarray | None = None, pools: Sequence[PoolSlots] = ()) -> SaveHandle:
         """Write checkpoint number ``next_seq`` (call on every host, main thread, same step).
 
         ``storage`` is this host's slots, (num_slots, slot_bytes) uint8, or the engine's stores
@@ -634,6 +702,8 @@ class Persister:
         or (num_slots, chunks, columns) where a slot row holds several chunks (one per DP rank);
         ``index`` is the scheduler's (identical on every host; host 0's copy is written);
         ``checksums`` may give the crc32 of every tagged slot (else computed here, in parallel).
+        ``pools``: each further slot pool's stores and slot table (stores form only; a GDN/mamba
+        state pool), written beside the first pool's as item ``pool<p>``.
         Tagged slots must not change until the handle resolves, and a store must not be donated to
         a program meanwhile (orbax reads it through numpy views). Waits for the previous save.
         A failed checkpoint is a SaveReport with ``ok=False`` (ValueError only for arrays of the
@@ -656,6 +726,13 @@ class Persister:
                                  f"{self.fingerprint.chunk_bytes}")
         elif not storage or any(v.ndim < 2 or v.shape[1] != num_slots for v in storage.values()):
             raise ValueError("stores must be global arrays whose axis 1 has one entry per tag")
+        if pools and rows:
+            raise ValueError("further slot pools need the stores form")
+        pool_tags = [np.ascontiguousarray(p.tags, dtype=np.int64) for p in pools]
+        for p, t in zip(pools, pool_tags):
+            if t.ndim not in (1, 2, 3) or not p.stores or any(v.ndim < 2 or v.shape[1] != t.shape[0]
+                                                               for v in p.stores.values()):
+                raise ValueError("a further pool's stores must be global arrays whose axis 1 has one entry per tag")
         if self._inflight is not None:
             self._inflight.result()  # bounded by the commit timeout
         seq = self._next_seq
@@ -667,9 +744,18 @@ class Persister:
         slot_bytes = storage.shape[1] if rows else _host_slot_bytes(storage)
         n_tagged = int(np.count_nonzero(ids != EMPTY_SLOT))  # chunks
         held_bytes = int(_tagged_rows(ids).sum()) * slot_bytes  # bytes of the rows holding them
+        pool_crc = []
+        for p, t in zip(pools, pool_tags):
+            pool_ids = _save_ids(t)
+            pool_crc.append(store_checksums(p.stores, pool_ids, self._pool))
+            n_tagged += int(np.count_nonzero(pool_ids != EMPTY_SLOT))
+            held_bytes += int(_tagged_rows(pool_ids).sum()) * _host_slot_bytes(p.stores)
         meta = {"fingerprint": self.fingerprint.to_json(), "seq": seq, "num_slots": num_slots,
                 "tags_tail": list(tags.shape[1:]),
                 "slots": _slots_spec(storage), "index_crc": _canonical_crc(encoded), "created_unix": time.time()}
+        if pools:
+            meta["pools"] = [{"num_slots": int(t.shape[0]), "tags_tail": list(t.shape[1:]),
+                              "slots": _slots_spec(p.stores)} for p, t in zip(pools, pool_tags)]
         path = os.path.join(self.path, f"{CKPT_PREFIX}{seq}")
         future: Future = Future()
         handle = SaveHandle(seq, future)
@@ -693,6 +779,10 @@ class Persister:
                 item["storage"] = self._global(storage)
             else:
                 item["stores"] = dict(storage)
+            for p, (pool, t, crc) in enumerate(zip(pools, pool_tags, pool_crc), start=1):
+                item[f"pool{p}"] = {"tags": self._global(t.view(np.uint8).reshape(t.shape[0], -1)),
+                                    "crc": self._global(np.ascontiguousarray(crc, dtype=np.uint32)),
+                                    "stores": dict(pool.stores)}
             ckptr = self._get_checkpointer()
             ckptr.save(path, args=ocp.args.Composite(
                 slots=ocp.args.PyTreeSave(item, save_args=self._save_args(ocp, item)),
@@ -703,7 +793,7 @@ class Persister:
                         time.perf_counter() - t0)
         blocking = time.perf_counter() - t0
         self._faults.after_save_started(seq)
-        del storage  # the waiter must not keep the caller's arrays alive
+        del storage, pools  # the waiter must not keep the caller's arrays alive
 
         def wait() -> None:
             try:
@@ -731,6 +821,10 @@ class Persister:
             out["storage"] = big
         else:
             out["stores"] = {name: big for name in item["stores"]}
+        for name, part in item.items():
+            if name.startswith("pool"):
+                out[name] = {"tags": ocp.SaveArgs(), "crc": ocp.SaveArgs(),
+                             "stores": {store: big for store in part["stores"]}}
         return out
 
     def _prune(self, newest: int) -> None:
@@ -791,6 +885,6 @@ def _read_json(path: str) -> Any:
         return json.loads(f.read())
 
 
-__all__ = ["CKPT_PREFIX", "FORMAT_VERSION", "Fingerprint", "PersistFaults", "Persister", "Restored",
+__all__ = ["CKPT_PREFIX", "FORMAT_VERSION", "Fingerprint", "PersistFaults", "Persister", "PoolSlots", "Restored",
            "SaveHandle", "SaveReport", "decode_index", "encode_index", "read_index", "slot_checksums",
            "store_checksums"]

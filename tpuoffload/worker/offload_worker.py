@@ -22,7 +22,8 @@ gather; every host sees the same, so every host skips it and reports those chunk
 
 A GDN/mamba hybrid's caches hold two block pools (layout.py:CachePools): the engine keeps a store
 per pool (worker/pooled_engine.py), and each plan names a slot of either through one numbering
-(``StepPlan.state_slots``). Its state chunks are not kept by the tiers beside host RAM yet.
+(``StepPlan.state_slots``). The disk tier and warm restart keep each pool's chunks in that pool
+(worker/disk_stage.py, worker/persistence.py).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class OffloadWorker:
         tables = self.engine.tables
         # What _Placed needs of the stores, fixed from here on: batch shards, each pool's slots per shard.
         self._store_shape = (tables[0].shards, tuple(t.shard_slots for t in tables))
-        deployment = fingerprint(layouts[0], self.deployment, jax.process_count())
+        deployment = fingerprint(layouts[0], self.deployment, jax.process_count(), *layouts[1:])
         if self.config.persist_path:
             self.tiers += self._start_persistence(deployment)
         if self.config.disk_path:
@@ -191,8 +192,9 @@ class OffloadWorker:
         if self.host_id != jax.process_index():
             raise ValueError(f"persist_path needs one worker per JAX process (host {self.host_id} runs in "
                              f"process {jax.process_index()})")
-        persistence = HostPersistence(self.config.persist_path, self.engine.engines[0], deployment,
-                                      self.host_id, self.config.persist_timeout_s, self._persist_faults)
+        persistence = HostPersistence(self.config.persist_path, self.engine.engines, deployment, self.host_id,
+                                      self.config.persist_timeout_s, self._persist_faults,
+                                      state_slot=lambda: self._boundary)
         persistence.restore()
         return persistence.parts
 

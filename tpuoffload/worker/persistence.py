@@ -9,10 +9,18 @@ Restore (``restore``, in ``register_runner``, before the first step, on every ho
 newest complete checkpoint that every host accepts (``Persister.restore``: fingerprint, slot
 layout, checksums) replaces the zeroed stores and the slot table. With the disk tier, its chunk
 files written under the same fingerprint are kept too (the disk tier reports those). Each restored chunk's save id
-becomes ``RESTORED_BASE + slot``: unique, never issued by the new scheduler (whose ids start at
-0), and the same on every host that restored that slot. The host reports its restored rows
-(``RESTORED_ROW``: slot, old save id, hash keys) once, in its first report; the scheduler makes
-loadable only the chunks every host restored identically (manager/restart.py).
+becomes ``restored_save_id(pool, slot)`` (``RESTORED_BASE + slot`` in the KV pool): unique, never
+issued by the new scheduler (whose ids start at 0), and the same on every host that restored that
+slot. The host reports its restored rows (``RESTORED_ROW``: slot, old save id, hash keys, slot
+pool) once, in its first report; the scheduler makes loadable only the chunks every host restored
+identically, each in its own pool (manager/restart.py).
+
+Slot pools. A GDN/mamba hybrid's host RAM is two stores (worker/pooled_engine.py): the KV pool's
+and the state pool's, each with its own slot table. A checkpoint holds both (the state pool as the
+Persister's further pool, ``PoolSlots``), each pool's slot table, keys and checksums its own, and
+a restored state chunk goes back into the state store's slot it was saved from, never the KV
+store's: its row names the pool, and its slot is the state store's own. The saves name state
+slots in the engine's numbering, from the step's first state slot (``state_slot``) on.
 
 Checkpoint (``checkpoint``, main thread, at a step the scheduler planned or at ``close``, the same
 point on every host): the background saves are drained first so every tag is final, then
@@ -36,9 +44,11 @@ import numpy as np
 
 from tpuoffload.backend.slot_table import EMPTY_SLOT
 from tpuoffload.layout import CacheLayout
-from tpuoffload.messages import (RANK_SAVE_ID_SHIFT, RESTORED_BASE, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch,
-                                 unpack_keys)
-from tpuoffload.persist import Fingerprint, PersistFaults, Persister, SaveHandle
+from collections.abc import Callable, Sequence
+
+from tpuoffload.messages import (RANK_SAVE_ID_SHIFT, RESTORED_ROW, PersistPlan, PersistReport, SaveBatch,
+                                 restored_save_id, unpack_keys)
+from tpuoffload.persist import Fingerprint, PersistFaults, Persister, PoolSlots, SaveHandle
 from tpuoffload.worker.tier import Placement, WorkerTier
 from tpuoffload.worker.transfer_engine import TransferEngine
 
@@ -55,17 +65,23 @@ class Deployment:
     block_size: int = 0
 
 
-def fingerprint(layout: CacheLayout, deployment: Deployment, num_hosts: int) -> Fingerprint:
+def _groups(layout: CacheLayout) -> str:
+    return "; ".join(f"{len(g.layers)} layers of {g.shape[1:]} {g.dtype} sharded {g.sharding.spec}, "
+                     f"{g.num_shards} block shard(s)" for g in layout.groups)
+
+
+def fingerprint(layout: CacheLayout, deployment: Deployment, num_hosts: int,
+                state: CacheLayout | None = None) -> Fingerprint:
     """What a checkpoint of this deployment is checked against: the model, every layer group's
     block shape, dtype and sharding (not the number of blocks in HBM, which may change freely), the
     block size, the hosts, the bytes of a slot and the DP ranks (batch shards) the slots are split
-    over."""
-    groups = "; ".join(f"{len(g.layers)} layers of {g.shape[1:]} {g.dtype} sharded {g.sharding.spec}, "
-                       f"{g.num_shards} block shard(s)" for g in layout.groups)
+    over; with a GDN/mamba state pool (``state``: its layout) its arrays' row shapes, dtypes,
+    sharding and the bytes of a state chunk."""
     dtypes = ",".join(sorted({str(g.dtype) for g in layout.groups}))
-    return Fingerprint(model=deployment.model, kv_layout=groups, kv_dtype=dtypes, block_size=deployment.block_size,
-                       num_hosts=num_hosts, chunk_bytes=layout.slot_bytes,
-                       dp_ranks=max(g.num_shards for g in layout.groups))
+    state_layout = f"{_groups(state)}; {state.slot_bytes} bytes per state chunk" if state is not None else ""
+    return Fingerprint(model=deployment.model, kv_layout=_groups(layout), kv_dtype=dtypes,
+                       block_size=deployment.block_size, num_hosts=num_hosts, chunk_bytes=layout.slot_bytes,
+                       dp_ranks=max(g.num_shards for g in layout.groups), state_layout=state_layout)
 
 
 class SlotKeys:
@@ -76,31 +92,33 @@ class SlotKeys:
         self.save_id = np.full(num_slots, EMPTY_SLOT, np.int64)
         self.keys = np.zeros((num_slots, 2), np.uint64)
 
-    def record(self, batch: SaveBatch) -> None:
-        if not batch.keys:
-            return
-        keys = unpack_keys(batch.keys)
-        if len(keys) != len(batch):
-            raise ValueError(f"{len(keys)} hash keys for {len(batch)} chunks")
-        slots = np.asarray(batch.slots, np.int64)
-        self.save_id[slots] = np.asarray(batch.save_ids, np.int64)
+    def record(self, slots: np.ndarray, save_ids: np.ndarray, keys: np.ndarray) -> None:
+        """The chunks ``save_ids`` with hash keys ``keys`` ((n, 2) uint64) go into ``slots``."""
+        self.save_id[slots] = save_ids
         self.keys[slots] = keys
 
 
 class HostPersistence:
     """One host's warm-restart state: its Persister, the keys of its slots, the checkpoint in flight.
     One per host, whatever the number of DP ranks: a checkpoint holds every slot of the host's
-    stores, so every rank's rows; each rank's scheduler half talks to it through its own
-    ``RankPersistence`` (``parts``), the worker's "persist" tier of that rank (worker/tier.py)."""
+    stores, so every rank's rows, and every slot pool's (a GDN/mamba state pool beside the KV
+    pool); each rank's scheduler half talks to it through its own ``RankPersistence``
+    (``parts``), the worker's "persist" tier of that rank (worker/tier.py)."""
 
-    def __init__(self, path: str, engine: TransferEngine, fingerprint: Fingerprint, host: int,
-                 timeout_s: float, faults: PersistFaults | None = None) -> None:
-        self.engine = engine
+    def __init__(self, path: str, engines: Sequence[TransferEngine], fingerprint: Fingerprint, host: int,
+                 timeout_s: float, faults: PersistFaults | None = None,
+                 state_slot: Callable[[], int] = lambda: 0) -> None:
+        """``engines``: each slot pool's transfer engine (the KV pool's alone without a state
+        pool); ``state_slot``: the engine's first state slot in the step being saved (the saves'
+        numbering, worker/pooled_engine.py)."""
+        self.engines = tuple(engines)
+        self.engine = self.engines[0]
         self.host = host
-        table = engine.slot_table
+        table = self.engine.slot_table
         self.ranks, self.shard_slots = table.shards, table.shard_slots  # DP ranks: batch shards of the cache
         self.persister = Persister(path, fingerprint, host=host, barrier_timeout_s=timeout_s, faults=faults)
-        self.keys = SlotKeys(table.num_slots)
+        self.keys = [SlotKeys(e.slot_table.num_slots) for e in self.engines]  # per slot pool
+        self._state_slot = state_slot
         self._inflight: SaveHandle | None = None  # main thread only
         self._inflight_step: int | None = None  # the step that planned it (main thread only)
         self._lock = threading.Lock()  # guards every part's _done (appended by the Persister's waiter thread)
@@ -116,60 +134,83 @@ class HostPersistence:
     # ---------------------------------------------------------------- start-up
     def restore(self) -> None:
         """Restore the newest complete, matching checkpoint, or start cold (one log line either way).
-        Each rank's part reports the restored rows of its own range of slots, in its own numbering
-        (``split_rows``)."""
-        restored, reason = self.persister.restore(self.engine.store_targets())
+        Each rank's part reports the restored rows of its own range of slots of every pool, in its
+        own numbering (``split_rows``)."""
+        restored, reason = self.persister.restore(self.engine.store_targets(),
+                                                  [e.store_targets() for e in self.engines[1:]])
         cold = [b""] * self.ranks
         if restored is None:
             logger.info("tpuoffload persist: host %d starting cold: %s", self.host, reason)
             self._set_rows(cold)
             return
         want = (len(_COLUMNS),) if self.ranks == 1 else (self.ranks, len(_COLUMNS))
-        if restored.tags.shape[1:] != want:
+        pool_tags = [restored.tags] + [p.tags for p in restored.pools]
+        shapes = [t.shape[1:] for t in pool_tags]
+        if len(pool_tags) != len(self.engines) or any(shape != want for shape in shapes):
             logger.warning("tpuoffload persist: host %d starting cold: %s has slot rows of %s tags, not %s",
-                           self.host, restored.path, restored.tags.shape[1:], want)
+                           self.host, restored.path, shapes, [want] * len(self.engines))
             self._set_rows(cold)
             return
-        table = self._engine_table(restored.tags)
         self.engine.replace_stores(restored.stores)
-        held = np.flatnonzero(table[:, 0] != EMPTY_SLOT)
-        rank = held // self.shard_slots
-        tags = np.full(len(table), EMPTY_SLOT, np.int64)
-        # A restored chunk's save id: RESTORED_BASE + its slot in its rank's numbering, placed in the
-        # rank's range of save ids (what the rank's plans will name it by).
-        tags[held] = RESTORED_BASE + (held - rank * self.shard_slots) + (rank << RANK_SAVE_ID_SHIFT)
-        sources = table[:, 1].copy()
-        if self.ranks > 1:  # a rank's slots hold its batch shard's chunks: name the shard's first block
-            sources[held] = rank * self.engine.layout.groups[0].blocks_per_shard  # (HBM's size may change)
-        self.engine.slot_table.restore(tags, sources)
-        self.keys.save_id[held] = tags[held]  # a restored chunk not saved over is checkpointed again
-        self.keys.keys[held] = table[held, 2:].view(np.uint64)
-        rows = np.zeros(len(held), RESTORED_ROW)
-        rows["slot"], rows["save_id"] = held, table[held, 0]
-        rows["k1"], rows["k2"] = table[held, 2].view(np.uint64), table[held, 3].view(np.uint64)
-        self._set_rows(split_rows(rows, self.ranks, self.shard_slots))
+        for engine, pool in zip(self.engines[1:], restored.pools):
+            engine.replace_stores(dict(pool.stores))
+        per_rank: list[list[bytes]] = [[] for _ in range(self.ranks)]
+        counts = []
+        for p, tags in enumerate(pool_tags):
+            rows = self._restore_pool(p, tags)
+            shard_slots = self.engines[p].slot_table.shard_slots
+            counts.append(np.bincount(rows["slot"] // shard_slots, minlength=self.ranks))
+            for r, part in enumerate(split_rows(rows, self.ranks, shard_slots)):
+                per_rank[r].append(part)
+        self._set_rows([b"".join(parts) for parts in per_rank])
         logger.info("tpuoffload persist: restored %s on host %d: %d chunks (%s), %.2f GiB in %.1f s",
-                    restored.path, self.host, len(held),
-                    ", ".join(f"rank {r}: {int((rank == r).sum())}" for r in range(self.ranks)),
+                    restored.path, self.host, int(sum(c.sum() for c in counts)),
+                    ", ".join(f"rank {r}: {int(counts[0][r])}" + "".join(f" + {int(c[r])} of pool {p}"
+                                                                         for p, c in enumerate(counts[1:], 1))
+                              for r in range(self.ranks)),
                     restored.bytes / 2**30, restored.seconds)
 
-    def _row_table(self, table: np.ndarray) -> np.ndarray:
-        """The slot table (engine slots x columns) as the checkpoint keeps it, by row of the stores
-        (their axis 1): with one rank the same; under DP row ``i`` holds slot ``i`` of every rank's
-        range (each on its batch shard's devices), so the table is (rows, ranks, columns), spare
-        rows empty."""
-        if self.ranks == 1:
-            return table
-        rows = np.zeros((self.engine.slot_table.rows, self.ranks, len(_COLUMNS)), np.int64)
-        rows[..., 0] = EMPTY_SLOT
-        rows[:self.shard_slots] = table.reshape(self.ranks, self.shard_slots, -1).transpose(1, 0, 2)
+    def _restore_pool(self, pool: int, rows_table: np.ndarray) -> np.ndarray:
+        """Install slot pool ``pool``'s restored slot table (by row of its stores) and return its
+        restored chunks as ``RESTORED_ROW`` rows (its store's slots, engine numbering)."""
+        engine = self.engines[pool]
+        table = self._engine_table(rows_table, engine.slot_table)
+        shard_slots = engine.slot_table.shard_slots
+        held = np.flatnonzero(table[:, 0] != EMPTY_SLOT)
+        rank = held // shard_slots
+        tags = np.full(len(table), EMPTY_SLOT, np.int64)
+        # A restored chunk's save id: its pool's restored id of its slot in its rank's numbering,
+        # placed in the rank's range of save ids (what the rank's plans will name it by).
+        tags[held] = restored_save_id(pool, held - rank * shard_slots) + (rank << RANK_SAVE_ID_SHIFT)
+        sources = table[:, 1].copy()
+        if self.ranks > 1:  # a rank's slots hold its batch shard's chunks: name the shard's first block (or row)
+            sources[held] = rank * engine.layout.groups[0].blocks_per_shard  # (HBM's size may change)
+        engine.slot_table.restore(tags, sources)
+        keys = self.keys[pool]
+        keys.save_id[held] = tags[held]  # a restored chunk not saved over is checkpointed again
+        keys.keys[held] = table[held, 2:].view(np.uint64)
+        rows = np.zeros(len(held), RESTORED_ROW)
+        rows["slot"], rows["save_id"], rows["pool"] = held, table[held, 0], pool
+        rows["k1"], rows["k2"] = table[held, 2].view(np.uint64), table[held, 3].view(np.uint64)
         return rows
 
-    def _engine_table(self, rows: np.ndarray) -> np.ndarray:
+    def _row_table(self, table: np.ndarray, slots) -> np.ndarray:
+        """A pool's slot table (engine slots x columns) as the checkpoint keeps it, by row of its
+        stores (their axis 1; ``slots``: the pool's SlotTable): with one rank the same; under DP
+        row ``i`` holds slot ``i`` of every rank's range (each on its batch shard's devices), so
+        the table is (rows, ranks, columns), spare rows empty."""
+        if self.ranks == 1:
+            return table
+        rows = np.zeros((slots.rows, self.ranks, len(_COLUMNS)), np.int64)
+        rows[..., 0] = EMPTY_SLOT
+        rows[:slots.shard_slots] = table.reshape(self.ranks, slots.shard_slots, -1).transpose(1, 0, 2)
+        return rows
+
+    def _engine_table(self, rows: np.ndarray, slots) -> np.ndarray:
         """``_row_table``'s inverse: engine slots x columns."""
         if self.ranks == 1:
             return rows
-        return rows[:self.shard_slots].transpose(1, 0, 2).reshape(-1, len(_COLUMNS))
+        return rows[:slots.shard_slots].transpose(1, 0, 2).reshape(-1, len(_COLUMNS))
 
     def _set_rows(self, rows: list[bytes]) -> None:
         for part, part_rows in zip(self.parts, rows):
@@ -182,7 +223,21 @@ class HostPersistence:
             self._inflight.result()
 
     def saving(self, batch: SaveBatch) -> None:
-        self.keys.record(batch)
+        """Remember the keys of a save's chunks, each in its slot pool's table (a state slot from
+        the step's first state slot on is the state store's slot from 0)."""
+        if not batch.keys:
+            return
+        keys = unpack_keys(batch.keys)
+        if len(keys) != len(batch):
+            raise ValueError(f"{len(keys)} hash keys for {len(batch)} chunks")
+        slots, save_ids = np.asarray(batch.slots, np.int64), np.asarray(batch.save_ids, np.int64)
+        if len(self.engines) == 1:
+            self.keys[0].record(slots, save_ids, keys)
+            return
+        boundary = self._state_slot()
+        state = slots >= boundary
+        self.keys[0].record(slots[~state], save_ids[~state], keys[~state])
+        self.keys[1].record(slots[state] - boundary, save_ids[state], keys[state])
 
     def checkpoint(self, step: int = -1, part: "RankPersistence | None" = None) -> SaveHandle:
         """Write a checkpoint of every slot of this host (main thread, at the start of ``step`` on
@@ -192,19 +247,29 @@ class HostPersistence:
             handle = self._inflight
         else:
             self.before_donate()  # one checkpoint at a time
-            self.engine.wait_idle()
-            tags, sources = self.engine.slot_table.table()
-            keyed = (self.keys.save_id == tags) & (tags != EMPTY_SLOT)
-            table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
-            table[:, 0] = np.where(keyed, tags, EMPTY_SLOT)
-            table[:, 1] = sources
-            table[:, 2:] = self.keys.keys.view(np.int64)
-            table[~keyed, 2:] = 0
-            handle = self.persister.save(self.engine.stores(), self._row_table(table), {"columns": list(_COLUMNS)})
+            for engine in self.engines:
+                engine.wait_idle()
+            tables = [self._row_table(self._keyed_table(engine, keys), engine.slot_table)
+                      for engine, keys in zip(self.engines, self.keys)]
+            handle = self.persister.save(self.engine.stores(), tables[0], {"columns": list(_COLUMNS)},
+                                         pools=[PoolSlots(e.stores(), t) for e, t in zip(self.engines[1:], tables[1:])])
             self._inflight, self._inflight_step = handle, step
         if part is not None:
             handle.add_done_callback(lambda report: self._finished(part, step, report))
         return handle
+
+    @staticmethod
+    def _keyed_table(engine: TransferEngine, keys: SlotKeys) -> np.ndarray:
+        """A pool's slot table as checkpointed (engine slots x columns): a slot keeps its chunk only
+        where the save that holds it brought its keys."""
+        tags, sources = engine.slot_table.table()
+        keyed = (keys.save_id == tags) & (tags != EMPTY_SLOT)
+        table = np.zeros((len(tags), len(_COLUMNS)), np.int64)
+        table[:, 0] = np.where(keyed, tags, EMPTY_SLOT)
+        table[:, 1] = sources
+        table[:, 2:] = keys.keys.view(np.int64)
+        table[~keyed, 2:] = 0
+        return table
 
     def _finished(self, part: "RankPersistence", step: int, report) -> None:
         with self._lock:
@@ -236,10 +301,10 @@ class HostPersistence:
 
 
 def split_rows(rows: np.ndarray, ranks: int, shard_slots: int) -> list[bytes]:
-    """The host's restored rows (``RESTORED_ROW``, engine numbering) as each DP rank's, in the
-    rank's own numbering: the slot within its range, the save id within its range of ids (the
-    rank's own save ids; a chunk restored before keeps ``RESTORED_BASE + slot``). With one rank
-    the rows as they are."""
+    """One slot pool's restored rows (``RESTORED_ROW``, engine numbering of its store) as each DP
+    rank's, in the rank's own numbering: the slot within its range, the save id within its range
+    of ids (the rank's own save ids; a chunk restored before keeps ``restored_save_id(pool,
+    slot)``). With one rank the rows as they are."""
     out = []
     for r in range(ranks):
         mine = rows[rows["slot"] // shard_slots == r].copy()
@@ -289,8 +354,9 @@ class RankPersistence(WorkerTier):
     def act(self, step: int, part: PersistPlan | None, placement: Placement = Placement()) -> None:
         part = part or PersistPlan()
         self._waiting = part.waiting
-        if part.revoke_below is not None:  # the rank's saves, in the engine's numbering
-            self.host.engine.slot_table.revoke_below(placement.id_offset + part.revoke_below, self.rank)
+        if part.revoke_below is not None:  # the rank's saves, in the engine's numbering, in every pool
+            for engine in self.host.engines:
+                engine.slot_table.revoke_below(placement.id_offset + part.revoke_below, self.rank)
         if part.checkpoint:
             try:
                 self.host.checkpoint(step, self)
