@@ -225,6 +225,19 @@ class Harness:
         assert len(self.loaded) >= min_blocks
         return checked
 
+    def check_group_loads(self, prefixes, windows, block_size: int = BS, tag: str = "b") -> None:
+        """Per load of request ``tag + str(i)`` (a hit on ``prefixes[i]``): a full-attention group
+        (window None) moved every hit block, a sliding-window group only the window's tail ending
+        at the hit."""
+        by_req: dict = {}
+        for (_, req_id, idx, _, _), g in zip(self.loaded, self.loaded_groups):
+            by_req.setdefault(req_id, {}).setdefault(g, set()).add(idx)
+        for i, p in enumerate(prefixes):
+            n = len(p) // block_size
+            for g, window in enumerate(windows):
+                want = set(range(n)) if window is None else set(range(max(0, n - window), n))
+                assert by_req[f"{tag}{i}"][g] == want, (i, g, by_req[f"{tag}{i}"])
+
     def check_idle(self):
         """Nothing held anywhere: vLLM, the scheduler half (its public gauges), every worker."""
         eng = self.eng

@@ -50,14 +50,7 @@ def test_prefixes_of_every_group_come_back_from_disk_byte_exact(tmp_path, hosts)
         assert h.check_loaded_bytes() > 0
         h.check_idle()  # also: no step read a wrong KV value, nothing pinned or in flight
         # Per load: the full-attention group every hit block, the sliding-window group its tail.
-        by_req: dict = {}
-        for (host, req_id, idx, b, _), g in zip(h.loaded, h.loaded_groups):
-            by_req.setdefault(req_id, {}).setdefault(g, set()).add(idx)
-        for i, p in enumerate(prefixes):
-            n = len(p) // BS
-            for g, window in enumerate(groups.windows):
-                want = set(range(n)) if window is None else set(range(max(0, n - window), n))
-                assert by_req[f"b{i}"][g] == want, (i, g, by_req[f"b{i}"])
+        h.check_group_loads(prefixes, groups.windows, BS)
     finally:
         h.close()
 

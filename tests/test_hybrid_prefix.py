@@ -52,14 +52,7 @@ def test_repeated_prefix_hits_host_ram_byte_exact(name, async_scheduling):
         h.check_idle()  # also: no step read a wrong KV value (sliding-window reads included)
         # Per load: a full-attention group moves every hit block, a sliding-window group only the
         # window's tail ending at the hit boundary; nothing into the null block.
-        by_req: dict = {}
-        for (host, req_id, idx, b, _), g in zip(h.loaded, h.loaded_groups):
-            by_req.setdefault(req_id, {}).setdefault(g, set()).add(idx)
-        for i, p in enumerate(prefixes):
-            n = len(p) // bs
-            for g, window in enumerate(groups.windows):
-                want = set(range(n)) if window is None else set(range(max(0, n - window), n))
-                assert by_req[f"b{i}"][g] == want, (i, g, by_req[f"b{i}"])
+        h.check_group_loads(prefixes, groups.windows, bs)
         loads = [ld for plan in h.metas() for ld in plan.loads]
         assert all(NULL_BLOCK not in ld.block_ids for ld in loads)
         # Saves never gather the null block (a sliding-window block vLLM already dropped).

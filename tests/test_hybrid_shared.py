@@ -92,14 +92,7 @@ def test_engine_b_loads_every_groups_blocks_from_the_store_byte_exact():
             checked = b.check_loaded_bytes()  # every loaded block, per group and array, byte for byte
             # Per load: the full-attention group moved every hit block, the sliding-window group only
             # the window's tail ending at the hit; each fetched from the store (B computed no prefix).
-            by_req: dict = {}
-            for (_, req_id, idx, _, _), g in zip(b.loaded, b.loaded_groups):
-                by_req.setdefault(req_id, {}).setdefault(g, set()).add(idx)
-            for i, p in enumerate(prefixes):
-                n = len(p) // BS
-                for g, window in enumerate(groups.windows):
-                    want = set(range(n)) if window is None else set(range(max(0, n - window), n))
-                    assert by_req[f"b{i}"][g] == want, (i, g, by_req[f"b{i}"])
+            b.check_group_loads(prefixes, groups.windows)
             fetched = sum(len(p) // BS + min(len(p) // BS, 8) for p in prefixes)  # both groups' chunks of each hit
             assert tb[C.SHARED_FETCHES_READY] == fetched, (tb, fetched)
             print(f"hybrid shared tier: B fetched {tb[C.SHARED_FETCHES_READY]} chunks of both groups from redis, "
