@@ -14,8 +14,8 @@ is its pool's own (a GDN/mamba state pool's slot ``s`` is the index's slot ``kv 
 restored state chunk is adopted into the state pool only, at the slot the hosts hold its bytes
 in (the disk tier's per-pool adoption, ``DiskIndex.adopt``, is the same rule); a slot named by
 two rows is adopted for neither. Restored chunks enter the LRU order oldest save first. Until
-every host reported (the first step's outputs) no save is planned, so no save takes a restored slot, and
-restored chunks are not loadable; if a report never comes (``timeout_s``), or a connector reset
+every host reported (the first step's outputs) no save is planned, so no save takes a restored
+slot, and restored chunks are not loadable; if a report never comes (``timeout_s``), or a connector reset
 comes first, nothing is adopted (counted in ``restored_dropped``). The disk tier's files kept over
 a restart are that tier's own business (``DiskTierPlanner``).
 
@@ -24,7 +24,8 @@ second) or ``persist_interval_s`` makes ``plan`` put ``checkpoint=True`` in the 
 every host writes its part at the start of that step. Until every host reported the checkpoint
 resolved (or ``timeout_s`` passed), no save is planned (``skipped_checkpoint``): a save donates
 the stores the checkpoint is reading. So the interval counts from the end of the last checkpoint
-and is never shorter than that checkpoint took (``_settle``): saves run at least half the time. The answer to an operator request is ``CHECKPOINT_DONE``.
+and is never shorter than that checkpoint took (``_settle``): saves run at least half the time.
+The answer to an operator request is ``CHECKPOINT_DONE``.
 The checkpoint at shutdown is the hosts' own (vLLM stops stepping first).
 
 Under DPScheduler every rank's half runs this tier over its own index: it adopts the rows its own

@@ -310,9 +310,10 @@ class SharedTierPlanner(Tier):
         if not self.enabled or not len(batch):
             return
         _, _, _, groups = candidate_layout(candidates.origins)
-        of_block = dict(zip(candidates.block_ids, groups.tolist()))
-        for sid, block in zip(batch.save_ids, batch.block_ids):
-            self._save_groups[sid] = of_block[block]
+        blocks = np.asarray(candidates.block_ids, np.int64)
+        order = np.argsort(blocks, kind="stable")
+        at = order[np.searchsorted(blocks, np.asarray(batch.block_ids, np.int64), sorter=order)]
+        self._save_groups.update(zip(np.asarray(batch.save_ids).tolist(), groups[at].tolist()))
 
     def _groups_bytes(self, groups) -> bytes:
         """A plan's groups of its chunks (b"": one KV cache group, every chunk group 0's)."""
