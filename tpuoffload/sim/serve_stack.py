@@ -714,14 +714,15 @@ def run_server(workdir: str, run: ServerRun, model_dir: str, workload: Workload,
 
 class OperatorCheckpoint:
     """What an operator runs before maintenance (docs/persistence.md): ``tpuoffload checkpoint
-    persist_path --wait`` (the installed CLI), started now, in its own session; ``answer`` waits
-    for it and returns its exit status, output and the engine's answer (``CHECKPOINT_DONE``)."""
+    persist_path --wait`` (the installed CLI), started now in the launcher's own process group (so
+    ``run_child``'s timeout kills it with the launcher); ``answer`` waits for it and returns its
+    exit status, output and the engine's answer (``CHECKPOINT_DONE``)."""
 
     def __init__(self, persist_path: str, wait_s: float = 240.0) -> None:
         self.persist_path, self.wait_s, self.t0 = persist_path, wait_s, time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "tpuoffload.cli", "checkpoint", persist_path,
                                       "--wait", str(wait_s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+                                     text=True)
 
     def answer(self) -> dict[str, Any]:
         from tpuoffload.persist.request import read_done
@@ -729,7 +730,7 @@ class OperatorCheckpoint:
         try:
             output, _ = self.proc.communicate(timeout=self.wait_s + 60)
         except subprocess.TimeoutExpired:
-            _kill_group(self.proc)
+            self.proc.kill()
             output, _ = self.proc.communicate()
         done = read_done(self.persist_path)
         return {"rc": self.proc.returncode, "after_s": round(time.monotonic() - self.t0, 1), "output": output[-1000:],
