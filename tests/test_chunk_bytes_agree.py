@@ -196,11 +196,9 @@ def test_gdn_both_halves_agree_on_each_pools_chunk_bytes_and_slots(gdn, tmp_path
             if sched != host:
                 wrong.append(f"{hosts} hosts, bytes per (KV, state) chunk per host: {sched} != {host}")
             h.shutdown()
-    # One host's byte budget, through both halves' own code: the same slots of each pool and (one
-    # scheduler: the disk tier keeps state chunks of one scheduler only) the same chunk files.
+    # One host's byte budget, through both halves' own code: the same slots of each pool and the
+    # same chunk files of each pool (under DPScheduler: each rank's half and that rank's stage).
     extra = dict(GDN_BUDGET, disk_path=str(tmp_path / "disk"))
-    if spec.dp > 1:
-        del extra["disk_path"], extra["disk_bytes_to_use"]
     halves = _gdn_scheduler_halves(gdn, extra)
     gdn.runner.kv_caches = list(gdn.kv_caches)
     worker = TPUOffloadConnector(gl.make_vllm_config(spec, extra), KVConnectorRole.WORKER,
@@ -214,11 +212,11 @@ def test_gdn_both_halves_agree_on_each_pools_chunk_bytes_and_slots(gdn, tmp_path
         have = (engine.num_slots(0), engine.num_slots(1))
         if planned != have:
             wrong.append(f"slots per pool: {planned} != {have}")
-        if spec.dp == 1:
-            files_planned = sched[0].tier("disk").disk.index.pool_sizes
-            files_kept = tuple(t.capacity_chunks for t in worker.worker.tier("disk").tiers)
-            if files_planned != files_kept:
-                wrong.append(f"chunk files per pool: {files_planned} != {files_kept}")
+        files_planned = [s.tier("disk").disk.index.pool_sizes for s in sched]
+        files_kept = [tuple(t.capacity_chunks for t in stage.tiers) for stage in worker.worker.tiers
+                      if stage.name == "disk"]
+        if files_planned != files_kept:
+            wrong.append(f"chunk files per pool, per rank: {files_planned} != {files_kept}")
         assert not wrong, (spec.name, wrong)
     finally:
         worker.shutdown()

@@ -33,9 +33,13 @@ disk budget: the KV pool's files in the rank's directory, the state pool's in it
 sub-directory (``pool_path``). Which pool a chunk file holds is what the plan says
 (``DiskBatch.pools``), the one mechanism: a spill reads its pool's store, a fetch is read with
 its pool's chunk size and installed into its pool's store, a drop deletes from its pool's
-directory. A state chunk's slot is numbered as in saves and loads: from the plan's first state
-slot (``state_slot``) on, the state store's slot 0 on. Each pool's rows are dispatched in pool
-order, pool 0's first.
+directory. A state chunk's slot is the plan's state slot moved into the state store by the
+placement (``Placement.state_offset``: the store's slot 0 on with one scheduler, the rank's share
+of the store under DPScheduler, as saves and loads place it). Under DPScheduler the state store
+splits over the batch shards as the KV store does (tpu-inference shards the state pool along axis
+0 like the attention blocks), so a rank's state files hold its batch shard's pieces and its
+installs write that shard's rows, exactly as for its KV chunks. Each pool's rows are dispatched in
+pool order, pool 0's first.
 """
 
 from __future__ import annotations
@@ -108,16 +112,16 @@ class _Part:
     keys: list[ChunkKey]
 
 
-def _parts(batch: DiskBatch, placement: Placement, state: int) -> list[_Part]:
-    """A spill's or a fetch's chunks by slot pool (``DiskBatch.pools``), pool 0's first; ``state``:
-    the plan's first state slot."""
+def _parts(batch: DiskBatch, placement: Placement) -> list[_Part]:
+    """A spill's or a fetch's chunks by slot pool (``DiskBatch.pools``), pool 0's first, their
+    slots in their own pool's store (``placement``)."""
     pools = batch.pool_of()
     hashes = _hashes(batch)
-    s, i = placement
+    s, i, state = placement
     out = []
     for pool in np.unique(pools).tolist():
         rows = np.flatnonzero(pools == pool).tolist()
-        shift = s if pool == 0 else -state  # a state slot is numbered from 0 in the state store
+        shift = s if pool == 0 else state
         out.append(_Part(pool, tuple(batch.slots[r] + shift for r in rows), tuple(batch.save_ids[r] + i for r in rows),
                          [ChunkKey(int(batch.disk_ids[r]), hashes[r]) for r in rows]))
     return out
@@ -137,8 +141,7 @@ class DiskStage(WorkerTier):
 
     def __init__(self, engines: Sequence[TransferEngine], path: str, files: Sequence[int], read_timeout_s: float,
                  faults: DiskFaults | None = None, deployment: str | None = None,
-                 before_donate: Callable[[], None] = lambda: None, rank: int = 0,
-                 state_slot: Callable[[], int] = lambda: 0) -> None:
+                 before_donate: Callable[[], None] = lambda: None, rank: int = 0) -> None:
         """``engines``: the transfer engine of each slot pool (pool 0's alone without a state
         pool); ``files[p]``: chunk files pool ``p``'s tier may keep (backend/disk_tier.py:
         files_per_rank of the pool's share of the disk, the scheduler's disk index has as many
@@ -146,25 +149,20 @@ class DiskStage(WorkerTier):
         fingerprint that chunk files kept from an earlier start must have been written under
         (None: none is kept, see DiskTier); the kept files are reported until the manager has them.
         ``before_donate``: called before an install donates the stores (the other tiers'
-        ``before_donate``). ``rank``: the DP rank (batch shard) whose chunks it keeps (module doc).
-        ``state_slot``: the first state slot of the plan being acted on (worker/pooled_engine.py)."""
+        ``before_donate``). ``rank``: the DP rank (batch shard) whose chunks it keeps, in every
+        pool (module doc)."""
         if len(engines) != len(files):
             raise ValueError(f"{len(files)} file budgets for {len(engines)} slot pools")
-        if len(engines) > 1 and engines[1].slot_table.shards > 1:
-            raise ValueError("the disk tier keeps GDN/mamba state chunks of one scheduler only: under DPScheduler a "
-                             "rank's state slots and rows are not placed by the disk stage yet (lifted by numbering "
-                             "them per rank as worker/offload_worker.py's _Placed does for saves and loads)")
         self.engines = tuple(engines)
         self.engine = self.engines[0]
         self.rank = rank
         self.tiers: tuple[DiskTier, ...] = tuple(
-            self._files(engine.disk_chunk_bytes(rank if p == 0 else 0), pool_path(path, p), n, faults, deployment)
+            self._files(engine.disk_chunk_bytes(rank), pool_path(path, p), n, faults, deployment)
             for p, (engine, n) in enumerate(zip(self.engines, files)))
         for p in range(len(self.tiers), len(POOL_DIRS)):  # a pool this start does not have keeps no file
             if os.path.isdir(pool_path(path, p)):
                 DiskTier.clear(pool_path(path, p))
         self.read_timeout_s = read_timeout_s
-        self._state_slot = state_slot
         self._fetches: list[_Fetch] = []  # main thread only
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="disk-spill")
         self._lock = threading.Lock()  # guards _written, _failed, _pending
@@ -216,8 +214,7 @@ class DiskStage(WorkerTier):
         if part.delete_all:
             self.delete_all()
         try:
-            state = self._state_slot()
-            self.run(step, part.drop, _parts(part.spill, placement, state), _parts(part.fetch, placement, state))
+            self.run(step, part.drop, _parts(part.spill, placement), _parts(part.fetch, placement))
         except Exception:  # what failed is reported by the stage (failed spills, failed fetches)
             logger.exception("tpuoffload: disk-tier step failed")
 
@@ -255,11 +252,7 @@ class DiskStage(WorkerTier):
                 payloads.append(result.data if result is not None and result.ok else None)
             engine, part = self.engines[f.part.pool], f.part
             for piece in engine.pieces(len(part.slots)):
-                engine.install(payloads[piece], part.slots[piece], part.save_ids[piece], self._shard(part.pool))
-
-    def _shard(self, pool: int) -> int:
-        """The batch shard of this rank's chunks in pool ``pool``'s store (the state store has one)."""
-        return self.rank if pool == 0 else 0
+                engine.install(payloads[piece], part.slots[piece], part.save_ids[piece], self.rank)
 
     def _spill(self, part: _Part) -> None:
         engine = self.engines[part.pool]
@@ -273,7 +266,7 @@ class DiskStage(WorkerTier):
     def _write(self, pool: int, rows, ok: list[bool], keys: list[ChunkKey]) -> None:
         written, failed = [], [k.save_id for k, good in zip(keys, ok) if not good]
         try:
-            payloads = self.engines[pool].rows_to_payloads(rows, self._shard(pool))
+            payloads = self.engines[pool].rows_to_payloads(rows, self.rank)
             tier = self.tiers[pool]
             writes = [(k, tier.write(k, p)) for k, p, good in zip(keys, payloads, ok) if good]
             for key, w in writes:

@@ -215,7 +215,7 @@ class OffloadWorker:
                  for budget, e in zip(self.config.disk_pool_bytes(len(engines)), engines)]
         return [DiskStage(engines, rank_path(path, r, ranks), files,
                           self.config.load_wait_timeout_s, self._disk_faults, deployment=keep,
-                          before_donate=self._before_donate, rank=r, state_slot=lambda: self._boundary)
+                          before_donate=self._before_donate, rank=r)
                 for r in range(ranks)]
 
     def _before_donate(self) -> None:
@@ -263,7 +263,7 @@ class OffloadWorker:
             if p is None:
                 t.act(step, None)
             else:
-                t.act(step, p.plan.tiers.get(t.name), Placement(p.slot_offset, p.id_offset))
+                t.act(step, p.plan.tiers.get(t.name), Placement(p.slot_offset, p.id_offset, p.state_offset))
 
     def _check_slots(self, placed: list["_Placed"]) -> None:
         """Each plan's slots fit this host's stores: pool 0 takes ``num_slots - state_slots`` of
@@ -529,10 +529,14 @@ class _Placed:
         self.rank = self.id_offset >> RANK_SAVE_ID_SHIFT
         self.kv_slots = plan.num_slots - plan.state_slots
         self.shard_slots = shard_slots
+        split = plan.num_blocks and plan.state_slots  # DPScheduler with a state pool
         # The engine's first state slot: past every shard's KV slots under DPScheduler, past the
         # plan's KV slots with one scheduler (whose numbering is the engine's).
-        self.state_base = shards * shard_slots[0] if plan.num_blocks and plan.state_slots else self.kv_slots
-        if plan.state_slots and plan.num_blocks:  # DPScheduler with a state pool: every rank moves
+        self.state_base = shards * shard_slots[0] if split else self.kv_slots
+        # A state slot of the plan's own range in the state store (the tiers' pool 1, Placement):
+        # the engine's slot less ``state_base``, the rank's share under DPScheduler.
+        self.state_offset = (self.rank * shard_slots[1] if split else 0) - self.kv_slots
+        if split:  # every rank moves
             self._place_pools()
         elif not (self.block_offset or self.slot_offset or self.id_offset):  # one scheduler: nothing moves
             self.flush, self.save, self.loads = plan.flush, plan.save, plan.loads

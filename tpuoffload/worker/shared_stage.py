@@ -157,7 +157,7 @@ class SharedStage(WorkerTier):
                         self._held.pop(sid, None)
             for sid in part.cancel:
                 self._slots.pop(sid, None)
-        s, i = placement  # the plan's slots and save ids in the engine's numbering (reports keep the plan's)
+        s, i, _ = placement  # the plan's KV slots and save ids in the engine's numbering (reports keep the plan's)
         if part.install:
             self._install(part.install)
         if len(part.publish):

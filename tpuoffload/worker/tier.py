@@ -22,11 +22,15 @@ from tpuoffload.messages import SaveBatch
 
 class Placement(NamedTuple):
     """Where the plan a tier acts on sits in the engine's numbering (``StepPlan.placement``): the
-    offset of its slots and of its save ids (both 0 with one scheduler; under DPScheduler those of
-    the tier's rank)."""
+    offset of its KV slots and of its save ids (both 0 with one scheduler; under DPScheduler those
+    of the tier's rank), and with a GDN/mamba state pool the shift from a state slot of the plan's
+    own range (``[kv, kv + state_slots)``) to its slot in the state store (``-kv`` with one
+    scheduler; under DPScheduler the rank's share of the store is added: worker/offload_worker.py
+    ``_Placed``)."""
 
     slot_offset: int = 0
     id_offset: int = 0
+    state_offset: int = 0
 
 
 class WorkerTier(abc.ABC):
