@@ -319,8 +319,7 @@ def test_shared_url_is_validated_and_refused_where_it_cannot_work():
         parse({**BASE, "shared_url": "file:///kv?high=0.5&low=0.6"})
     check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {DP})  # per-rank plans (test_dp_shared.py)
     check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {HYBRID})  # per-group objects (test_hybrid_shared.py)
-    with pytest.raises(ValueError, match="shared_url with GDN/mamba state layers"):
-        check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {GDN})
+    check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {GDN})  # per-pool objects (test_gdn_shared.py)
 
 
 def test_one_feature_table_refuses_with_every_reason_and_the_readme_prints_it():

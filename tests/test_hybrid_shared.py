@@ -116,7 +116,8 @@ def test_negative_control_objects_named_without_their_group_load_the_other_group
     from tpuoffload.backend.shared_store import ObjectId
     from tpuoffload.worker import shared_stage
 
-    monkeypatch.setattr(shared_stage, "ObjectId", lambda ns, key, group, part, parts: ObjectId(ns, key, 0, part, parts))
+    monkeypatch.setattr(shared_stage, "ObjectId",
+                        lambda ns, key, group, part, parts, pool=0: ObjectId(ns, key, 0, part, parts, pool))
     _, _, ta, b, _ = _a_then_b(f"file://{tmp_path}/shared?timeout_s=30")
     try:
         assert ta[C.SHARED_WRITE_EXISTS] > 0, ta  # the collision: one group's chunk found the other's object
@@ -157,7 +158,8 @@ def test_the_hit_follows_host_rams_rule_over_ram_and_store_together():
         index.mark_ready(c.slots, np.arange(c.first_save_id, c.first_save_id + len(c.slots)))
     assert tier.wants(request, 0, 2)
     plan = tier.finish_step(0)
-    (pid, keys, kv_groups), = plan.probe
+    (pid, keys, kv_groups, pools), = plan.probe
+    assert pools == b""  # one host slot pool: every chunk the KV pool's
     assert len(unpack_keys(keys)) == 8 * 2 and np.frombuffer(kv_groups, np.uint8).tolist() == [0, 1] * 8
     # Every host's store: both groups of blocks 2-8 except the full group's block 7 (hit: 7 blocks),
     # and the window group's block 3 (outside the hit's window: not needed).

@@ -264,11 +264,6 @@ LIMITS: dict[str, dict[str, str]] = {
         HYBRID: "a lazy flush saves block ids remembered while the request ran, and a sliding-window group "
                 "drops blocks before it finishes; lifted by planning flushes per group",
     },
-    "shared_url": {
-        GDN: "a state chunk (one row of every state array) lives in a second slot pool with its own bytes, and the "
-             "stage publishes, fetches and installs KV-pool chunks only; lifted by a stage per slot pool, as the "
-             "disk tier keeps its files per pool",
-    },
 }
 
 

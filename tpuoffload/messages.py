@@ -125,8 +125,10 @@ class SharedPlan:
     # Every object is named by a chunk's content key (vLLM's block hash: ``keys``, 16 bytes each)
     # and its KV cache group (``groups``: one uint8 per chunk; b"": every chunk group 0's), as
     # vLLM's offload key is a block hash and a group.
-    # (probe id, keys, groups): does this host's store hold (and would it verify) each chunk?
-    probe: tuple[tuple[int, bytes, bytes], ...] = ()
+    # (probe id, keys, groups, pools): does this host's store hold (and would it verify) each chunk?
+    # ``pools``: each chunk's host slot pool (one int8 each; b"": every chunk the KV pool's), as
+    # ``DiskBatch.pools`` names them in ``publish`` and ``fetch``.
+    probe: tuple[tuple[int, bytes, bytes, bytes], ...] = ()
     # READY chunks to read out of their host-RAM slots (still holding ``save_ids``) and publish
     # (``publish.keys``: content keys), of groups ``publish_groups``.
     publish: DiskBatch = field(default_factory=DiskBatch)

@@ -16,17 +16,24 @@ everything that determines its bytes::
     group       its KV cache group (as vLLM's offload key is a block hash and a group: with
                 several groups every group's chunk of a block is its own object)
     shard       this host's index, and the number of hosts (``num_shards``)
+    pool        its host slot pool: 0, KV chunks (one block of every attention array), or 1, a
+                GDN/mamba hybrid's state chunks (one row of every state array, another size),
+                so a state chunk is never read as a KV chunk or the reverse
 
 and it is published once (put-if-absent: nobody ever replaces an object, so a name always means
 the same bytes) and never modified. Its bytes are a header then the payload (one host's part of
 the chunk, exactly ``payload bytes``)::
 
     magic b"TPUOKVS1" | u16 version | u16 header bytes | namespace | key | u32 group | u16 shard |
-    u16 num_shards | u64 payload bytes | u32 payload crc32 | reserved zeros | u32 crc32 of the above
+    u16 num_shards | u64 payload bytes | u32 payload crc32 | u8 pool | reserved zeros |
+    u32 crc32 of the above
+
+(the pool byte was reserved before there were state pools: a KV-pool object's name and bytes are
+what they were).
 
 ``decode_object`` checks all of it against the ``ObjectId`` the reader asked for and the payload
 length it expects: a torn or truncated object is ``SHORT``, a flipped bit ``CORRUPT``, an object
-of another namespace, key, group or shard under this name ``FOREIGN``. Any of them is a miss.
+of another namespace, key, group, shard or pool under this name ``FOREIGN``. Any of them is a miss.
 CRC32: the same trade as the disk tier (backend/disk_tier.py): it catches torn writes, truncation
 and bit flips at a few GiB/s per thread with the GIL released; it is not a defence against a
 writer that forges objects (whoever can write the store can serve wrong KV).
@@ -69,7 +76,8 @@ logger = logging.getLogger(__name__)
 MAGIC = b"TPUOKVS1"
 FORMAT_VERSION = 1
 HEADER_BYTES = 128
-_HEAD = struct.Struct("<8sHH16s16sIHHQI")  # up to the payload crc; reserved zeros follow; then the header crc
+_HEAD = struct.Struct("<8sHH16s16sIHHQI")  # up to the payload crc; the pool byte, reserved zeros, the header crc
+_POOL_AT = _HEAD.size
 _HEADER_CRC_AT = HEADER_BYTES - 4
 TMP_PREFIX = ".tmp."
 SUFFIX = ".kv"
@@ -86,21 +94,22 @@ class ObjectError(enum.Enum):
     ABSENT = "absent"  # no object under this name
     SHORT = "short"  # torn or truncated: fewer bytes than its header (or the reader) says
     CORRUPT = "corrupt"  # a bad magic, version, header checksum or payload checksum
-    FOREIGN = "foreign"  # another namespace, key, group or shard under this name
+    FOREIGN = "foreign"  # another namespace, key, group, shard or pool under this name
     UNAVAILABLE = "unavailable"  # the store did not answer in time
 
 
 @dataclass(frozen=True)
 class ObjectId:
     """The name of one object in the shared store: a 16-byte namespace (the deployment) and key (the
-    chunk), its KV cache group, and which of ``num_shards`` host shards of the chunk it holds;
-    ``name`` is the same string in every backend."""
+    chunk), its KV cache group, which of ``num_shards`` host shards of the chunk it holds, and its
+    host slot pool (module doc); ``name`` is the same string in every backend."""
 
     namespace: bytes
     key: bytes
     group: int
     shard: int
     num_shards: int
+    pool: int = 0
 
     def __post_init__(self) -> None:
         if len(self.namespace) != 16 or len(self.key) != 16:
@@ -108,8 +117,10 @@ class ObjectId:
 
     @property
     def name(self) -> str:
-        """``<namespace>/h<shard>of<hosts>/<key>.g<group>``: the same string in every backend."""
-        return f"{self.namespace.hex()}/h{self.shard}of{self.num_shards}/{self.key.hex()}.g{self.group}"
+        """``<namespace>/h<shard>of<hosts>/<key>.g<group>``, then ``.p<pool>`` for a pool other than
+        the KV pool: the same string in every backend."""
+        pool = f".p{self.pool}" if self.pool else ""
+        return f"{self.namespace.hex()}/h{self.shard}of{self.num_shards}/{self.key.hex()}.g{self.group}{pool}"
 
 
 def encode_header(oid: ObjectId, payload: Any) -> bytes:
@@ -118,6 +129,7 @@ def encode_header(oid: ObjectId, payload: Any) -> bytes:
     head = bytearray(HEADER_BYTES)
     _HEAD.pack_into(head, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, oid.namespace, oid.key, oid.group, oid.shard,
                     oid.num_shards, len(view), zlib.crc32(view))
+    head[_POOL_AT] = oid.pool
     struct.pack_into("<I", head, _HEADER_CRC_AT, zlib.crc32(memoryview(head)[:_HEADER_CRC_AT]))
     return bytes(head)
 
@@ -138,8 +150,10 @@ def decode_object(oid: ObjectId, data: Any, payload_bytes: int) -> tuple[memoryv
     _, version, hbytes, ns, key, group, shard, num_shards, plen, pcrc = _HEAD.unpack_from(view, 0)
     if version != FORMAT_VERSION or hbytes != HEADER_BYTES:
         return None, ObjectError.FOREIGN, f"format version {version} ({hbytes}-byte header)"
-    if (ns, key, group, shard, num_shards) != (oid.namespace, oid.key, oid.group, oid.shard, oid.num_shards):
-        return None, ObjectError.FOREIGN, "another namespace, key, group or shard"
+    pool = view[_POOL_AT]
+    if (ns, key, group, shard, num_shards, pool) != (oid.namespace, oid.key, oid.group, oid.shard, oid.num_shards,
+                                                     oid.pool):
+        return None, ObjectError.FOREIGN, "another namespace, key, group, shard or pool"
     if plen != payload_bytes:
         return None, ObjectError.FOREIGN, f"payload of {plen} bytes, expected {payload_bytes}"
     if len(view) != HEADER_BYTES + plen:

@@ -39,6 +39,17 @@ the group from the save that filled the slot (``note_saves``, by save id) and na
 the content key ``kv_groups.content_keys`` recovers; a chunk READY by any other way (a disk fetch)
 is not published: its group is not known.
 
+A GDN/mamba hybrid (manager/kv_groups.py) keeps its state chunks (one row of every state array, at a
+block boundary) in a second host slot pool. The hit rule is host RAM's own: the attention chunks of
+k blocks and the state chunk keyed by block k - 1, each from host RAM or the store, so the store
+extends a hit only to a boundary where both the KV chunks before it and the state row at it are
+available (a window of one block for the state group); the mirror groups probe and fetch nothing.
+Each fetched chunk claims a slot of its group's pool (``SavePlanner.claim_pools``, the KV pool
+first, as saves and disk fetches do), and every chunk the plan names says its pool
+(``DiskBatch.pools`` of a publish and a fetch, a probe's pools), which the workers read the right
+store with and put in the object's name (``ObjectId.pool``). ``note_saves`` tells a step's saved
+blocks apart by pool and block id (a state row's id names an attention block too).
+
 After ``reset_cache()`` (new weights under the same model name) the tier is off for the rest of
 the engine's life: the store cannot tell which weights wrote an object. Operators who update
 weights change the URL's ``namespace`` parameter when they restart.
@@ -111,8 +122,8 @@ class _Wait:
 
 
 class SharedTierPlanner(Tier):
-    """The shared tier as a ``Tier`` (module doc), for one KV cache group or several (not GDN/mamba
-    state groups: config.LIMITS refuses them)."""
+    """The shared tier as a ``Tier`` (module doc), for one KV cache group or several, GDN/mamba state
+    groups included."""
 
     name = "shared"
     PROBING, WANTED, IN_FLIGHT, DONE = 0, 1, 2, 3
@@ -130,6 +141,7 @@ class SharedTierPlanner(Tier):
         self.groups = groups  # vLLM's KV cache groups: a hit is one every group can serve
         # The groups whose chunks are probed and fetched (a mamba group mirroring another: none).
         self._probed = np.array([g for g, w in enumerate(groups.windows) if w != MIRROR], dtype=np.int64)
+        self._pools = groups.pool_of_groups()  # each group's host slot pool
         self.ram_ledger = ram_ledger  # a fetch no host can install is dropped through it
         self.num_hosts = num_hosts
         self.block_size = block_size
@@ -142,7 +154,7 @@ class SharedTierPlanner(Tier):
         self._waits: dict[str, _Wait] = {}
         self._probes: dict[int, tuple[str, bytes, float, dict[int, np.ndarray]]] = {}  # id -> (req, first key, deadline, answers)
         self._next_probe = 0
-        self._new_probes: list[tuple[int, bytes, bytes]] = []
+        self._new_probes: list[tuple[int, bytes, bytes, bytes]] = []  # (probe id, keys, groups, pools)
         self._fetch_batches: list[tuple[DiskBatch, np.ndarray]] = []  # (batch, each chunk's group)
         self._fetches: dict[int, tuple[str, float, set[int]]] = {}  # RAM save id -> (req, deadline, hosts verified)
         self._installing: set[int] = set()  # save ids sent to install, until the RAM ledger resolves them
@@ -194,7 +206,8 @@ class SharedTierPlanner(Tier):
         pid = self._next_probe
         self._next_probe += 1
         self._probes[pid] = (rid, memo, self.clock() + self.timeout_s, {})
-        self._new_probes.append((pid, pack_keys(k1, k2), self._groups_bytes(groups)))
+        self._new_probes.append((pid, pack_keys(k1, k2), self._groups_bytes(groups),
+                                 self._pools_bytes(self._pools[groups])))
         self._waits[rid] = _Wait(request, local_blocks, start, PackedHashes.of(hashes[local_blocks:limit]),
                                  self.PROBING, pid)
         self.counters[C.SHARED_PROBES] += 1
@@ -281,7 +294,9 @@ class SharedTierPlanner(Tier):
             need = part & ~ready  # block by block: a cut keeps an early prefix of every group
             held = slots[part & ready]
             self.ram.pin(held)
-            claim = self.saves.claim(PackedHashes(keys[need].tobytes(), keys.shape[2]), step)
+            groups = np.broadcast_to(self._probed, need.shape)[need]
+            pools = self._pools[groups]  # each chunk into a slot of its own pool, the KV pool's first
+            claim = self.saves.claim_pools(PackedHashes(keys[need].tobytes(), keys.shape[2]), pools, step)
             if not len(claim.slots):
                 self.ram.unpin(held)
                 wait.tries += 1
@@ -290,34 +305,44 @@ class SharedTierPlanner(Tier):
                 continue
             n, base = len(claim.slots), claim.first_save_id
             blocks = np.nonzero(need)[0]
-            groups = np.broadcast_to(self._probed, need.shape)[need]
             self.ram.events.record(claim.slots, claim.keep, [(wait.request, wait.local + b, 1, g) for b, g in
                                                              zip(blocks.tolist(), groups.tolist())])  # KV events
-            groups = groups[claim.keep]
+            groups, pools = groups[claim.keep], pools[claim.keep]
             deadline = self.clock() + 2 * self.timeout_s
             for sid in range(base, base + n):
                 self._fetches[sid] = (rid, deadline, set())
             wait.held, wait.left, wait.state = held, n, self.IN_FLIGHT
             content = content_keys(claim.keys, groups)
             self._fetch_batches.append((DiskBatch(tuple(claim.slots.tolist()), range(base, base + n),
-                                                  keys=pack_keys(content.k1, content.k2)), groups))
+                                                  keys=pack_keys(content.k1, content.k2),
+                                                  pools=self._pools_bytes(pools)), groups))
             self.counters[C.SHARED_FETCHES_ISSUED] += n
 
     def note_saves(self, candidates: "SaveCandidates", batch: "SaveBatch") -> None:
         """Several KV cache groups: the group of each chunk a step's saves claimed, by save id, for
         its publish (a host-RAM key has its group mixed in). A block id is one group's at a time,
-        so the step's candidates name the group of each saved block."""
+        so the step's candidates name the group of each saved block; with a GDN/mamba state pool a
+        block id is one group's per pool (a state row's id names an attention block too), so a
+        saved chunk is found by its pool (its slot's) and its block id."""
         if not self.enabled or not len(batch):
             return
         _, _, _, groups = candidate_layout(candidates.origins)
         blocks = np.asarray(candidates.block_ids, np.int64)
+        saved = np.asarray(batch.block_ids, np.int64)
+        if candidates.pools is not None:  # (pool, block id) as one number: block ids are below 2**40
+            blocks = blocks + (np.asarray(candidates.pools, np.int64) << 40)
+            saved = saved + (self.ram.pool_of(np.asarray(batch.slots, np.int64)).astype(np.int64) << 40)
         order = np.argsort(blocks, kind="stable")
-        at = order[np.searchsorted(blocks, np.asarray(batch.block_ids, np.int64), sorter=order)]
+        at = order[np.searchsorted(blocks, saved, sorter=order)]
         self._save_groups.update(zip(np.asarray(batch.save_ids).tolist(), groups[at].tolist()))
 
     def _groups_bytes(self, groups) -> bytes:
         """A plan's groups of its chunks (b"": one KV cache group, every chunk group 0's)."""
         return np.asarray(groups, dtype=np.uint8).tobytes() if self.groups.several else b""
+
+    def _pools_bytes(self, pools) -> bytes:
+        """A plan's host slot pools of its chunks (b"": one pool, every chunk the KV pool's)."""
+        return np.asarray(pools, dtype=np.int8).tobytes() if self.groups.num_pools > 1 else b""
 
     @override
     def finish_step(self, step: int) -> SharedPlan | None:
@@ -352,7 +377,9 @@ class SharedTierPlanner(Tier):
             return DiskBatch(), b""
         self.counters[C.SHARED_PUBLISH_ISSUED] += len(slots)
         k = np.array(keys, dtype=np.uint64)
-        return DiskBatch(tuple(slots), tuple(ids), keys=pack_keys(k[:, 0], k[:, 1])), self._groups_bytes(groups)
+        pools = self._pools_bytes(self.ram.pool_of(np.asarray(slots, np.int64)))
+        return (DiskBatch(tuple(slots), tuple(ids), keys=pack_keys(k[:, 0], k[:, 1]), pools=pools),
+                self._groups_bytes(groups))
 
     # ---------------------------------------------------------------- reports
     @override
@@ -490,4 +517,4 @@ def _concat(batches: list[DiskBatch]) -> DiskBatch:
     if len(batches) == 1:
         return batches[0]
     return DiskBatch(tuple(s for b in batches for s in b.slots), tuple(i for b in batches for i in b.save_ids),
-                     keys=b"".join(b.keys for b in batches))
+                     keys=b"".join(b.keys for b in batches), pools=b"".join(b.pools for b in batches))

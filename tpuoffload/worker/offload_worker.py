@@ -149,11 +149,11 @@ class OffloadWorker:
         if self.config.disk_path:
             self.tiers += self._start_disk(deployment)
         if self.config.shared_url:  # the store every replica shares: a stage per DP rank (worker/shared_stage.py)
-            engine = self.engine.engines[0]
-            self.tiers += [SharedStage(engine, SharedURL.parse(self.config.shared_url), self.host_id,
+            engines = self.engine.engines
+            self.tiers += [SharedStage(engines, SharedURL.parse(self.config.shared_url), self.host_id,
                                        json.dumps(deployment.to_json(), sort_keys=True),
-                                       before_donate=self._before_donate, rank=r)
-                           for r in range(engine.slot_table.shards)]
+                                       before_donate=self._before_donate, rank=r, state_slot=lambda: self._boundary)
+                           for r in range(engines[0].slot_table.shards)]
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()
             # on this thread, or under the engine's and the backend's locks.

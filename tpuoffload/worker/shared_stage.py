@@ -38,6 +38,17 @@ object format:
   (another DP size, TP size or split over hosts is another namespace). A host holding no device of
   the rank keeps no object for it: it answers every probe "present", every fetch "verified" with
   no bytes, writes nothing, and dispatches the same programs as every host.
+
+A GDN/mamba hybrid has two host slot pools (worker/pooled_engine.py): KV chunks (one block of every
+attention array) and state chunks (one row of every state array, another size). The stage acts on
+both, each through its pool's transfer engine, as the disk stage does: which pool a chunk is in is
+what the plan says (``DiskBatch.pools`` of a publish and a fetch, the fourth element of a probe),
+the one mechanism. A publish reads its pool's store, a fetch is verified against its pool's chunk
+size and installed into its pool's store, and the object's name and header carry the pool
+(``ObjectId.pool``), so a state chunk is never read as a KV chunk or the reverse. A state chunk's
+slot is numbered as in saves and loads: from the plan's first state slot (``state_slot``) on, the
+state store's slot 0 on; each pool's rows are dispatched in pool order, pool 0's first. Not under
+DPScheduler yet (the constructor refuses a state pool split over batch shards).
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import numpy as np
@@ -81,17 +92,28 @@ class SharedStage(WorkerTier):
     name = "shared"
     READERS = 4  # background threads reading (probes, fetches)
 
-    def __init__(self, engine: TransferEngine, spec: SharedURL, host: int, deployment: str,
+    def __init__(self, engines: Sequence[TransferEngine], spec: SharedURL, host: int, deployment: str,
                  store: SharedStore | None = None, before_donate: Callable[[], None] = lambda: None,
-                 rank: int = 0) -> None:
-        """``deployment``: this host's deployment fingerprint (JSON); ``store``: the backend (tests
-        pass one; default: the one ``spec`` names); ``rank``: the DP rank (batch shard) whose
-        plans it acts on (module doc)."""
+                 rank: int = 0, state_slot: Callable[[], int] = lambda: 0) -> None:
+        """``engines``: the transfer engine of each host slot pool (pool 0's alone without a state
+        pool); ``deployment``: this host's deployment fingerprint (JSON); ``store``: the backend
+        (tests pass one; default: the one ``spec`` names); ``rank``: the DP rank (batch shard) whose
+        plans it acts on; ``state_slot``: the first state slot of the plan being acted on (module
+        doc)."""
+        engine = engines[0]
+        if len(engines) > 1 and engines[1].slot_table.shards > 1:
+            raise ValueError("the shared tier keeps GDN/mamba state chunks of one scheduler only: under DPScheduler a "
+                             "rank's state slots and rows are not placed by the shared stage yet (lifted by numbering "
+                             "them per rank as worker/offload_worker.py's _Placed does for saves and loads)")
+        self.engines = tuple(engines)
         self.engine = engine
         self.spec = spec
         self.host = host
         self.rank = rank
-        self.payload_bytes = engine.disk_chunk_bytes(rank)
+        # Each pool's bytes of one chunk on this host (the KV pool's: the rank's batch shard's).
+        self.pool_bytes = tuple(e.disk_chunk_bytes(rank if p == 0 else 0) for p, e in enumerate(self.engines))
+        self.payload_bytes = self.pool_bytes[0]
+        self._state_slot = state_slot
         self._ranked = engine.slot_table.shards > 1  # under DPScheduler: named by the rank's layout
         if self._ranked:
             self.part, self.parts, layout = engine.shard_part(rank)
@@ -103,7 +125,8 @@ class SharedStage(WorkerTier):
         self.store = store if store is not None else open_store(spec)
         self._before_donate = before_donate
         self._namespaces: dict[tuple[str, int], bytes] = {}  # (scope, hosts) -> namespace; main thread
-        self._slots: dict[int, tuple[int, int]] = {}  # fetch save id -> (slot, save id) placed; main thread
+        # fetch save id -> (pool, slot in that pool's store, save id placed); main thread
+        self._slots: dict[int, tuple[int, int, int]] = {}
         self._readers = futures.ThreadPoolExecutor(self.READERS, thread_name_prefix="shared-read")
         self._writer = futures.ThreadPoolExecutor(1, thread_name_prefix="shared-write")
         self._lock = threading.Lock()  # guards everything below (the tier's threads and the main thread)
@@ -117,8 +140,8 @@ class SharedStage(WorkerTier):
         self._pending = 0  # background tasks not finished
         self._next_write = 0.0  # the bandwidth bound's clock (writer thread)
         self._counts: Counter[str] = Counter()
-        logger.info("tpuoffload shared tier (host %d): %s store at %s; objects of %d bytes", host, self.store.kind,
-                    spec.location, self.payload_bytes)
+        logger.info("tpuoffload shared tier (host %d): %s store at %s; objects of %s bytes (per slot pool)", host,
+                    self.store.kind, spec.location, "/".join(map(str, self.pool_bytes)))
 
     def _namespace(self, part: SharedPlan) -> bytes:
         key = (part.scope, part.hosts)
@@ -128,13 +151,20 @@ class SharedStage(WorkerTier):
             ns = self._namespaces[key] = namespace(self.deployment, scope, self.spec.namespace)
         return ns
 
-    def _ids(self, ns: bytes, keys: bytes, groups: bytes, hosts: int) -> list[ObjectId]:
+    def _ids(self, ns: bytes, keys: bytes, groups: bytes, pools: bytes, hosts: int) -> list[ObjectId]:
         """The objects of this host's part of chunks with these content keys, of these KV cache
-        groups (b"": group 0 each): as vLLM's offload key, a block hash and a group."""
+        groups (b"": group 0 each), in these host slot pools (b"": the KV pool each): as vLLM's
+        offload key, a block hash and a group, and the pool whose chunk it holds."""
         parts = self.parts or hosts
         rows = unpack_keys(keys)
         of = np.frombuffer(groups, np.uint8).tolist() if groups else [0] * len(rows)
-        return [ObjectId(ns, row.tobytes(), g, max(self.part, 0), parts) for row, g in zip(rows, of)]
+        pool = np.frombuffer(pools, np.int8).tolist() if pools else [0] * len(rows)
+        return [ObjectId(ns, row.tobytes(), g, max(self.part, 0), parts, p) for row, g, p in zip(rows, of, pool)]
+
+    def _place(self, pool: int, slot: int, placement: Placement) -> int:
+        """A plan's slot of ``pool`` in that pool's store (a state slot from the plan's first state
+        slot on, the state store's slot 0 on)."""
+        return slot + placement.slot_offset if pool == 0 else slot - self._state_slot()
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
@@ -157,46 +187,59 @@ class SharedStage(WorkerTier):
                         self._held.pop(sid, None)
             for sid in part.cancel:
                 self._slots.pop(sid, None)
-        s, i, _ = placement  # the plan's KV slots and save ids in the engine's numbering (reports keep the plan's)
         if part.install:
             self._install(part.install)
         if len(part.publish):
-            self._publish(part.publish, self._ids(ns, part.publish.keys, part.publish_groups, part.hosts), s, i)
-        for pid, keys, groups in part.probe:
-            self._submit(self._readers, self._probe, pid, self._ids(ns, keys, groups, part.hosts))
+            oids = self._ids(ns, part.publish.keys, part.publish_groups, part.publish.pools, part.hosts)
+            self._publish(part.publish, oids, placement)
+        for pid, keys, groups, pools in part.probe:
+            self._submit(self._readers, self._probe, pid, self._ids(ns, keys, groups, pools, part.hosts))
         if len(part.fetch):
-            oids = self._ids(ns, part.fetch.keys, part.fetch_groups, part.hosts)
-            for sid, slot, oid in zip(part.fetch.save_ids, part.fetch.slots, oids):
-                self._slots[sid] = (slot + s, sid + i)
+            oids = self._ids(ns, part.fetch.keys, part.fetch_groups, part.fetch.pools, part.hosts)
+            pools = part.fetch.pool_of().tolist()
+            for sid, slot, oid, pool in zip(part.fetch.save_ids, part.fetch.slots, oids, pools):
+                self._slots[sid] = (pool, self._place(pool, slot, placement), sid + placement.id_offset)
                 with self._lock:
                     self._reading.add(sid)
-                self._submit(self._readers, self._fetch, sid, oid)
+                self._submit(self._readers, self._fetch, sid, oid, self.pool_bytes[pool])
 
     def _install(self, save_ids: tuple[int, ...]) -> None:
-        """Every host installs the same save ids into the same slots; a host without the bytes
-        (it never should have: it reported them verified) writes zeros and reports the save failed."""
+        """Every host installs the same save ids into the same slots, each pool's into its own
+        store, pool 0's first; a host without the bytes (it never should have: it reported them
+        verified) writes zeros and reports the save failed."""
         with self._lock:
             payloads = [self._held.pop(sid, None) for sid in save_ids]
-        slots, ids = zip(*(self._slots.pop(sid) for sid in save_ids))
+        pools, slots, ids = (np.array(x, np.int64) for x in zip(*(self._slots.pop(sid) for sid in save_ids)))
         self._before_donate()  # installs donate the stores
-        for piece in self.engine.pieces(len(slots)):
-            self.engine.install(payloads[piece], slots[piece], ids[piece], self.rank)
+        for pool, engine in enumerate(self.engines):
+            rows = np.flatnonzero(pools == pool)
+            for piece in engine.pieces(len(rows)):
+                at = rows[piece]
+                engine.install([payloads[r] for r in at.tolist()], slots[at].tolist(), ids[at].tolist(),
+                               self._shard(pool))
 
-    def _publish(self, batch: DiskBatch, oids: list[ObjectId], slot_offset: int, id_offset: int) -> None:
-        slots = [x + slot_offset for x in batch.slots]
-        save_ids = [x + id_offset for x in batch.save_ids]
-        for piece in self.engine.pieces(len(slots)):
-            rows, ok = self.engine.read_slots(slots[piece], save_ids[piece])  # on every host (invariant 1)
-            if self.part < 0:  # no device of the rank here: nothing of it to write
-                continue
-            chosen = [o for o, good in zip(oids[piece], ok) if good]
-            size = len(ok) * self.payload_bytes
-            with self._lock:
-                if self._queued_bytes + size > self.spec.queue_bytes:
-                    self._counts[C.SHARED_WRITE_DROPPED] += len(chosen)
+    def _shard(self, pool: int) -> int:
+        """The batch shard of this rank's chunks in pool ``pool``'s store (the state store has one)."""
+        return self.rank if pool == 0 else 0
+
+    def _publish(self, batch: DiskBatch, oids: list[ObjectId], placement: Placement) -> None:
+        pools = batch.pool_of()
+        for pool, engine in enumerate(self.engines):  # pool 0's rows first (invariant 1)
+            rows = np.flatnonzero(pools == pool).tolist()
+            slots = [self._place(pool, batch.slots[r], placement) for r in rows]
+            save_ids = [batch.save_ids[r] + placement.id_offset for r in rows]
+            for piece in engine.pieces(len(slots)):
+                got, ok = engine.read_slots(slots[piece], save_ids[piece])  # on every host (invariant 1)
+                if self.part < 0:  # no device of the rank here: nothing of it to write
                     continue
-                self._queued_bytes += size
-            self._submit(self._writer, self._write, rows, ok, chosen, size)
+                chosen = [oids[r] for r, good in zip(rows[piece], ok) if good]
+                size = len(ok) * self.pool_bytes[pool]
+                with self._lock:
+                    if self._queued_bytes + size > self.spec.queue_bytes:
+                        self._counts[C.SHARED_WRITE_DROPPED] += len(chosen)
+                        continue
+                    self._queued_bytes += size
+                self._submit(self._writer, self._write, pool, got, ok, chosen, size)
 
     def _submit(self, pool: futures.ThreadPoolExecutor, fn, *args) -> None:
         with self._lock:
@@ -228,14 +271,15 @@ class SharedStage(WorkerTier):
         with self._lock:
             self._probed.append((pid, present))
 
-    def _fetch(self, sid: int, oid: ObjectId) -> None:
+    def _fetch(self, sid: int, oid: ObjectId, payload_bytes: int) -> None:
+        """Read and verify ``oid``, a chunk of ``payload_bytes`` on this host (its pool's size)."""
         t0 = time.monotonic()
         try:
             if self.part < 0:  # no device of the rank here: no bytes to read, verified as they are
                 payload, error, detail = memoryview(b""), None, ""
             else:
                 data = self.store.get(oid.name)
-                payload, error, detail = decode_object(oid, data, self.payload_bytes)
+                payload, error, detail = decode_object(oid, data, payload_bytes)
         except StoreUnavailable as e:
             payload, error, detail = None, ObjectError.UNAVAILABLE, str(e)
         took = time.monotonic() - t0
@@ -250,7 +294,7 @@ class SharedStage(WorkerTier):
             if error is None:
                 if self.part >= 0:
                     self._counts[C.SHARED_READ_CHUNKS] += 1
-                    self._counts[C.SHARED_READ_BYTES] += self.payload_bytes
+                    self._counts[C.SHARED_READ_BYTES] += payload_bytes
                 if not cancelled:
                     self._held[sid] = np.frombuffer(payload, np.uint8)
                     self._fetched.append(sid)
@@ -259,11 +303,11 @@ class SharedStage(WorkerTier):
                 if not cancelled:
                     self._fetch_failed.append(sid)
 
-    def _write(self, rows, ok: list[bool], oids: list[ObjectId], size: int) -> None:
+    def _write(self, pool: int, rows, ok: list[bool], oids: list[ObjectId], size: int) -> None:
         t0 = time.monotonic()
         counts: Counter[str] = Counter()
         try:
-            payloads = [p for p, good in zip(self.engine.rows_to_payloads(rows, self.rank), ok) if good]
+            payloads = [p for p, good in zip(self.engines[pool].rows_to_payloads(rows, self._shard(pool)), ok) if good]
             present = self.store.exists_many([o.name for o in oids])  # deduplicated against the store
             counts[C.SHARED_WRITE_EXISTS] += sum(present)
             for oid, payload, there in zip(oids, payloads, present):
