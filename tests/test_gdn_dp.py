@@ -222,6 +222,7 @@ def test_a_ranks_plan_whose_state_rows_are_not_its_share_is_refused(dp_layout):
 # the disk is what serves; the loads include a cross-rank hit on the other rank's fetched chunks
 # (through host RAM: only the owning rank fetches, docs/design.md "The disk tier per rank"). The
 # scheduler half's per-rank file counts agree with the stages' (tests/test_chunk_bytes_agree.py).
+
 # Two hashes (a KV chunk's and a state chunk's), the same for both ranks.
 KEYS = pack_keys(np.array([0x1111, 0x2222], np.uint64), np.array([0x3333, 0x4444], np.uint64))
 DISK_BYTES = 8 << 20
@@ -284,10 +285,13 @@ def _spill_evict_fetch_load(layout, tmp_path) -> types.SimpleNamespace:
         spill = DiskBatch((2, kv + 1), (10, 11), (0, 1), KEYS, np.array([0, 1], np.int8).tobytes())
         step(1, tiers={"disk": DiskPlan(spill=spill)})
         step(2, save=SaveBatch((20, 8), (2, kv + 1), (12, 13)))
-        for r in both:  # the spilled chunks are gone from host RAM
-            held = [tables[p].lookup(np.array([r * tables[p].shard_slots + s]), [i + (r << RANK_SAVE_ID_SHIFT)])[0]
-                    for p, s, i in ((0, 2, 10), (1, 1, 11))]
-            assert not any(bool(h[0]) for h in held), (r, held)
+        for r in both:  # host RAM holds the new chunks, the spilled ones are gone from it
+            def held(pool: int, slot: int, save_id: int) -> bool:
+                table = tables[pool]
+                return bool(table.lookup(np.array([r * table.shard_slots + slot]),
+                                         [save_id + (r << RANK_SAVE_ID_SHIFT)])[0][0])
+
+            assert held(0, 2, 12) and held(1, 1, 13) and not held(0, 2, 10) and not held(1, 1, 11), r
         fetch = DiskBatch((4, kv + 3), (14, 15), (0, 1), KEYS, np.array([0, 1], np.int8).tobytes())
         step(3, tiers={"disk": DiskPlan(fetch=fetch)})
         step(4)  # the fetches are installed
