@@ -179,6 +179,11 @@ def _kill_groups(procs: Iterable[WorkerProcess]) -> None:
                 pass
 
 
+
+def _is_error(reply: Any) -> bool:
+    """A worker's reply to an exchange that says it raised: ``("error", traceback)``."""
+    return isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error"
+
 class PodSlice:
     """Start with ``PodSlice(spec, chaos)``; use as a context manager so the workers always die.
 
@@ -384,13 +389,12 @@ class PodSlice:
                 try:
                     pipe.flush()
                 except (BrokenPipeError, ConnectionResetError):
-                    raise self._error(f"{what}: host {rank} died ({self._exit_status(rank)})",
-                                      [rank]) from None
+                    raise self._died(rank, replies, what) from None
                 got, reply = pipe.take_frame()
                 if got:
                     replies[rank] = reply
                 elif pipe.eof:
-                    raise self._error(f"{what}: host {rank} died ({self._exit_status(rank)})", [rank])
+                    raise self._died(rank, replies, what)
             if len(replies) == len(self._pipes):
                 break
             left = deadline - time.monotonic()
@@ -405,13 +409,36 @@ class PodSlice:
             for rank, pipe in enumerate(self._pipes):
                 if pipe.rfd in readable:
                     pipe.fill()
-        out = []
-        for rank in range(len(self._pipes)):
-            reply = replies[rank]
-            if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
+        for rank, reply in sorted(replies.items()):
+            if _is_error(reply):
                 raise self._error(f"{what}: host {rank} raised:\n{reply[1]}", [rank])
-            out.append(reply)
-        return out
+        return [replies[rank] for rank in range(len(self._pipes))]
+
+    def _died(self, rank: int, replies: dict[int, Any], what: str, grace_s: float = 2.0) -> SliceError:
+        """Host ``rank`` died during an exchange. When one host raises and exits, jax.distributed's
+        coordination service terminates the others (SIGABRT): the error a host sent is the cause,
+        so the other hosts' pipes are read for ``grace_s`` more and an error found there is
+        reported first, the death after it."""
+        status = self._exit_status(rank)
+        deadline = time.monotonic() + grace_s
+        while not any(map(_is_error, replies.values())) and (left := deadline - time.monotonic()) > 0:
+            for r, pipe in enumerate(self._pipes):
+                if r not in replies:
+                    got, reply = pipe.take_frame()
+                    if got:
+                        replies[r] = reply
+            open_pipes = {r: p for r, p in enumerate(self._pipes) if r not in replies and r != rank and not p.eof}
+            if not open_pipes:
+                break
+            readable, _, _ = select.select([p.rfd for p in open_pipes.values()], [], [], min(left, 0.2))
+            for pipe in open_pipes.values():
+                if pipe.rfd in readable:
+                    pipe.fill()
+        for r, reply in sorted(replies.items()):
+            if _is_error(reply):
+                return self._error(f"{what}: host {r} raised (and host {rank} died after it: {status}):\n{reply[1]}",
+                                   [r, rank])
+        return self._error(f"{what}: host {rank} died ({status})", [rank])
 
     def shutdown(self, timeout: float | None = None) -> list[dict]:
         """A clean shutdown, in vLLM's order: every worker's connector shuts down (with warm restart

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuoffload.sim.engine_shims import LOAD_FAULT_FLAG_ENV, LOAD_FAULT_HOST_ENV, SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV
-from tpuoffload.sim.real_engine import DTYPE, MODELS, QWEN3, VOCAB, TinyModel, write_tiny_model
+from tpuoffload.sim.real_engine import DTYPE, MODELS, QWEN3, VOCAB, TinyModel, compile_cache_env, write_tiny_model
 
 #: Ray's driver-side hook (RAY_RUNTIME_ENV_HOOK) set for the EngineCore (tpuoffload.sim.vllm_cli,
 #: named, not imported: importing it installs the shims).
@@ -497,10 +497,9 @@ class Server:
         env = dict(os.environ)
         env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_SERVER_DEV_MODE="1",
                    MODEL_IMPL_TYPE=MODELS[self.shape.model].impl, VLLM_LOGGING_LEVEL="INFO",
-                   # one JAX compile cache for every server of a run (tpu-inference's CompilationManager
-                   # turns it on), as a deployment keeps its cache across restarts: later servers load
-                   # the programs the first compiled
-                   VLLM_XLA_CACHE_PATH=os.path.join(os.path.dirname(self.workdir.rstrip("/")), "xla_cache"),
+                   # one JAX compile cache for every server of a run, as a deployment keeps its cache
+                   # across restarts: later servers load the programs the first compiled
+                   **compile_cache_env(os.path.join(os.path.dirname(self.workdir.rstrip("/")), "xla_cache")),
                    RAY_USAGE_STATS_ENABLED="0",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={self.shape.devices_per_host * max(self.shape.dp, 1) + 1} "
                              f"{XLA_SINGLE_THREAD}")
