@@ -343,7 +343,9 @@ def test_one_feature_table_refuses_with_every_reason_and_the_readme_prints_it():
     assert refusals(everything, set()) == []  # one scheduler, one group: everything works
     assert refusals(parse(BASE), {DP}) == []  # plain offload under DPScheduler
     assert refusals(parse({**BASE, "lazy_offload": True}), {DP}) == []  # lazy offload too
-    with pytest.raises(ValueError, match="lazy_offload with several KV cache groups"):
+    # ... and with sliding-window hybrids, under DPScheduler too (tests/test_hybrid_lazy.py)
+    assert refusals(parse({**BASE, "lazy_offload": True}), {DP, HYBRID}) == []
+    with pytest.raises(ValueError, match="lazy_offload with GDN/mamba state layers"):
         check_features(parse({**BASE, "lazy_offload": True}), {GDN})
     assert refusals(parse(BASE), {DP, HYBRID}) == []  # sliding-window hybrids under DPScheduler
     assert refusals(parse(BASE), {DP, GDN}) == []  # GDN hybrids under DPScheduler (tests/test_gdn_dp.py)

@@ -209,13 +209,11 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
         devices_per_host = 1  # processes are the expensive part; each holds one device
     if hybrid is not None:
         # The layout's devices spread over the hosts; vLLM needs 41 blocks for one 256-token request
-        # of the gpt-oss-like layout (16 full-attention blocks, 25 for a window and a prefill chunk);
-        # lazy offload is refused with several KV cache groups.
+        # of the gpt-oss-like layout (16 full-attention blocks, 25 for a window and a prefill chunk).
         from tpuoffload.sim.hybrid_layouts import HYBRID_LAYOUTS
 
         devices_per_host = max(1, HYBRID_LAYOUTS[hybrid].num_devices // hosts)
         num_blocks = num_blocks if num_blocks >= 48 else 48
-        extra["lazy_offload"] = False
     dp_layout = None
     if dp is not None:
         # 8 devices on 2 hosts; every rank gets the block pool a scenario without DP would (a tiny

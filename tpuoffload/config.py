@@ -261,8 +261,11 @@ SHAPES = (DP, HYBRID, GDN)
 #: cache groups, so HYBRID's limits apply to it too.
 LIMITS: dict[str, dict[str, str]] = {
     "lazy_offload": {
-        HYBRID: "a lazy flush saves block ids remembered while the request ran, and a sliding-window group "
-                "drops blocks before it finishes; lifted by planning flushes per group",
+        GDN: "vLLM's mamba cache mode 'align' keeps the state after a block boundary only in the step that "
+             "computes it (the next steps overwrite that row or free it), so a flush at the finish or a preemption "
+             "cannot save it; lifted by saving the state rows in the step of their forward while the attention "
+             "groups stay lazy, as sliding-window groups are saved, once proven on tpu-inference's hybrid "
+             "coordinator",
     },
 }
 

@@ -136,6 +136,15 @@ class KVCacheGroups:
     def windowed(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    @cached_property
+    def held_to_finish(self) -> tuple[bool, ...]:
+        """Per group, whether vLLM keeps every block of a request until the request finishes or
+        is preempted: full attention only. A sliding-window group frees each block that leaves its
+        window while the request runs (``SlidingWindowManager.remove_skipped_blocks``, at every
+        ``allocate_slots``), and the GDN state group's row holds a boundary's state only in the
+        step that computed it. What a lazy flush may save from ids remembered earlier (step_saves.py)."""
+        return tuple(w is None for w in self.windows)
+
     def ours(self, per_group: Sequence):
         """A request's block ids as the scheduler half keeps them, from vLLM's per-group tuple:
         group 0's list with one group (the one-group path copies nothing), every group's with

@@ -18,7 +18,11 @@ Saves (invariant 9, never read freed or overwritten blocks):
   preempted or finishes they are flushed, gathered at the start of the next step before anything
   else touches the cache. A finished request's blocks are held (``delay_free``) until that flush is
   dispatched; a preempted request's blocks were freed by vLLM already, but nothing can overwrite
-  them before the next step's flush (loads and the forward come after it on every host).
+  them before the next step's flush (loads and the forward come after it on every host). With
+  several KV cache groups a flush is the request's span of every group's remembered ids, and only
+  the groups that keep their blocks until the finish may be saved from it (``step_saves.py``:
+  a sliding-window group drops blocks while the request runs; those are saved eagerly,
+  ``lazy_spans``).
 
 A preemption keeps a request's save progress (its first blocks were saved or deliberately skipped
 already, and recomputing them gives the same content), except when the connector was reset since:
@@ -27,7 +31,7 @@ then everything the request computes after its preemption is new and saved from 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +41,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-BlockIdsOf = Callable[[str], list[int]]
+BlockIdsOf = Callable[[str], Sequence]
+#: A request's blocks to save: (the request, its block ids as ``KVCacheGroups.ours`` gives them,
+#: start, full): blocks ``start .. full - 1``.
+Span = tuple["Request", Sequence, int, int]
 
 
 @dataclass(slots=True)
@@ -52,8 +59,14 @@ class RequestRecord:
     watermark: int = 0
     # request.num_preemptions already applied here.
     preemptions: int = 0
-    # Lazy mode: ids of the full blocks computed so far (up to the save limit).
-    computed_block_ids: list[int] = field(default_factory=list)
+    # Lazy mode: the request's block ids (``KVCacheGroups.ours``: one list, or one per KV cache
+    # group) cut to its first ``computed`` full blocks, the full blocks computed so far (up to the
+    # save limit).
+    computed_block_ids: Sequence = ()
+    computed: int = 0
+    # Lazy mode with several KV cache groups: blocks [0, eager) of the groups saved in the step of
+    # their forward were dealt with (``lazy_spans``).
+    eager: int = 0
 
 
 class RequestLifecycle:
@@ -67,9 +80,7 @@ class RequestLifecycle:
         self.save_decode_blocks = save_decode_blocks
         self._records: dict[str, RequestRecord] = {}
         self._saving: set[str] = set()  # requests that may still have blocks to save (or track)
-        self._flush_blocks: list[int] = []  # lazy: candidates for the next plan's flush
-        self._flush_hashes: list[bytes] = []
-        self._flush_origins: list[Origin] = []
+        self._flush: list[Span] = []  # lazy: the spans of the next plan's flush
         self._release: list[str] = []  # finished requests to release in the next plan
         self._awaiting_release: set[str] = set()  # released by the workers' finished_sending
 
@@ -84,7 +95,7 @@ class RequestLifecycle:
 
     def num_pending(self) -> int:
         """Flush candidates and releases not yet planned (zero right after a plan)."""
-        return len(self._flush_blocks) + len(self._release)
+        return sum(full - start for _, _, start, full in self._flush) + len(self._release)
 
     def get(self, req_id: str) -> RequestRecord | None:
         return self._records.get(req_id)
@@ -118,7 +129,7 @@ class RequestLifecycle:
         rec.preemptions = n
         if self.lazy:
             self._queue_flush(rec)
-            rec.computed_block_ids = []
+            rec.computed_block_ids, rec.computed = (), 0
         self._saving.add(rec.request.request_id)
 
     def finish(self, request: "Request", block_ids: list[int], load_in_flight: bool) -> bool:
@@ -131,11 +142,11 @@ class RequestLifecycle:
             return False
         self._catch_up(rec)
         delay = False
-        if self.lazy and len(rec.computed_block_ids) > rec.watermark:
+        if self.lazy and rec.computed > rec.watermark:
             if load_in_flight:
                 # vLLM itself holds the blocks until the load is reported, and frees them then: a
                 # second hold would free them twice. Nothing was computed since the load anyway.
-                rec.computed_block_ids = []
+                rec.computed_block_ids, rec.computed = (), 0
             else:
                 self._queue_flush(rec)
                 if block_ids:  # still held by vLLM (not already freed by a preemption)
@@ -199,13 +210,29 @@ class RequestLifecycle:
         """Lazy mode: remember the ids of the full blocks each scheduled request has computed once
         this step's forward ran, for a flush at its finish or preemption."""
         for rec, full, _ in self._filled(so):
-            if full > len(rec.computed_block_ids):
-                rec.computed_block_ids = block_ids_of(rec.request.request_id)[:full]
+            if full > rec.computed:
+                rec.computed_block_ids, rec.computed = block_ids_of(rec.request.request_id)[:full], full
 
-    def take_flush(self) -> tuple[list[int], list[bytes], list[Origin]]:
-        """Lazy mode: (block ids, hashes, where they come from) of the flush candidates queued."""
-        out = self._flush_blocks, self._flush_hashes, self._flush_origins
-        self._flush_blocks, self._flush_hashes, self._flush_origins = [], [], []
+    def lazy_spans(self, so: "SchedulerOutput",
+                   block_ids_of: BlockIdsOf) -> list[tuple["Request", Sequence[Sequence[int]], int, int, bool]]:
+        """Lazy mode with several KV cache groups: ``track_computed`` (every group's ids, each cut
+        to the full blocks), and per request ``step_spans`` with the request's block ids per group,
+        for the groups whose blocks are saved in the step of their forward (step_saves.py), with
+        their own progress (``RequestRecord.eager``, never behind ``computed``)."""
+        spans = []
+        for rec, full, end in self._filled(so):
+            if full <= rec.computed:  # then full <= rec.eager too: nothing new
+                continue
+            ids = block_ids_of(rec.request.request_id)
+            rec.computed_block_ids, rec.computed = [g[:full] for g in ids], full
+            if full > rec.eager:
+                spans.append((rec.request, ids, rec.eager, full, end == full * self.block_size))
+                rec.eager = full
+        return spans
+
+    def take_flush(self) -> list[Span]:
+        """Lazy mode: the spans queued for the next plan's flush, in the order they were queued."""
+        out, self._flush = self._flush, []
         return out
 
     def take_release(self) -> tuple[str, ...]:
@@ -219,24 +246,22 @@ class RequestLifecycle:
         the same reset (not applied yet) recomputes everything: its saves start from its first
         block, and what it computed before is never flushed. Any other request's blocks computed
         so far count as handled."""
-        self._flush_blocks, self._flush_hashes, self._flush_origins = [], [], []
+        self._flush = []
         for rec in self._records.values():
             n = rec.request.num_preemptions
             if n > rec.preemptions:
                 rec.preemptions = n
-                rec.computed_block_ids = []
-                rec.watermark = 0
+                rec.computed_block_ids, rec.computed = (), 0
+                rec.watermark = rec.eager = 0
                 self._saving.add(rec.request.request_id)
             else:
-                rec.watermark = max(rec.watermark, len(rec.computed_block_ids))
+                rec.watermark = max(rec.watermark, rec.computed)
 
     # ------------------------------------------------------------------ internals
     def _queue_flush(self, rec: RequestRecord) -> None:
-        full = len(rec.computed_block_ids)
+        full = rec.computed
         if full > rec.watermark:
-            self._flush_blocks += rec.computed_block_ids[rec.watermark:full]
-            self._flush_hashes += rec.request.block_hashes[rec.watermark:full]
-            self._flush_origins.append((rec.request, rec.watermark, full - rec.watermark, 0))
+            self._flush.append((rec.request, rec.computed_block_ids, rec.watermark, full))
             rec.watermark = full
 
     def _filled(self, so: "SchedulerOutput"):

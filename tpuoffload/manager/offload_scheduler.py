@@ -299,8 +299,10 @@ class OffloadScheduler:
             if not blocked:
                 for t in self.tiers:
                     t.plan_into_ram(step)
-            flush_blocks, flush_hashes, flush_origins = self.requests.take_flush()
-            flush = plan(flush_blocks, flush_hashes, step, flush_origins)
+            f = self._step_saves.flush(self.requests.take_flush())
+            flush: SaveBatch = plan(f.block_ids, f.keys, step, f.origins, f.pools) if f is not None else NO_SAVES
+            if f is not None:
+                self._note_saves(f, flush)
             c = self._step_saves.candidates(scheduler_output, block_ids_of)
             save: SaveBatch = plan(c.block_ids, c.keys, step, c.origins, c.pools) if c is not None else NO_SAVES
             if c is not None:
@@ -338,8 +340,9 @@ class OffloadScheduler:
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager (``SupportsHMA``) calls this instead of
-        ``request_finished``, with the block ids of every group. Lazy offload (the only user of
-        the block ids) runs with one group only (config.LIMITS)."""
+        ``request_finished``, with the block ids of every group. The ids only say whether vLLM
+        still holds the blocks (not after a preemption): a lazy flush saves the ids it remembered of
+        the groups that hold every block until the finish (step_saves.py)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ------------------------------------------------------------------ reports from workers

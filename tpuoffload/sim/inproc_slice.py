@@ -86,11 +86,23 @@ class InProcSlice(PodSlice):
         if len(devices) < need:
             raise SliceError(f"{spec.num_hosts} hosts x {spec.devices_per_host} devices need {need} devices; JAX has "
                              f"{len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
-        host_layout = spec.host_layout()  # this host's part of the slice's cache, as a cache of its own
+        if spec.hybrid is not None and spec.num_hosts != 1:
+            raise SliceError("a hybrid slice in one process has one host: tpu-inference's hybrid arrays span one mesh")
+        host_layout = None if spec.hybrid is not None else spec.host_layout()  # this host's part, a cache of its own
         for rank in range(spec.num_hosts):
             own = devices[rank * spec.devices_per_host:(rank + 1) * spec.devices_per_host]
-            caches, mesh = create_caches(host_layout, own)
-            runner = SyntheticRunner(caches, mesh, block_size=spec.block_size, dp_ranks=self.dp_ranks)
+            roles = {}
+            if spec.hybrid is not None:  # tpu-inference's initialize_kv_cache with vLLM's hybrid KV cache manager
+                from tpuoffload.sim.hybrid_layouts import create_hybrid_cache, runner_roles
+
+                hybrid = create_hybrid_cache(spec.hybrid_layout(), spec.kv_budget_bytes, own)
+                caches, mesh, roles = hybrid.kv_caches, hybrid.mesh, runner_roles(hybrid)
+            else:
+                caches, mesh = create_caches(host_layout, own)
+            runner = SyntheticRunner(caches, mesh, block_size=spec.block_size, dp_ranks=self.dp_ranks,
+                                     serves=roles.get("serves"), windows=roles.get("windows", (None,)))
+            if roles:
+                runner.layer_name_to_kvcache_index = roles["layer_name_to_kvcache_index"]
             connector = TPUOffloadConnector(self.scheduler.vllm_config, KVConnectorRole.WORKER,
                                             self._kv_cache_config())
             injector = ChaosInjector(chaos, rank, self.point_faults)
