@@ -88,62 +88,67 @@ def _clean(eng: InProcessEngine) -> None:
         assert all(v == 0 for v in idle.values()), idle
 
 
-def _a_then_b(url: str):
-    """A serves the prompts (the store fills), is closed, then B serves them."""
-    a, out_a, _ = _serve(url, "a")
-    try:
-        ta = Counter(a.stats.reduce())
-        _clean(a)
-    finally:
-        a.close()
-    b, out_b, loads = _serve(url, "b")
-    return ta, out_a, b, out_b, loads
+@pytest.fixture(scope="module")
+def published():
+    """A redis-server that deployment A filled: A served the prompts, published what it saved and
+    was closed. Yields (url, A's totals, A's tokens)."""
+    from tpuoffload.sim.redis_server import RedisServer
+
+    with RedisServer(lifetime_s=600) as server:
+        url = f"{server.url}?timeout_s=30"
+        a, out_a, _ = _serve(url, "a")
+        try:
+            ta = Counter(a.stats.reduce())
+            _clean(a)
+        finally:
+            a.close()
+        yield url, ta, out_a
 
 
 @pytest.mark.timeout(300)
-def test_deployment_b_serves_kv_and_state_rows_from_the_store_byte_exact():
-    from tpuoffload.sim.redis_server import RedisServer
-
-    with RedisServer(lifetime_s=300) as server:
-        ta, out_a, b, out_b, loads = _a_then_b(f"{server.url}?timeout_s=30")
-        try:
-            groups = b.offload.kv_groups
-            assert groups.windows == (1, MIRROR, MIRROR, None) and groups.pools == (STATE_POOL,) * 3 + (0,)
-            # A published its KV and state chunks, each host its shard (2 objects per chunk).
-            assert ta[C.SHARED_WRITTEN_CHUNKS] == 2 * ta[C.SHARED_PUBLISH_ISSUED] > 0, ta
-            tb = Counter(b.stats.reduce())
-            # Every prefix whole, from the store (B's host RAM started empty): its attention blocks and
-            # the one state row at its boundary, each fetched into its own pool, read by both hosts.
-            assert tb[C.HIT_TOKENS] == sum(PREFIX_BLOCKS) * BS, tb
-            want = sum(PREFIX_BLOCKS) + len(PREFIX_BLOCKS)  # KV chunks + one state chunk per prefix
-            assert tb[C.SHARED_FETCHES_READY] == want and tb[C.SHARED_FETCHES_FAILED] == 0, tb
-            assert tb[C.SHARED_READ_CHUNKS] == 2 * want, tb
-            assert tb[C.SHARED_PUBLISH_ISSUED] == 0 and tb[C.LOAD_ERRORS] == 0, tb
-            assert sorted({ld.req_id for _, ld, _ in loads}) == ["b0", "b1", "b2"]
-            for _, load, pools in loads:
-                n = PREFIX_BLOCKS[int(load.req_id[1])]
-                assert sorted(pools.tolist()) == [0] * n + [1], (load, pools)  # n KV blocks and one state row
-            # Byte-exact: every state row and attention position B read is the synthetic model's
-            # value for that prefix (B's HBM started at zeros: a row not loaded reads zeros).
-            for r in b.runners:
-                assert r.stats.states_verified > 0 and r.stats.positions_verified > 0
-            _clean(b)
-            print(f"GDN shared tier: B fetched {tb[C.SHARED_FETCHES_READY]} chunks ({len(PREFIX_BLOCKS)} state rows) "
-                  f"from redis, hit {tb[C.HIT_TOKENS]}/{tb[C.LOOKUP_TOKENS]} tokens; "
-                  f"{b.runners[0].stats.states_verified} state rows and {b.runners[0].stats.positions_verified} "
-                  "attention positions verified per host, all exact")
-        finally:
-            b.close()
+def test_deployment_b_serves_kv_and_state_rows_from_the_store_byte_exact(published):
+    url, ta, out_a = published
+    b, out_b, loads = _serve(url, "b")
+    try:
+        groups = b.offload.kv_groups
+        assert groups.windows == (1, MIRROR, MIRROR, None) and groups.pools == (STATE_POOL,) * 3 + (0,)
+        # A published its KV and state chunks, each host its shard (2 objects per chunk).
+        assert ta[C.SHARED_WRITTEN_CHUNKS] == 2 * ta[C.SHARED_PUBLISH_ISSUED] > 0, ta
+        tb = Counter(b.stats.reduce())
+        # Every prefix whole, from the store (B's host RAM started empty): its attention blocks and
+        # the one state row at its boundary, each fetched into its own pool, read by both hosts.
+        assert tb[C.HIT_TOKENS] == sum(PREFIX_BLOCKS) * BS, tb
+        want = sum(PREFIX_BLOCKS) + len(PREFIX_BLOCKS)  # KV chunks + one state chunk per prefix
+        assert tb[C.SHARED_FETCHES_READY] == want and tb[C.SHARED_FETCHES_FAILED] == 0, tb
+        assert tb[C.SHARED_READ_CHUNKS] == 2 * want, tb
+        assert tb[C.SHARED_PUBLISH_ISSUED] == 0 and tb[C.LOAD_ERRORS] == 0, tb
+        assert sorted({ld.req_id for _, ld, _ in loads}) == ["b0", "b1", "b2"]
+        for _, load, pools in loads:
+            n = PREFIX_BLOCKS[int(load.req_id[1])]
+            assert sorted(pools.tolist()) == [0] * n + [1], (load, pools)  # n KV blocks and one state row
+        # Byte-exact: every state row and attention position B read is the synthetic model's
+        # value for that prefix (B's HBM started at zeros: a row not loaded reads zeros).
+        for r in b.runners:
+            assert r.stats.states_verified > 0 and r.stats.positions_verified > 0
+        _clean(b)
+        print(f"GDN shared tier: B fetched {tb[C.SHARED_FETCHES_READY]} chunks ({len(PREFIX_BLOCKS)} state rows) "
+              f"from redis, hit {tb[C.HIT_TOKENS]}/{tb[C.LOOKUP_TOKENS]} tokens; "
+              f"{b.runners[0].stats.states_verified} state rows and {b.runners[0].stats.positions_verified} "
+              "attention positions verified per host, all exact")
+    finally:
+        b.close()
     assert out_b == out_a and len(out_a) == len(PREFIX_BLOCKS)  # greedy tokens: every value read right
     assert all(len(t) == 3 for t in out_a.values())
 
 
-def test_negative_control_state_rows_not_fetched_serve_no_prefix(monkeypatch, tmp_path):
+@pytest.mark.timeout(300)
+def test_negative_control_state_rows_not_fetched_serve_no_prefix(published, monkeypatch):
     """The one mechanism removed: the state chunks in the store's probes and fetches (the planner
     probes the state group as it does a mirror group: nothing of its own). The store holds every
-    KV chunk A computed, yet no prefix is served: a GDN hit needs the state row at its boundary."""
+    chunk A computed, yet no prefix is served: a GDN hit needs the state row at its boundary."""
     from tpuoffload.manager import shared_tier
 
+    url, ta, out_a = published
     orig = shared_tier.SharedTierPlanner.__init__
 
     def kv_only(self, *args, **kwargs):
@@ -151,15 +156,15 @@ def test_negative_control_state_rows_not_fetched_serve_no_prefix(monkeypatch, tm
         self._probed = self._probed[self._pools[self._probed] != STATE_POOL]
 
     monkeypatch.setattr(shared_tier.SharedTierPlanner, "__init__", kv_only)
-    ta, out_a, b, out_b, _ = _a_then_b(f"file://{tmp_path}/shared?timeout_s=30")
+    c, out_c, _ = _serve(url, "c")
     try:
-        tb = Counter(b.stats.reduce())
-        assert ta[C.SHARED_WRITTEN_CHUNKS] > 0 and tb[C.SHARED_PROBES] > 0, (ta, tb)
-        assert tb[C.SHARED_FETCHES_ISSUED] == 0 and tb.get(C.HIT_TOKENS, 0) == 0, tb
-        _clean(b)
+        tc = Counter(c.stats.reduce())
+        assert ta[C.SHARED_WRITTEN_CHUNKS] > 0 and tc[C.SHARED_PROBES] > 0, (ta, tc)
+        assert tc[C.SHARED_FETCHES_ISSUED] == 0 and tc.get(C.HIT_TOKENS, 0) == 0, tc
+        _clean(c)
     finally:
-        b.close()
-    assert out_b == out_a  # recomputed
+        c.close()
+    assert out_c == out_a  # recomputed
 
 
 def test_an_object_of_one_pool_is_foreign_to_the_other():

@@ -165,10 +165,10 @@ def test_a_fetch_cancelled_while_a_slow_host_still_reads_it_is_not_held(populate
             _flip(p, 128 + 777)
     read = SharedStage._fetch
 
-    def slow_on_host_0(self, sid, oid):
+    def slow_on_host_0(self, sid, oid, payload_bytes):
         if self.host == 0:
             time.sleep(0.3)  # longer than host 1's failure takes to reach the scheduler and come back
-        read(self, sid, oid)
+        read(self, sid, oid, payload_bytes)
 
     monkeypatch.setattr(SharedStage, "_fetch", slow_on_host_0)
     b = _engine(f"file://{root}?timeout_s=20")

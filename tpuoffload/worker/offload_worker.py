@@ -152,7 +152,7 @@ class OffloadWorker:
             engines = self.engine.engines
             self.tiers += [SharedStage(engines, SharedURL.parse(self.config.shared_url), self.host_id,
                                        json.dumps(deployment.to_json(), sort_keys=True),
-                                       before_donate=self._before_donate, rank=r, state_slot=lambda: self._boundary)
+                                       before_donate=self._before_donate, rank=r)
                            for r in range(engines[0].slot_table.shards)]
         if self.config.stats_dir:
             # build_when_idle: everything snapshot() reads changes only between bind() and clear()

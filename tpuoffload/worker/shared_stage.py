@@ -46,9 +46,10 @@ what the plan says (``DiskBatch.pools`` of a publish and a fetch, the fourth ele
 the one mechanism. A publish reads its pool's store, a fetch is verified against its pool's chunk
 size and installed into its pool's store, and the object's name and header carry the pool
 (``ObjectId.pool``), so a state chunk is never read as a KV chunk or the reverse. A state chunk's
-slot is numbered as in saves and loads: from the plan's first state slot (``state_slot``) on, the
-state store's slot 0 on; each pool's rows are dispatched in pool order, pool 0's first. Not under
-DPScheduler yet (the constructor refuses a state pool split over batch shards).
+slot is the plan's state slot moved into the state store by the placement
+(``Placement.state_offset``), as the disk stage places it; each pool's rows are dispatched in pool
+order, pool 0's first. Not under DPScheduler yet (the constructor refuses a state pool split over
+batch shards).
 """
 
 from __future__ import annotations
@@ -94,26 +95,25 @@ class SharedStage(WorkerTier):
 
     def __init__(self, engines: Sequence[TransferEngine], spec: SharedURL, host: int, deployment: str,
                  store: SharedStore | None = None, before_donate: Callable[[], None] = lambda: None,
-                 rank: int = 0, state_slot: Callable[[], int] = lambda: 0) -> None:
+                 rank: int = 0) -> None:
         """``engines``: the transfer engine of each host slot pool (pool 0's alone without a state
         pool); ``deployment``: this host's deployment fingerprint (JSON); ``store``: the backend
         (tests pass one; default: the one ``spec`` names); ``rank``: the DP rank (batch shard) whose
-        plans it acts on; ``state_slot``: the first state slot of the plan being acted on (module
-        doc)."""
+        plans it acts on (module doc)."""
         engine = engines[0]
         if len(engines) > 1 and engines[1].slot_table.shards > 1:
-            raise ValueError("the shared tier keeps GDN/mamba state chunks of one scheduler only: under DPScheduler a "
-                             "rank's state slots and rows are not placed by the shared stage yet (lifted by numbering "
-                             "them per rank as worker/offload_worker.py's _Placed does for saves and loads)")
+            raise ValueError("the shared tier keeps GDN/mamba state chunks of one scheduler only: under DPScheduler "
+                             "a rank's state objects are not proven yet (lifted by a test of tpu-inference's "
+                             "DPScheduler with a state pool, as tests/test_gdn_dp_disk.py does for the disk tier, "
+                             "with the state layout in the rank's namespace)")
         self.engines = tuple(engines)
         self.engine = engine
         self.spec = spec
         self.host = host
         self.rank = rank
-        # Each pool's bytes of one chunk on this host (the KV pool's: the rank's batch shard's).
-        self.pool_bytes = tuple(e.disk_chunk_bytes(rank if p == 0 else 0) for p, e in enumerate(self.engines))
+        # Each pool's bytes of one chunk on this host (its pieces of the rank's batch shard).
+        self.pool_bytes = tuple(e.disk_chunk_bytes(rank) for e in self.engines)
         self.payload_bytes = self.pool_bytes[0]
-        self._state_slot = state_slot
         self._ranked = engine.slot_table.shards > 1  # under DPScheduler: named by the rank's layout
         if self._ranked:
             self.part, self.parts, layout = engine.shard_part(rank)
@@ -162,9 +162,8 @@ class SharedStage(WorkerTier):
         return [ObjectId(ns, row.tobytes(), g, max(self.part, 0), parts, p) for row, g, p in zip(rows, of, pool)]
 
     def _place(self, pool: int, slot: int, placement: Placement) -> int:
-        """A plan's slot of ``pool`` in that pool's store (a state slot from the plan's first state
-        slot on, the state store's slot 0 on)."""
-        return slot + placement.slot_offset if pool == 0 else slot - self._state_slot()
+        """A plan's slot of ``pool`` in that pool's store (``Placement``)."""
+        return slot + (placement.slot_offset if pool == 0 else placement.state_offset)
 
     # ---------------------------------------------------------------- per step (main thread)
     @override
@@ -216,11 +215,7 @@ class SharedStage(WorkerTier):
             for piece in engine.pieces(len(rows)):
                 at = rows[piece]
                 engine.install([payloads[r] for r in at.tolist()], slots[at].tolist(), ids[at].tolist(),
-                               self._shard(pool))
-
-    def _shard(self, pool: int) -> int:
-        """The batch shard of this rank's chunks in pool ``pool``'s store (the state store has one)."""
-        return self.rank if pool == 0 else 0
+                               self.rank)
 
     def _publish(self, batch: DiskBatch, oids: list[ObjectId], placement: Placement) -> None:
         pools = batch.pool_of()
@@ -307,7 +302,7 @@ class SharedStage(WorkerTier):
         t0 = time.monotonic()
         counts: Counter[str] = Counter()
         try:
-            payloads = [p for p, good in zip(self.engines[pool].rows_to_payloads(rows, self._shard(pool)), ok) if good]
+            payloads = [p for p, good in zip(self.engines[pool].rows_to_payloads(rows, self.rank), ok) if good]
             present = self.store.exists_many([o.name for o in oids])  # deduplicated against the store
             counts[C.SHARED_WRITE_EXISTS] += sum(present)
             for oid, payload, there in zip(oids, payloads, present):
