@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import types
 
@@ -391,3 +392,203 @@ def test_negative_control_state_files_of_another_batch_shard_serve_the_wrong_sta
     for key in run.state_keys:  # rank 1's state row 7 and rank 0's cross-rank row 12: rank 0's row 5
         assert sorted(run.wrong[key]) == [12, rows + 7], (key, run.wrong[key])
         assert all(np.array_equal(run.after[key][dst], run.original[key][5]) for dst in (12, rows + 7))
+
+
+# ------------------------------------------------------------------ the shared tier per rank
+# Each DP rank's shared stage publishes and fetches both slot pools' chunks of its rank: its
+# batch shard's pieces of a KV chunk and of a state row, named by the rank's namespace (the model,
+# the block size, the KV pool's and the state pool's layout of the rank: not the rank), a state
+# slot placed by the rank's share of the state store (``Placement.state_offset``). The worker
+# holds both batch shards of the qwen3.5-like-dp2 cache and gets both ranks' plans with the same
+# local slots, blocks, state rows and save ids; the ranks' rows hold other bytes, so a chunk read
+# from or installed into the wrong rank's share shows as wrong bytes. The content keys differ by
+# rank: the namespace is the rank's layout, equal for both ranks, and one key names one content
+# for every rank (what lets a rank load what another wrote). Host RAM is overwritten before the
+# fetch, so only the store (a real redis-server) can serve; rank 0 also fetches rank 1's objects,
+# a cross-rank hit through the store.
+
+# Per rank, a KV chunk's and a state chunk's content keys.
+SHARED_KEYS = [pack_keys(np.array([0x1111 + r, 0x2222 + r], np.uint64), np.array([0x3333, 0x4444], np.uint64))
+               for r in range(2)]
+POOLS = np.array([0, 1], np.int8).tobytes()
+GROUPS = bytes([3, 0])  # qwen3.5-like: the attention group is the last, a state group the first
+
+
+def _publish_evict_fetch_load(layout) -> types.SimpleNamespace:
+    """Both ranks in the same steps, with the same local numbers:
+
+    0. save attention block 9 into KV slot 2 (save id 10) and state row 5 into state slot 1 (11);
+    1. publish both under the rank's keys (the writes finish before the next step);
+    2. overwrite both slots with other chunks (block 20, state row 8: save ids 12, 13);
+    3. fetch the rank's two objects into KV slot 4 and state slot 3 (save ids 14, 15); rank 0 also
+       fetches rank 1's into KV slot 6 and state slot 4 (16, 17);
+    4. install what this host verified (what the scheduler half plans once every host has);
+    5. rank r loads its fetched chunks into block 30 and state row 7; rank 0 loads rank 1's
+       into block 31 and state row 12.
+
+    Returns ``shared``: each rank's shared reports by step; ``failed``: the requests whose load
+    failed; ``wrong``: each array's rows that differ from the expected caches; ``objects``: the
+    store's keys and value sizes; ``stages``: the ranks' shared stages; ``original``, ``after``:
+    the caches' bytes before and after; ``rows``: state rows per rank."""
+    import copy
+
+    import redis
+    from test_state_pool_worker import _fill, _host, _state_keys, _step
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tpuoffload.connector import TPUOffloadConnector
+    from tpuoffload.messages import RANK_SAVE_ID_SHIFT, DiskBatch, LoadRequest, OffloadMetadata, SaveBatch, SharedPlan
+    from tpuoffload.sim import gdn_layout as gl
+    from tpuoffload.sim.redis_server import RedisServer
+
+    server = RedisServer(lifetime_s=120)
+    extra = dict(UNIT_EXTRA, shared_url=f"{server.url}?timeout_s=10")
+    layout.runner.kv_caches = _fill(layout.kv_caches, 13)
+    conn = None
+    try:
+        conn = TPUOffloadConnector(gl.make_vllm_config(layout.spec, extra), KVConnectorRole.WORKER,
+                                   copy.deepcopy(layout.worker_kv_cache_config))
+        conn.register_runner(layout.runner)
+        worker = conn.worker
+        tables = worker.engine.tables
+        assert [t.shards for t in tables] == [2, 2]
+        kv = tables[0].shard_slots
+        blocks, rows = layout.attention_num_blocks // 2, layout.mamba_num_blocks // 2
+        original = _host(layout.runner.kv_caches)
+        both = range(2)
+        shared: dict[int, dict[int, list]] = {r: collections.defaultdict(list) for r in both}
+
+        def step(n: int, by_rank: dict) -> tuple:
+            """Step ``n``: each rank's plan with ``by_rank[rank]``'s fields."""
+            plans = [_dp_plan(conn, r, n, layout, **by_rank.get(r, {})) for r in both]
+            out = _step(conn, OffloadMetadata(plans))
+            assert worker.wait_idle(30)  # the stages' background writes and reads
+            for report in (out[1], conn.build_connector_worker_meta()):
+                for r in both:
+                    part = report.tier_parts("shared", 100 + r) if report else {}
+                    if part:
+                        shared[r][n].append(part[0])
+            return out
+
+        def plan(**fields) -> dict:
+            return {"tiers": {"shared": SharedPlan("scope", 1, **fields)}}
+
+        step(0, {r: {"save": SaveBatch((9, 5), (2, kv + 1), (10, 11))} for r in both})
+        step(1, {r: plan(publish=DiskBatch((2, kv + 1), (10, 11), keys=SHARED_KEYS[r], pools=POOLS),
+                         publish_groups=GROUPS) for r in both})
+        step(2, {r: {"save": SaveBatch((20, 8), (2, kv + 1), (12, 13))} for r in both})
+        for r in both:  # host RAM holds the new chunks, the published ones are gone from it
+            def held(pool: int, slot: int, save_id: int) -> bool:
+                table = tables[pool]
+                return bool(table.lookup(np.array([r * table.shard_slots + slot]),
+                                         [save_id + (r << RANK_SAVE_ID_SHIFT)])[0][0])
+
+            assert held(0, 2, 12) and held(1, 1, 13) and not held(0, 2, 10) and not held(1, 1, 11), r
+        fetch = {r: DiskBatch((4, kv + 3), (14, 15), keys=SHARED_KEYS[r], pools=POOLS) for r in both}
+        fetch[0] = DiskBatch((4, kv + 3, 6, kv + 4), (14, 15, 16, 17), keys=SHARED_KEYS[0] + SHARED_KEYS[1],
+                             pools=POOLS * 2)
+        step(3, {r: plan(fetch=fetch[r], fetch_groups=GROUPS * (len(fetch[r]) // 2)) for r in both})
+        verified = {r: tuple(i for rep in shared[r][3] for a, b in rep.fetched for i in range(a, b)) for r in both}
+        step(4, {r: plan(install=verified[r]) for r in both})
+        before = _host(layout.runner.kv_caches)
+        own = [LoadRequest(f"r{r}", (30, 7), (4, kv + 3), (14, 15)) for r in both]
+        cross = LoadRequest("x0", (31, 12), (6, kv + 4), (16, 17))  # rank 1's objects, in rank 0's slots
+        results, _, _ = step(5, {0: {"loads": (own[0], cross)}, 1: {"loads": (own[1],)}})
+        after = _host(layout.runner.kv_caches)
+        state_keys = _state_keys(layout.runner.kv_caches)
+        # Engine numbering (tpu-inference's runner): rank r's block b is r * blocks + b, its state
+        # row b is r * rows + b.
+        kv_moves = {r * blocks + 30: r * blocks + 9 for r in both} | {31: blocks + 9}
+        state_moves = {r * rows + 7: r * rows + 5 for r in both} | {12: rows + 5}
+        wrong = {}
+        for key, arr in before.items():
+            want = arr.copy()
+            for dst, src in (state_moves if key in state_keys else kv_moves).items():
+                want[dst] = original[key][src]
+            bad = np.flatnonzero([not np.array_equal(a, e) for a, e in zip(after[key], want)])
+            if len(bad):
+                wrong[key] = bad.tolist()
+        client = redis.Redis.from_url(server.url)
+        objects = {k.decode(): client.strlen(k) for k in client.keys("*")}
+        client.close()
+        stages = [t for t in worker.tiers if t.name == "shared"]
+        return types.SimpleNamespace(shared=shared, failed=set(results.failed_recving or ()), wrong=wrong,
+                                     objects=objects, stages=stages, original=original, after=after, rows=rows,
+                                     state_keys=state_keys, verified=verified)
+    finally:
+        if conn is not None:
+            conn.shutdown()
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_publishes_kv_and_state_chunks_and_fetches_them_back_from_redis_byte_exact(dp_layout):
+    from tpuoffload.backend.shared_store import HEADER_BYTES as OBJECT_HEADER
+
+    run = _publish_evict_fetch_load(dp_layout)
+    assert not run.wrong and not run.failed, (run.wrong, run.failed)
+    assert run.verified == {0: (14, 15, 16, 17), 1: (14, 15)}, run.shared
+    # One namespace for both ranks (their layouts are equal), naming both pools' layouts.
+    s0, s1 = run.stages
+    assert (s0.rank, s1.rank) == (0, 1) and s0.deployment == s1.deployment
+    assert all(json.loads(s.deployment)["state_layout"] == s.engines[1].shard_part(s.rank)[2] for s in run.stages)
+    assert (s0.part, s0.parts) == (0, 1)  # this host holds every device of each rank
+    # Four objects: each rank's KV chunk and state row (".p1"), its batch shard's pieces (half the
+    # host's bytes of each, read off the arrays).
+    host_kv, host_state = (sum(s.data.nbytes // s.data.shape[0] for a in arrays for s in a.addressable_shards)
+                           for arrays in ([c for c in dp_layout.kv_caches if not isinstance(c, tuple)],
+                                          [a for c in dp_layout.kv_caches if isinstance(c, tuple) for a in c]))
+    sizes = sorted((name.endswith(".p1"), size - OBJECT_HEADER) for name, size in run.objects.items())
+    assert sizes == [(False, host_kv // 2)] * 2 + [(True, host_state // 2)] * 2, run.objects
+
+
+@pytest.mark.timeout(120)
+def test_negative_control_state_objects_of_another_batch_shard_serve_the_wrong_state(dp_layout, monkeypatch):
+    """The one mechanism removed: a rank's state objects cut from its batch shard's pieces (the
+    state pool's rows become batch shard 0's bytes whatever the rank). Rank 1's state object then
+    holds rank 0's state row 5 (the same local slot on shard 0's devices), verifies, and is
+    installed as rank 1's: rank 1's state row 7 and rank 0's cross-rank row 12 get rank 0's bytes,
+    silently (no load fails); the KV chunks are right."""
+    from tpuoffload.worker import pooled_engine
+
+    make = pooled_engine.PooledEngine.__init__
+
+    def state_objects_of_shard_zero(self, *args, **kw):
+        make(self, *args, **kw)
+        if len(self.engines) > 1:
+            state, own = self.engines[1], self.engines[1].rows_to_payloads
+            state.rows_to_payloads = lambda rows, shard=0: own(rows, 0)
+
+    monkeypatch.setattr(pooled_engine.PooledEngine, "__init__", state_objects_of_shard_zero)
+    run = _publish_evict_fetch_load(dp_layout)
+    print("negative control (state objects of shard 0):", {"failed loads": sorted(run.failed), "wrong rows": run.wrong})
+    assert not run.failed and run.verified == {0: (14, 15, 16, 17), 1: (14, 15)}  # nothing noticed ...
+    rows = run.rows
+    assert run.wrong and set(run.wrong) == run.state_keys, run.wrong  # ... every state array wrong, KV right
+    for key in run.state_keys:
+        assert sorted(run.wrong[key]) == [12, rows + 7], (key, run.wrong[key])
+        assert all(np.array_equal(run.after[key][dst], run.original[key][5]) for dst in (12, rows + 7))
+
+
+@pytest.mark.timeout(120)
+def test_negative_control_shared_state_slots_not_placed_by_rank(dp_layout, monkeypatch):
+    """The other mechanism removed: the stage's state slots numbered as with one scheduler
+    (``Placement.state_offset`` without the rank's share of the state store), saves and loads
+    unchanged. Rank 1's state publish then reads rank 0's state slot (refused: another chunk is
+    there) and nothing is written; its state object is absent from the store, so rank 1's load of
+    its state and rank 0's cross-rank load of it fail."""
+    from tpuoffload.worker import offload_worker
+
+    init = offload_worker._Placed.__init__
+
+    def unplaced(self, *args, **kw):
+        init(self, *args, **kw)
+        self.state_offset = -self.kv_slots
+
+    monkeypatch.setattr(offload_worker._Placed, "__init__", unplaced)
+    run = _publish_evict_fetch_load(dp_layout)
+    print("negative control (shared state slots not placed by rank):",
+          {"failed loads": sorted(run.failed), "verified": run.verified, "wrong rows": run.wrong})
+    assert run.failed == {"r1", "x0"}, run.failed  # rank 1's own load of its state and rank 0's cross-rank one
+    assert run.verified == {0: (14, 15, 16), 1: (14,)}, run.verified  # rank 1's state object never written
+    assert sorted(name.endswith(".p1") for name in run.objects) == [False, False, True], run.objects

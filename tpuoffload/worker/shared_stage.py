@@ -33,9 +33,10 @@ object format:
   them into that shard's rows (``TransferEngine.install``). The part is this host's place among
   the processes holding a device of the shard, and the namespace digests the model, the block
   size and the rank's layout (``TransferEngine.shard_part``: each group's row shape and dtype,
-  each holding process's pieces), not the rank: every rank computes the same KV for the same
-  tokens, so an object any rank of any replica wrote is read by every rank whose layout is equal
-  (another DP size, TP size or split over hosts is another namespace). A host holding no device of
+  each holding process's pieces; with a state pool, each pool's), not the rank: every rank
+  computes the same KV for the same tokens, so an object any rank of any replica wrote is read by
+  every rank whose layout is equal (another DP size, TP size or split over hosts is another
+  namespace). A host holding no device of
   the rank keeps no object for it: it answers every probe "present", every fetch "verified" with
   no bytes, writes nothing, and dispatches the same programs as every host.
 
@@ -48,8 +49,13 @@ size and installed into its pool's store, and the object's name and header carry
 (``ObjectId.pool``), so a state chunk is never read as a KV chunk or the reverse. A state chunk's
 slot is the plan's state slot moved into the state store by the placement
 (``Placement.state_offset``), as the disk stage places it; each pool's rows are dispatched in pool
-order, pool 0's first. Not under DPScheduler yet (the constructor refuses a state pool split over
-batch shards).
+order, pool 0's first. Under DPScheduler a rank's state chunks are its state objects exactly as its
+KV chunks are its KV objects: its batch shard's pieces of the row (``rows_to_payloads(rows,
+rank)``), installed as rows of that shard, its state slot placed by its share of the state store
+(``Placement.state_offset``), and the rank's namespace digests the state pool's layout beside the
+KV pool's (``shard_part`` of each): another state row shape, dtype or split is another namespace,
+so a rank reads a state object another rank wrote only where the bytes are the same (as for KV).
+Both pools of a rank are held by the same processes (refused otherwise: one part names both).
 """
 
 from __future__ import annotations
@@ -101,11 +107,6 @@ class SharedStage(WorkerTier):
         (tests pass one; default: the one ``spec`` names); ``rank``: the DP rank (batch shard) whose
         plans it acts on (module doc)."""
         engine = engines[0]
-        if len(engines) > 1 and engines[1].slot_table.shards > 1:
-            raise ValueError("the shared tier keeps GDN/mamba state chunks of one scheduler only: under DPScheduler "
-                             "a rank's state objects are not proven yet (lifted by a test of tpu-inference's "
-                             "DPScheduler with a state pool, as tests/test_gdn_dp_disk.py does for the disk tier, "
-                             "with the state layout in the rank's namespace)")
         self.engines = tuple(engines)
         self.engine = engine
         self.spec = spec
@@ -118,8 +119,14 @@ class SharedStage(WorkerTier):
         if self._ranked:
             self.part, self.parts, layout = engine.shard_part(rank)
             fp = json.loads(deployment)
-            self.deployment = json.dumps({"model": fp["model"], "block_size": fp["block_size"], "parts": self.parts,
-                                          "rank_layout": layout}, sort_keys=True)
+            named = {"model": fp["model"], "block_size": fp["block_size"], "parts": self.parts, "rank_layout": layout}
+            if len(self.engines) > 1:  # a state pool: its layout names the objects too (absent: KV names kept)
+                part, parts, named["state_layout"] = self.engines[1].shard_part(rank)
+                if (part, parts) != (self.part, self.parts):
+                    raise ValueError(f"rank {rank}'s state pool is held by other processes than its KV pool (part "
+                                     f"{part} of {parts}, KV part {self.part} of {self.parts}): one object part "
+                                     "per host and rank names both pools' objects")
+            self.deployment = json.dumps(named, sort_keys=True)
         else:
             self.part, self.parts, self.deployment = host, 0, deployment  # parts: the plan's hosts
         self.store = store if store is not None else open_store(spec)
