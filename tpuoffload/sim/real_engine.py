@@ -100,13 +100,16 @@ MODELS = {m.name: m for m in (QWEN3, HYBRID)}
 
 
 def compile_cache_env(default_dir: str) -> dict[str, str]:
-    """The environment that gives an engine process tpu-inference's JAX compile cache (its
-    CompilationManager turns it on at ``VLLM_XLA_CACHE_PATH``): the run's cache when one is set
-    (tests/conftest.py sets one for the whole suite), else ``default_dir``, never ~/.cache; every
-    program kept (JAX keeps only compiles over 1 s by default), so a later engine of the same shapes
-    loads what an earlier one compiled instead of compiling it again."""
-    return {"VLLM_XLA_CACHE_PATH": os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    """The environment that gives an engine process one persistent JAX compile cache: the run's
+    (tests/conftest.py sets one for the whole suite), else ``default_dir``, never ~/.cache. JAX
+    reads its cache directory once, at the process's first compile, which on CPU comes before
+    tpu-inference's CompilationManager sets it from ``VLLM_XLA_CACHE_PATH``: both name the same
+    directory. Every program is kept (JAX keeps only compiles over 1 s by default), so a later
+    engine of the same shapes loads what an earlier one compiled instead of compiling it again;
+    a size limit turns on JAX's file lock, so no process reads an entry another is writing."""
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_dir
+    return {"JAX_COMPILATION_CACHE_DIR": path, "VLLM_XLA_CACHE_PATH": path,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
 
 
 def write_tiny_model(path: str, model: TinyModel = QWEN3, seed: int = 0) -> str:

@@ -493,13 +493,17 @@ class Server:
                                                                           self.persist_path))]
         return cmd
 
+    @property
+    def compile_cache(self) -> dict[str, str]:
+        return compile_cache_env(os.path.join(os.path.dirname(self.workdir.rstrip("/")), "xla_cache"))
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_SERVER_DEV_MODE="1",
                    MODEL_IMPL_TYPE=MODELS[self.shape.model].impl, VLLM_LOGGING_LEVEL="INFO",
                    # one JAX compile cache for every server of a run, as a deployment keeps its cache
                    # across restarts: later servers load the programs the first compiled
-                   **compile_cache_env(os.path.join(os.path.dirname(self.workdir.rstrip("/")), "xla_cache")),
+                   **self.compile_cache,
                    RAY_USAGE_STATS_ENABLED="0",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={self.shape.devices_per_host * max(self.shape.dp, 1) + 1} "
                              f"{XLA_SINGLE_THREAD}")
@@ -510,8 +514,8 @@ class Server:
                        TPU_WORKER_ID="0", **{SLICE_COORDINATOR_ENV: f"127.0.0.1:{free_port()}",
                                              SLICE_HOSTS_ENV: str(self.ray.hosts)},
                        # the executor copies these to its workers (vLLM's own list: VLLM_RAY_EXTRA_ENV_VARS_TO_COPY)
-                       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=f"{SLICE_COORDINATOR_ENV},{SLICE_HOSTS_ENV},"
-                                                       f"{LOAD_FAULT_FLAG_ENV},{LOAD_FAULT_HOST_ENV}")
+                       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=",".join([SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV, LOAD_FAULT_FLAG_ENV,
+                                                                 LOAD_FAULT_HOST_ENV, *self.compile_cache]))
         if self.fault_flag is not None:
             os.makedirs(os.path.dirname(self.fault_flag), exist_ok=True)
             env.update({LOAD_FAULT_FLAG_ENV: self.fault_flag, LOAD_FAULT_HOST_ENV: str(self.run.fault_host)})
@@ -969,6 +973,9 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="tpuoffload-serve-")
+    # SIGTERM (an outside timeout, an operator's kill) ends the run as Ctrl-C does: run_plan's
+    # cleanup stops the Ray nodes, which live in sessions of their own and would outlive it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     report = run_plan(workdir, args.plan, only=args.only)
     text = json.dumps(report, indent=1)
     if args.json:
