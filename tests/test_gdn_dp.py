@@ -488,7 +488,8 @@ def _publish_evict_fetch_load(layout) -> types.SimpleNamespace:
         fetch[0] = DiskBatch((4, kv + 3, 6, kv + 4), (14, 15, 16, 17), keys=SHARED_KEYS[0] + SHARED_KEYS[1],
                              pools=POOLS * 2)
         step(3, {r: plan(fetch=fetch[r], fetch_groups=GROUPS * (len(fetch[r]) // 2)) for r in both})
-        verified = {r: tuple(i for rep in shared[r][3] for a, b in rep.fetched for i in range(a, b)) for r in both}
+        verified = {r: tuple(sorted(i for rep in shared[r][3] for a, b in rep.fetched for i in range(a, b)))
+                    for r in both}  # (the reads finish in any order)
         step(4, {r: plan(install=verified[r]) for r in both})
         before = _host(layout.runner.kv_caches)
         own = [LoadRequest(f"r{r}", (30, 7), (4, kv + 3), (14, 15)) for r in both]
@@ -522,8 +523,10 @@ def _publish_evict_fetch_load(layout) -> types.SimpleNamespace:
 
 
 @pytest.mark.timeout(120)
-def test_each_rank_publishes_kv_and_state_chunks_and_fetches_them_back_from_redis_byte_exact(dp_layout):
+def test_each_rank_publishes_kv_and_state_chunks_and_fetches_them_back_from_redis_byte_exact(dp_layout, monkeypatch):
     from tpuoffload.backend.shared_store import HEADER_BYTES as OBJECT_HEADER
+    from tpuoffload.messages import SharedPlan
+    from tpuoffload.worker.shared_stage import SharedStage
 
     run = _publish_evict_fetch_load(dp_layout)
     assert not run.wrong and not run.failed, (run.wrong, run.failed)
@@ -540,6 +543,20 @@ def test_each_rank_publishes_kv_and_state_chunks_and_fetches_them_back_from_redi
                                           [a for c in dp_layout.kv_caches if isinstance(c, tuple) for a in c]))
     sizes = sorted((name.endswith(".p1"), size - OBJECT_HEADER) for name, size in run.objects.items())
     assert sizes == [(False, host_kv // 2)] * 2 + [(True, host_state // 2)] * 2, run.objects
+    # The state layout names the objects: rank 1 with its state pool laid out otherwise (the first
+    # state array's row transposed: the same bytes in another order) and the same KV layout is
+    # another namespace, so it never reads these state objects (nor these KV objects).
+    state = s1.engines[1]
+    part, parts, layout = state.shard_part(1)
+    groups = json.loads(layout)
+    groups[0]["row"] = groups[0]["row"][:1] + groups[0]["row"][1:][::-1]
+    other_layout = json.dumps(groups, sort_keys=True)
+    assert other_layout != layout
+    monkeypatch.setattr(state, "shard_part", lambda shard: (part, parts, other_layout))
+    other = SharedStage(s1.engines, s1.spec, 0, s1.deployment, store=s1.store, rank=1)
+    assert json.loads(other.deployment)["rank_layout"] == json.loads(s1.deployment)["rank_layout"]
+    plan = SharedPlan("scope", 1)
+    assert other._namespace(plan) != s1._namespace(plan) and s0._namespace(plan) == s1._namespace(plan)
 
 
 @pytest.mark.timeout(120)
