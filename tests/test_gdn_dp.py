@@ -7,7 +7,8 @@ runner shards the state pool over ``ATTN_DATA`` like the attention blocks, so ra
 is the pool's row ``r * (M // dp) + b``. The scheduler half tells the workers its rank's row count
 (``StepPlan.state_rows``) and the workers place its state rows and its share of the host state
 store (``offload_worker._Placed``). The disk tier keeps each rank's KV and state chunks in that
-rank's files, placed the same way (the last section).
+rank's files, placed the same way (its section); the shared tier keeps them as the rank's objects
+in a real redis-server (the last section).
 
 The pod-slice proof runs 2 JAX processes x 2 CPU devices (DP 2 x TP 2, the qwen3.5-like-dp2
 layout built by tpu-inference's and vLLM's own code on every host) under tpu-inference's own
