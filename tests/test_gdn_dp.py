@@ -230,6 +230,24 @@ KEYS = pack_keys(np.array([0x1111, 0x2222], np.uint64), np.array([0x3333, 0x4444
 DISK_BYTES = 8 << 20
 
 
+def _wrong_after_loads(original, before, after, state_keys, blocks: int, rows: int) -> dict[str, list[int]]:
+    """The rows of each array that differ from what the tier tests' loads write: each rank's own
+    load puts its block 9 into block 30 and its state row 5 into row 7, rank 0's cross-rank load
+    puts rank 1's block 9 and state row 5 into its block 31 and row 12. Engine numbering
+    (tpu-inference's runner): rank r's block b is r * blocks + b, its state row b is r * rows + b."""
+    kv_moves = {r * blocks + 30: r * blocks + 9 for r in range(2)} | {31: blocks + 9}
+    state_moves = {r * rows + 7: r * rows + 5 for r in range(2)} | {12: rows + 5}
+    wrong = {}
+    for key, arr in before.items():
+        want = arr.copy()
+        for dst, src in (state_moves if key in state_keys else kv_moves).items():
+            want[dst] = original[key][src]
+        bad = np.flatnonzero([not np.array_equal(a, e) for a, e in zip(after[key], want)])
+        if len(bad):
+            wrong[key] = bad.tolist()
+    return wrong
+
+
 def _spill_evict_fetch_load(layout, tmp_path) -> types.SimpleNamespace:
     """Both ranks in the same steps, with the same local numbers:
 
@@ -304,18 +322,7 @@ def _spill_evict_fetch_load(layout, tmp_path) -> types.SimpleNamespace:
         results, _, _ = step(5, {0: {"loads": (own[0], cross)}, 1: {"loads": (own[1],)}})
         after = _host(layout.runner.kv_caches)
         state_keys = _state_keys(layout.runner.kv_caches)
-        # Engine numbering (tpu-inference's runner): rank r's block b is r * blocks + b, its state
-        # row b is r * rows + b.
-        kv_moves = {r * blocks + 30: r * blocks + 9 for r in both} | {31: blocks + 9}
-        state_moves = {r * rows + 7: r * rows + 5 for r in both} | {12: rows + 5}
-        wrong = {}
-        for key, arr in before.items():
-            want = arr.copy()
-            for dst, src in (state_moves if key in state_keys else kv_moves).items():
-                want[dst] = original[key][src]
-            bad = np.flatnonzero([not np.array_equal(a, e) for a, e in zip(after[key], want)])
-            if len(bad):
-                wrong[key] = bad.tolist()
+        wrong = _wrong_after_loads(original, before, after, state_keys, blocks, rows)
         files = {}
         for stage in (t for t in worker.tiers if t.name == "disk"):
             files[stage.rank] = [sorted((e.name, e.stat().st_size) for e in os.scandir(t.path) if e.name.endswith(".kv"))
@@ -498,18 +505,7 @@ def _publish_evict_fetch_load(layout) -> types.SimpleNamespace:
         results, _, _ = step(5, {0: {"loads": (own[0], cross)}, 1: {"loads": (own[1],)}})
         after = _host(layout.runner.kv_caches)
         state_keys = _state_keys(layout.runner.kv_caches)
-        # Engine numbering (tpu-inference's runner): rank r's block b is r * blocks + b, its state
-        # row b is r * rows + b.
-        kv_moves = {r * blocks + 30: r * blocks + 9 for r in both} | {31: blocks + 9}
-        state_moves = {r * rows + 7: r * rows + 5 for r in both} | {12: rows + 5}
-        wrong = {}
-        for key, arr in before.items():
-            want = arr.copy()
-            for dst, src in (state_moves if key in state_keys else kv_moves).items():
-                want[dst] = original[key][src]
-            bad = np.flatnonzero([not np.array_equal(a, e) for a, e in zip(after[key], want)])
-            if len(bad):
-                wrong[key] = bad.tolist()
+        wrong = _wrong_after_loads(original, before, after, state_keys, blocks, rows)
         client = redis.Redis.from_url(server.url)
         objects = {k.decode(): client.strlen(k) for k in client.keys("*")}
         client.close()

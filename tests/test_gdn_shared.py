@@ -33,6 +33,7 @@ from tpuoffload import counters as C
 from tpuoffload.manager.kv_groups import MIRROR, STATE_POOL
 from tpuoffload.sim import gdn_layout as gl
 from tpuoffload.sim.engine import EngineSpec, InProcessEngine
+from test_gdn_offload import _check_clean
 
 SPEC = dataclasses.replace(gl.QWEN35_LIKE, max_num_seqs=4, max_num_batched_tokens=256)
 BS = SPEC.block_size
@@ -76,18 +77,6 @@ def _serve(url: str, tag: str) -> tuple[InProcessEngine, dict[str, list[int]], l
     return eng, {rid[len(tag):]: t for rid, t in eng.outputs.items() if rid.startswith(tag)}, loads
 
 
-def _clean(eng: InProcessEngine) -> None:
-    """No wrong read anywhere (attention positions and state rows), nothing held or under way."""
-    for r in eng.runners:
-        assert r.stats.mismatches == 0, r.stats.mismatched_requests
-        assert r.stats.state_mismatches == 0, r.stats.state_mismatched_requests
-    leaks = eng.offload.leak_report()
-    assert all(v == 0 for v in leaks.values()), leaks
-    for conn in eng.connectors:
-        idle = conn.worker.idle_report()
-        assert all(v == 0 for v in idle.values()), idle
-
-
 @pytest.fixture(scope="module")
 def published():
     """A redis-server that deployment A filled: A served the prompts, published what it saved and
@@ -99,7 +88,7 @@ def published():
         a, out_a, _ = _serve(url, "a")
         try:
             ta = Counter(a.stats.reduce())
-            _clean(a)
+            _check_clean(a)
         finally:
             a.close()
         yield url, ta, out_a
@@ -130,7 +119,7 @@ def test_deployment_b_serves_kv_and_state_rows_from_the_store_byte_exact(publish
         # value for that prefix (B's HBM started at zeros: a row not loaded reads zeros).
         for r in b.runners:
             assert r.stats.states_verified > 0 and r.stats.positions_verified > 0
-        _clean(b)
+        _check_clean(b)
         print(f"GDN shared tier: B fetched {tb[C.SHARED_FETCHES_READY]} chunks ({len(PREFIX_BLOCKS)} state rows) "
               f"from redis, hit {tb[C.HIT_TOKENS]}/{tb[C.LOOKUP_TOKENS]} tokens; "
               f"{b.runners[0].stats.states_verified} state rows and {b.runners[0].stats.positions_verified} "
@@ -161,7 +150,7 @@ def test_negative_control_state_rows_not_fetched_serve_no_prefix(published, monk
         tc = Counter(c.stats.reduce())
         assert ta[C.SHARED_WRITTEN_CHUNKS] > 0 and tc[C.SHARED_PROBES] > 0, (ta, tc)
         assert tc[C.SHARED_FETCHES_ISSUED] == 0 and tc.get(C.HIT_TOKENS, 0) == 0, tc
-        _clean(c)
+        _check_clean(c)
     finally:
         c.close()
     assert out_c == out_a  # recomputed

@@ -152,14 +152,10 @@ class GroupedSaves(StepSaves):
         return None  # eager mode queues no flush
 
 
-class GroupedLazySaves(StepSaves):
+class GroupedLazySaves(GroupedSaves):
     """Lazy offload with several KV cache groups (module doc): the groups vLLM holds until the
     finish are flushed from the ids remembered while the request ran; every other group's blocks
     are saved in the step of their forward, as ``GroupedSaves`` saves them."""
-
-    def __init__(self, requests: RequestLifecycle, groups: KVCacheGroups) -> None:
-        self._requests = requests
-        self._groups = groups
 
     @override
     def candidates(self, so: "SchedulerOutput", block_ids_of: BlockIdsOf) -> SaveCandidates | None:
