@@ -206,6 +206,14 @@ def _processes_mentioning(needle: str) -> list[tuple[int, str]]:
 RAY_START_TIMEOUT = "The current node timed out during startup"
 
 
+
+def plan_compile_cache(plan_workdir: str) -> dict[str, str]:
+    """One JAX compile cache for every process of a run, as a deployment keeps its cache across
+    restarts: later servers load the programs the first compiled. Set on the Ray nodes too, so
+    their workers start with it (JAX reads it at a process's first compile, before vLLM's executor
+    copies any variable into a worker)."""
+    return compile_cache_env(os.path.join(plan_workdir, "xla_cache"))
+
 @dataclass
 class RayHosts:
     """A local Ray cluster: one ``ray start --block`` node per host, each in its own session."""
@@ -239,7 +247,7 @@ class RayHosts:
             env = dict(os.environ)
             env[MARKER_ENV] = marker(self.workdir)[len(MARKER_ENV) + 1:-1]
             env.update(TPU_WORKER_ID=str(host), JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                       RAY_USAGE_STATS_ENABLED="0",
+                       RAY_USAGE_STATS_ENABLED="0", **plan_compile_cache(os.path.dirname(self.workdir.rstrip("/"))),
                        XLA_FLAGS=f"--xla_force_host_platform_device_count={self.devices_per_host + 1} "
                                  f"{XLA_SINGLE_THREAD}")
             env.pop("VLLM_TARGET_DEVICE", None)
@@ -493,17 +501,11 @@ class Server:
                                                                           self.persist_path))]
         return cmd
 
-    @property
-    def compile_cache(self) -> dict[str, str]:
-        return compile_cache_env(os.path.join(os.path.dirname(self.workdir.rstrip("/")), "xla_cache"))
-
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_SERVER_DEV_MODE="1",
                    MODEL_IMPL_TYPE=MODELS[self.shape.model].impl, VLLM_LOGGING_LEVEL="INFO",
-                   # one JAX compile cache for every server of a run, as a deployment keeps its cache
-                   # across restarts: later servers load the programs the first compiled
-                   **self.compile_cache,
+                   **plan_compile_cache(os.path.dirname(self.workdir.rstrip("/"))),
                    RAY_USAGE_STATS_ENABLED="0",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={self.shape.devices_per_host * max(self.shape.dp, 1) + 1} "
                              f"{XLA_SINGLE_THREAD}")
@@ -514,8 +516,8 @@ class Server:
                        TPU_WORKER_ID="0", **{SLICE_COORDINATOR_ENV: f"127.0.0.1:{free_port()}",
                                              SLICE_HOSTS_ENV: str(self.ray.hosts)},
                        # the executor copies these to its workers (vLLM's own list: VLLM_RAY_EXTRA_ENV_VARS_TO_COPY)
-                       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=",".join([SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV, LOAD_FAULT_FLAG_ENV,
-                                                                 LOAD_FAULT_HOST_ENV, *self.compile_cache]))
+                       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=f"{SLICE_COORDINATOR_ENV},{SLICE_HOSTS_ENV},"
+                                                       f"{LOAD_FAULT_FLAG_ENV},{LOAD_FAULT_HOST_ENV}")
         if self.fault_flag is not None:
             os.makedirs(os.path.dirname(self.fault_flag), exist_ok=True)
             env.update({LOAD_FAULT_FLAG_ENV: self.fault_flag, LOAD_FAULT_HOST_ENV: str(self.run.fault_host)})
