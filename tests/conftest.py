@@ -3,16 +3,6 @@ import os
 # Must run before jax is imported anywhere: several CPU devices for the sharded-cache tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent XLA compilation cache for the whole run, every compile kept (JAX's default keeps
-# only those over 1 s): the pod slices, real engines and servers the suite starts are fresh
-# processes that compile the same programs again. Shared by both xdist workers and every process
-# they start (the environment is inherited); a size limit turns on JAX's file lock, so a process
-# never reads an entry another is still writing. A cached executable is the one XLA compiled for
-# the same program, options and devices: results are unchanged.
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join("/tmp", f"tpuoffload-xla-cache-{_RUN}"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 

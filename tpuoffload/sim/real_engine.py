@@ -99,19 +99,6 @@ HYBRID = TinyModel("hybrid", dict(
 MODELS = {m.name: m for m in (QWEN3, HYBRID)}
 
 
-def compile_cache_env(default_dir: str) -> dict[str, str]:
-    """The environment that gives an engine process one persistent JAX compile cache: the run's
-    (tests/conftest.py sets one for the whole suite), else ``default_dir``, never ~/.cache. JAX
-    reads its cache directory once, at the process's first compile, which on CPU comes before
-    tpu-inference's CompilationManager sets it from ``VLLM_XLA_CACHE_PATH``: both name the same
-    directory. Every program is kept (JAX keeps only compiles over 1 s by default), so a later
-    engine of the same shapes loads what an earlier one compiled instead of compiling it again;
-    a size limit turns on JAX's file lock, so no process reads an entry another is writing."""
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_dir
-    return {"JAX_COMPILATION_CACHE_DIR": path, "VLLM_XLA_CACHE_PATH": path,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
-
-
 def write_tiny_model(path: str, model: TinyModel = QWEN3, seed: int = 0) -> str:
     """config.json + model.safetensors with random float32 weights, HF names."""
     import torch
@@ -497,7 +484,8 @@ def run_child(workdir: str, tps: tuple[int, ...] = (1,), timeout_s: float = 300.
                # run, and a random model's near-tie argmax then flips a greedy token (seen at TP 1 and 2).
                XLA_FLAGS=f"--xla_force_host_platform_device_count={max(d * t for d, t in engine_shapes(tps, dps)) + 1} "
                          "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-               MODEL_IMPL_TYPE=model.impl, **compile_cache_env(os.path.join(workdir, "xla_cache")))
+               VLLM_XLA_CACHE_PATH=os.path.join(workdir, "xla_cache"),  # tpu-inference's compile cache: not ~/.cache
+               MODEL_IMPL_TYPE=model.impl)
     env.pop("VLLM_TARGET_DEVICE", None)  # the scheduler-only sims set cpu; this engine's platform is tpu-inference's
     cmd = [sys.executable, "-m", "tpuoffload.sim.real_engine", "--model", model.name, "--model-dir", model_dir,
            "--json", out_json, "--tp", *map(str, tps), "--dp", *map(str, dps)]

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuoffload.sim.engine_shims import LOAD_FAULT_FLAG_ENV, LOAD_FAULT_HOST_ENV, SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV
-from tpuoffload.sim.real_engine import DTYPE, MODELS, QWEN3, VOCAB, TinyModel, compile_cache_env, write_tiny_model
+from tpuoffload.sim.real_engine import DTYPE, MODELS, QWEN3, VOCAB, TinyModel, write_tiny_model
 
 #: Ray's driver-side hook (RAY_RUNTIME_ENV_HOOK) set for the EngineCore (tpuoffload.sim.vllm_cli,
 #: named, not imported: importing it installs the shims).
@@ -208,11 +208,17 @@ RAY_START_TIMEOUT = "The current node timed out during startup"
 
 
 def plan_compile_cache(plan_workdir: str) -> dict[str, str]:
-    """One JAX compile cache for every process of a run, as a deployment keeps its cache across
-    restarts: later servers load the programs the first compiled. Set on the Ray nodes too, so
-    their workers start with it (JAX reads it at a process's first compile, before vLLM's executor
-    copies any variable into a worker)."""
-    return compile_cache_env(os.path.join(plan_workdir, "xla_cache"))
+    """One persistent JAX compile cache for every process of a run, as a deployment keeps its
+    cache across restarts: later servers load the programs the first compiled. Set on the Ray
+    nodes too, so their workers start with it. JAX reads its cache directory once, at a process's
+    first compile, which on CPU comes before tpu-inference's CompilationManager sets it from
+    ``VLLM_XLA_CACHE_PATH`` and before vLLM's executor copies any variable into a worker: both name
+    the same directory. Every program is kept (JAX keeps only compiles over 1 s by default); a size
+    limit turns on JAX's file lock, so no process reads an entry another is writing."""
+    path = os.path.join(plan_workdir, "xla_cache")
+    return {"JAX_COMPILATION_CACHE_DIR": path, "VLLM_XLA_CACHE_PATH": path,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+
 
 @dataclass
 class RayHosts:
