@@ -49,7 +49,7 @@ from tpuoffload.manager.rank_view import RankNews, RankView
 from tpuoffload.manager.restart import WarmRestart
 from tpuoffload.manager.save_planner import NO_SAVES, SavePlanner
 from tpuoffload.manager.staging import StagingBudget
-from tpuoffload.manager.step_saves import StepSaves
+from tpuoffload.manager.step_saves import SaveCandidates, StepSaves
 from tpuoffload.manager.tier import Tier
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.snapshot import SnapshotWriter
@@ -294,19 +294,22 @@ class OffloadScheduler:
             t.start_step(step)
         blocked = self._saves_blocked()
         plan = self._skip_saves if blocked else self.saves.plan
+
+        def planned(c: SaveCandidates | None) -> SaveBatch:
+            """Save candidates planned into slots, each saved chunk's group noted for the shared tier."""
+            if c is None:
+                return NO_SAVES
+            batch = plan(c.block_ids, c.keys, step, c.origins, c.pools)
+            self._note_saves(c, batch)
+            return batch
+
         self.index.pin(load_slots)
         try:
             if not blocked:
                 for t in self.tiers:
                     t.plan_into_ram(step)
-            f = self._step_saves.flush(self.requests.take_flush())
-            flush: SaveBatch = plan(f.block_ids, f.keys, step, f.origins, f.pools) if f is not None else NO_SAVES
-            if f is not None:
-                self._note_saves(f, flush)
-            c = self._step_saves.candidates(scheduler_output, block_ids_of)
-            save: SaveBatch = plan(c.block_ids, c.keys, step, c.origins, c.pools) if c is not None else NO_SAVES
-            if c is not None:
-                self._note_saves(c, save)
+            flush = planned(self._step_saves.flush(self.requests.take_flush()))
+            save = planned(self._step_saves.candidates(scheduler_output, block_ids_of))
         finally:
             self.index.unpin(load_slots)
         parts = {t.name: part for t in self.tiers if (part := t.finish_step(step)) is not None}
