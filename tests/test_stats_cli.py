@@ -26,7 +26,7 @@ import pytest
 
 from tpuoffload import cli
 from tpuoffload.cli import main
-from tpuoffload.snapshot import SnapshotWriter, write_atomic
+from tpuoffload.snapshot import SnapshotWriter, read_snapshots, write_atomic
 
 BS = 16
 PROMPTS, PREFIXES, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN = 12, 2, 64, 16, 4
@@ -279,6 +279,26 @@ def test_reader_never_sees_a_torn_file(tmp_path):
     assert reads >= 3000 and len(seen) >= 50, (reads, len(seen))  # the reads really raced the writes
     assert writer.failures == 0
     assert os.listdir(tmp_path) == ["host-0.json"]  # every temporary file was renamed or removed
+
+
+def test_a_listing_during_a_write_reads_whole_snapshots_only(tmp_path, monkeypatch):
+    """A reader that lists ``*.json`` (``read_snapshots``, the serving stack's, an operator's
+    ``ls``) while a snapshot is being written must find only whole files. The writer is stopped
+    after its JSON is written and before the rename, and the directory is read there: with a
+    temporary file named ``*.json`` (as before this test), the reader opened the unflushed
+    temporary file and failed on it, as one CI run did."""
+    stats = str(tmp_path)
+    write_atomic(os.path.join(stats, "host-0.json"), {"kind": "host", "host": 0, "step": 1})
+    real_dump, read_mid_write = json.dump, []
+
+    def dump_then_read(obj, f, **kw):
+        real_dump(obj, f, **kw)
+        read_mid_write.append(read_snapshots(stats))
+    monkeypatch.setattr(json, "dump", dump_then_read)
+    write_atomic(os.path.join(stats, "host-0.json"), {"kind": "host", "host": 0, "step": 2})
+    monkeypatch.undo()
+    assert read_mid_write == [{"host-0.json": {"kind": "host", "host": 0, "step": 1}}]
+    assert read_snapshots(stats) == {"host-0.json": {"kind": "host", "host": 0, "step": 2}}
 
 
 def test_torn_file_control(tmp_path):

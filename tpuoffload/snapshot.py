@@ -64,7 +64,9 @@ def heartbeat_period(interval_s: float) -> float:
 
 def write_atomic(path: str, payload: dict[str, Any]) -> None:
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    # The temporary name must not look like a snapshot: a reader listing ``*.json`` would open it
+    # half written (serve_stack's reader did, and failed a CI run on an empty file).
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=directory)
     try:
         f = os.fdopen(fd, "w")
     except BaseException:
@@ -228,16 +230,22 @@ class SnapshotWriter:
                 self._write_locked(payload)
 
 
-def read_rank_snapshots(stats_dir: str) -> dict[str, dict[str, Any]]:
-    """The snapshots DP ranks' scheduler halves wrote in ``stats_dir`` (``scheduler-dp<rank>.json``,
-    ``DPRank.snapshot_name``), by file name in rank order; none when the directory does not exist."""
+def read_snapshots(stats_dir: str, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """The snapshots in ``stats_dir`` whose names start with ``prefix``, by file name in order;
+    none when the directory does not exist. Every file read is whole (``write_atomic``)."""
     if not os.path.isdir(stats_dir):
         return {}
     out = {}
-    for name in sorted(n for n in os.listdir(stats_dir) if n.startswith("scheduler-dp") and n.endswith(".json")):
+    for name in sorted(n for n in os.listdir(stats_dir) if n.startswith(prefix) and n.endswith(".json")):
         with open(os.path.join(stats_dir, name)) as f:
             out[name] = json.load(f)
     return out
+
+
+def read_rank_snapshots(stats_dir: str) -> dict[str, dict[str, Any]]:
+    """The snapshots DP ranks' scheduler halves wrote in ``stats_dir`` (``scheduler-dp<rank>.json``,
+    ``DPRank.snapshot_name``), by file name in rank order."""
+    return read_snapshots(stats_dir, prefix="scheduler-dp")
 
 
 def _heartbeat_loop(ref: "weakref.ref[SnapshotWriter]", stop: threading.Event, period: float) -> None:

@@ -28,6 +28,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from tpuoffload.snapshot import write_atomic
+
 REQUEST_NAME = "CHECKPOINT_REQUEST"
 DONE_NAME = "CHECKPOINT_DONE"
 
@@ -54,13 +56,6 @@ class CheckpointDone:
     finished_unix: float
 
 
-def _write_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
 def request_checkpoint(directory: str) -> CheckpointRequest:
     """Ask the engine watching ``directory`` for a checkpoint (replaces a pending request)."""
     os.makedirs(directory, exist_ok=True)
@@ -69,7 +64,7 @@ def request_checkpoint(directory: str) -> CheckpointRequest:
     except Exception:  # noqa: BLE001 - no user name in some containers
         who = socket.gethostname()
     req = CheckpointRequest(uuid.uuid4().hex, time.time(), who)
-    _write_atomic(os.path.join(directory, REQUEST_NAME), asdict(req))
+    write_atomic(os.path.join(directory, REQUEST_NAME), asdict(req))
     return req
 
 
@@ -143,7 +138,7 @@ class RequestWatcher:
     def complete(self, request: CheckpointRequest, ok: bool, seq: int | None, reason: str = "") -> None:
         """Publish the outcome; remove the request file unless a newer request replaced it."""
         try:
-            _write_atomic(os.path.join(self.directory, DONE_NAME),
+            write_atomic(os.path.join(self.directory, DONE_NAME),
                           asdict(CheckpointDone(request.id, ok, seq, reason, time.time())))
             st = os.stat(self.path)
             current = self._read(st)

@@ -56,6 +56,7 @@ from typing import Any
 
 from tpuoffload.sim.engine_shims import LOAD_FAULT_FLAG_ENV, LOAD_FAULT_HOST_ENV, SLICE_COORDINATOR_ENV, SLICE_HOSTS_ENV
 from tpuoffload.sim.real_engine import DTYPE, MODELS, QWEN3, VOCAB, TinyModel, write_tiny_model
+from tpuoffload.snapshot import read_snapshots
 
 #: Ray's driver-side hook (RAY_RUNTIME_ENV_HOOK) set for the EngineCore (tpuoffload.sim.vllm_cli,
 #: named, not imported: importing it installs the shims).
@@ -811,15 +812,6 @@ def kill_host_mid_run(server: Server, host: int, prompts: list[str], bound_s: fl
         hb = max(float(x.get("interval_s", 5.0)), float(x.get("heartbeat_s", 0.0))) if (x := snaps.get(f"host-{host}.json")) else 5.0
         time.sleep(max(0.0, t_kill + hb + 7.0 - time.monotonic()))  # past the stale limit (cli.stale_limit)
         out["stats_table"], out["stats_rc"] = stats_table(server.stats_dir)
-    return out
-
-
-def read_snapshots(stats_dir: str) -> dict[str, Any]:
-    out = {}
-    for name in sorted(os.listdir(stats_dir)):
-        if name.endswith(".json"):
-            with open(os.path.join(stats_dir, name)) as f:
-                out[name] = json.load(f)
     return out
 
 
