@@ -310,44 +310,8 @@ def test_multiprocess_dp_engines_are_single_scheduler_engines_with_their_own_fil
         assert per_engine(config, parallel).stats_dir == f"/s/engine-dp{index}"
 
 
-def test_shared_url_is_validated_and_refused_where_it_cannot_work():
-    from tpuoffload.config import DP, GDN, HYBRID, check_features
-
+def test_shared_url_is_validated():
     with pytest.raises(ValueError, match="unknown scheme 'gs'"):
         parse({**BASE, "shared_url": "gs://bucket/kv"})
     with pytest.raises(ValueError, match="low .* must be below high"):
         parse({**BASE, "shared_url": "file:///kv?high=0.5&low=0.6"})
-    check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {DP})  # per-rank plans (test_dp_shared.py)
-    check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {HYBRID})  # per-group objects (test_hybrid_shared.py)
-    check_features(parse({**BASE, "shared_url": "redis://kv:6379"}), {GDN})  # per-pool objects (test_gdn_shared.py)
-
-
-def test_one_feature_table_refuses_with_every_reason_and_the_readme_prints_it():
-    """config.LIMITS is the one place that says what works where: check_features refuses every
-    listed combination at once, naming why, accepts every other, and the README shows the same
-    table (a change to LIMITS without the README fails here)."""
-    import pathlib
-
-    from tpuoffload.config import DP, GDN, HYBRID, LIMITS, SHAPES, check_features, feature_table, refusals
-
-    keys = {"lazy_offload": True, "persist_path": "/p", "disk_path": "/d", "disk_bytes_to_use": 1 << 24,
-            "shared_url": "file:///kv"}
-    everything = parse({**BASE, **keys})
-    for shape in SHAPES:
-        got = refusals(everything, {shape})
-        shapes = {shape, HYBRID} if shape == GDN else {shape}
-        want = [f for f, limits in LIMITS.items() if f != DP and shapes & set(limits)]
-        want += [DP] if shape == DP and shapes & set(LIMITS.get(DP, {})) else []
-        assert sorted(r.split(" with ")[0] for r in got) == sorted(want), (shape, got)
-        assert all(": " in r and "lifted by" in r or "not proven" in r for r in got), got
-    assert refusals(everything, set()) == []  # one scheduler, one group: everything works
-    assert refusals(parse(BASE), {DP}) == []  # plain offload under DPScheduler
-    assert refusals(parse({**BASE, "lazy_offload": True}), {DP}) == []  # lazy offload too
-    # ... and with sliding-window hybrids, under DPScheduler too (tests/test_hybrid_lazy.py)
-    assert refusals(parse({**BASE, "lazy_offload": True}), {DP, HYBRID}) == []
-    with pytest.raises(ValueError, match="lazy_offload with GDN/mamba state layers"):
-        check_features(parse({**BASE, "lazy_offload": True}), {GDN})
-    assert refusals(parse(BASE), {DP, HYBRID}) == []  # sliding-window hybrids under DPScheduler
-    assert refusals(parse(BASE), {DP, GDN}) == []  # GDN hybrids under DPScheduler (tests/test_gdn_dp.py)
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    assert feature_table() in readme, "README.md's feature table differs from config.feature_table()"

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from tpuoffload.config import DP, check_features, parse_config
+from tpuoffload.config import parse_config
 from tpuoffload.messages import RANK_SAVE_ID_SHIFT, LoadRequest, OffloadMetadata, SaveBatch, StepPlan
 from tpuoffload.manager.topology import DPRank
 from tpuoffload.sim.podslice import PodSlice, SliceSpec
@@ -287,12 +287,6 @@ def test_dp_rank_comes_from_tpu_inference_config_and_refuses_what_it_cannot_do()
     assert (rank.ranks, rank.num_blocks, rank.source, rank.failures_by_request) == (2, 48, os.getpid(), True)
     assert DPRank.of(config(1, Scheduler), kv) == DPRank()  # no DP: one scheduler for the whole engine
     assert DPRank.of(config(2, Scheduler), kv) == DPRank()  # DP layout under vLLM's scheduler
-    check_features(parse_config({"cpu_bytes_to_use": 1 << 22}), {DP})  # eager offload is fine
-    check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "persist_path": "/tmp/x"}),
-                   {DP})  # warm restart too (tests/test_dp_restart.py)
-    check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "disk_path": "/tmp/d", "disk_bytes_to_use": 1 << 24}),
-                   {DP})  # the disk tier too (tests/test_dp_disk.py)
-    check_features(parse_config({"cpu_bytes_to_use": 1 << 22, "lazy_offload": True}), {DP})  # so is lazy
 
 
 def test_every_rank_plan_survives_dpscheduler_merge_whole():

@@ -20,7 +20,7 @@ MEMORY_KINDS = ("pinned_host", "unpinned_host")
 @dataclass(frozen=True)
 class OffloadConfig:
     """``kv_connector_extra_config`` parsed and validated (``parse_config``); every field below is a
-    key of it, with its default. What each feature cannot be combined with is ``LIMITS``."""
+    key of it, with its default."""
 
     # Host RAM per host for offloaded KV, in bytes (exact: whole chunks that fit, never more).
     cpu_bytes_to_use: int | None = None
@@ -246,63 +246,6 @@ def parse_config(extra: Mapping[str, Any] | None, environ: Mapping[str, str] | N
     if out.get("persist_interval_s") and "persist_path" not in out:
         raise ValueError("kv_connector_extra_config['persist_interval_s'] needs 'persist_path'")
     return OffloadConfig(**out)
-
-
-# ---------------------------------------------------------------------------- what works where
-#: The shapes a deployment can have beside the plain one (one vLLM scheduler, one KV cache group).
-DP = "data parallelism (tpu-inference's DPScheduler)"
-HYBRID = "several KV cache groups (sliding-window hybrids: gpt-oss, Gemma 3)"
-GDN = "GDN/mamba state layers (Qwen3.5)"
-SHAPES = (DP, HYBRID, GDN)
-
-#: The one feature-compatibility table, read by both halves and printed in the README: for each
-#: feature, the shapes it does not work with yet, each with why and what would lift it. A feature
-#: not listed for a shape works there (tested: docs/design.md). A GDN model also has several KV
-#: cache groups, so HYBRID's limits apply to it too.
-LIMITS: dict[str, dict[str, str]] = {
-    "lazy_offload": {
-        GDN: "vLLM's mamba cache mode 'align' keeps the state after a block boundary only in the step that "
-             "computes it (the next steps overwrite that row or free it), so a flush at the finish or a preemption "
-             "cannot save it; lifted by saving the state rows in the step of their forward while the attention "
-             "groups stay lazy, as sliding-window groups are saved, once proven on tpu-inference's hybrid "
-             "coordinator",
-    },
-}
-
-
-def refusals(config: OffloadConfig, shapes: set[str]) -> list[str]:
-    """Every feature of ``config`` (and shape) that ``LIMITS`` says cannot be used with ``shapes``,
-    each as "<feature> with <shape>: <why>"."""
-    if GDN in shapes:
-        shapes = shapes | {HYBRID}
-    on = {key for key in LIMITS if key not in SHAPES and getattr(config, key)} | (shapes & {DP})
-    return [f"{feature} with {shape}: {why}" for feature in LIMITS if feature in on
-            for shape, why in LIMITS[feature].items() if shape in shapes]
-
-
-def check_features(config: OffloadConfig, shapes: set[str]) -> None:
-    """Refuse, with every reason at once, what ``LIMITS`` says this deployment cannot use yet."""
-    refused = refusals(config, shapes)
-    if refused:
-        raise ValueError("tpuoffload: not supported yet: " + "; ".join(refused))
-
-
-def feature_table() -> str:
-    """``LIMITS`` as the README's markdown table (tests/test_config.py keeps the README's copy
-    equal to it)."""
-    cols = ("one scheduler", "DPScheduler", "hybrid", "GDN")
-    lines = ["| feature | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for feature, limits in LIMITS.items():
-        name = "DPScheduler" if feature == DP else f"`{feature}`"
-        cells = ["—" if feature == DP else "yes"]
-        for shape in SHAPES:
-            refused = shape in limits or (shape == GDN and HYBRID in limits)
-            cells.append("—" if feature == shape else "no" if refused else "yes")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines += [f"* {feature if feature == DP else f'`{feature}`'} with {shape}: {why}."
-              for feature, limits in LIMITS.items() for shape, why in limits.items()]
-    return "\n".join(lines)
 
 
 ENGINE_DIRS = ("stats_dir", "persist_path", "disk_path")

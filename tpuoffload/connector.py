@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tpuoffload.config import parse_config, per_engine
 from tpuoffload.messages import OffloadMetadata
 from tpuoffload.manager import OffloadScheduler
+from tpuoffload.manager.admission import load_admission
 from tpuoffload.manager.events import event_format
 from tpuoffload.manager.kv_groups import KVCacheGroups
 from tpuoffload.manager.topology import (DPRank, host_chunk_bytes, host_state_bytes, publish_as_dp_rank,
@@ -74,6 +75,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 if published is not None:
                     logger.info("tpuoffload: this DPScheduler rank publishes KV events as data parallel rank %d "
                                 "(endpoint port offset by it)", published)
+            kv_groups = KVCacheGroups.of(kv_cache_config, vllm_config.cache_config.block_size)
             self.scheduler = OffloadScheduler(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
@@ -82,15 +84,17 @@ class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 num_hosts=self.num_workers,
                 hosts_source=workers_source,
                 dp=dp,
-                kv_groups=KVCacheGroups.of(kv_cache_config, vllm_config.cache_config.block_size),
+                kv_groups=kv_groups,
                 events=event_format(vllm_config, kv_cache_config),
                 state_chunk_bytes=host_state_bytes(kv_cache_config, self.num_workers, dp.ranks),
+                admission=load_admission(vllm_config, kv_cache_config, kv_groups),
             )
             logger.info("tpuoffload scheduler%s: host slots per pool %s (KV chunks of %d bytes per host, then state "
-                        "chunks); %d worker processes confirm each chunk (%s); KV cache groups: %s; %s",
+                        "chunks); %d worker processes confirm each chunk (%s); KV cache groups: %s; loads: %s; %s",
                         f" (DPScheduler rank of {dp.ranks}, {dp.num_blocks} blocks, source {dp.source})"
                         if dp.ranks > 1 else "", self.scheduler.index.pool_sizes, self.scheduler.chunk_bytes,
-                        self.num_workers, workers_source, self.scheduler.kv_groups.describe(), self.config.summary())
+                        self.num_workers, workers_source, self.scheduler.kv_groups.describe(),
+                        self.scheduler.admission.describe(), self.config.summary())
             self._bind_scheduler_hooks()
         else:
             self.worker = OffloadWorker(self.config, deployment=Deployment(

@@ -86,6 +86,7 @@ SHARED_PROBE_UNAVAILABLE = "shared_probe_unavailable"
 LOOKUP_TOKENS = "lookup_tokens"
 HIT_TOKENS = "hit_tokens"
 LOADS_CANCELLED = "loads_cancelled"
+LOADS_DEFERRED = "loads_deferred"
 DISCARDED = "discarded"
 FAILED_REQUESTS = "failed_requests"
 CROSS_RANK_HIT_TOKENS = "cross_rank_hit_tokens"
@@ -187,6 +188,8 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(LOOKUP_TOKENS, _S, "Prompt tokens of admitted requests looked up in host RAM"),
     CounterInfo(HIT_TOKENS, _S, "Prompt tokens served from host RAM"),
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
+    CounterInfo(LOADS_DEFERRED, _S, "Hits answered 'ask again' because enough loaded requests already waited to run "
+                "(GDN/mamba state rows in tpu-inference's compact pool: manager/admission.py)"),
     CounterInfo(DISCARDED, _S, "Chunks dropped from the index after a load of them failed on a host"),
     CounterInfo(CROSS_RANK_HIT_TOKENS, _S, "DPScheduler: prompt tokens served from chunks another DP rank saved"),
     CounterInfo(CROSS_RANK_DISCARDED, _S, "DPScheduler: other ranks' chunks dropped from this rank's view after a "

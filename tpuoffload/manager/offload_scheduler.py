@@ -31,9 +31,10 @@ import numpy as np
 from vllm.v1.request import RequestStatus
 
 from tpuoffload import counters as C
-from tpuoffload.config import DP, GDN, HYBRID, OffloadConfig, check_features
+from tpuoffload.config import OffloadConfig
 from tpuoffload.backend.slot_table import SHARD_SPARE_ROWS
 from tpuoffload.messages import OffloadMetadata, OffloadWorkerReport, SaveBatch, StepPlan
+from tpuoffload.manager.admission import NO_LIMIT, LoadAdmission
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.shared_tier import SharedTierPlanner
 from tpuoffload.backend.shared_store import SharedURL
@@ -87,9 +88,11 @@ class OffloadScheduler:
     def __init__(self, config: OffloadConfig, *, block_size: int, chunk_bytes: int, num_hosts: int,
                  hosts_source: str = "", clock: Callable[[], float] = time.monotonic,
                  dp: DPRank | None = None, kv_groups: KVCacheGroups = KVCacheGroups(),
-                 events: EventFormat | None = None, state_chunk_bytes: int = 0) -> None:
+                 events: EventFormat | None = None, state_chunk_bytes: int = 0,
+                 admission: LoadAdmission = NO_LIMIT) -> None:
         """``chunk_bytes``: a KV chunk's bytes on one host; ``state_chunk_bytes``: a GDN/mamba
-        state chunk's (``kv_groups`` with a state group: the second slot pool)."""
+        state chunk's (``kv_groups`` with a state group: the second slot pool). ``admission``:
+        how many loaded requests may wait to run (admission.py; ``load_admission``)."""
         if block_size <= 0 or chunk_bytes <= 0:
             raise ValueError(f"block_size ({block_size}) and chunk_bytes ({chunk_bytes}) must be positive")
         self.config = config
@@ -99,8 +102,6 @@ class OffloadScheduler:
         self.dp = dp or DPRank()
         # vLLM's KV cache groups (HMA): a chunk is keyed by content hash and group (kv_groups.py).
         self.kv_groups = kv_groups
-        check_features(config, {shape for shape, on in ((DP, self.dp.ranks > 1), (HYBRID, kv_groups.several),
-                                                        (GDN, kv_groups.num_pools > 1)) if on})
         # vLLM takes load failures by block id (``invalid_block_ids``) or by request
         # (``failed_recving``): by request when block ids do not say whose (several KV cache
         # groups; rank-local ids under DPScheduler).
@@ -134,6 +135,7 @@ class OffloadScheduler:
                                  save_timeout_s=config.save_timeout_s, clock=lambda: self.clock(),
                                  counters=self.counters, with_keys=config.persist_path is not None)
         self.loads = LoadTracker(self.index, block_size, self.counters, kv_groups, self.view)
+        self.admission = admission
         self.requests = RequestLifecycle(block_size, lazy=config.lazy_offload,
                                          save_decode_blocks=config.save_decode_blocks)
         # What each step's forward leaves to save (step_saves.py): eager or lazy, one KV cache group
@@ -243,6 +245,9 @@ class OffloadScheduler:
         hits = self.loads.lookup(request, num_computed_tokens)
         if self.tiers and any(t.wants(request, num_computed_tokens // self.block_size, hits) for t in self.tiers):
             return None, False  # e.g. its prefix continues on disk: ask again once it is back in host RAM
+        if hits and not self.admission.may_load():
+            self.counters[C.LOADS_DEFERRED] += 1
+            return None, False  # loaded requests wait to run: ask again once one has (admission.py)
         return hits * self.block_size, hits > 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks | None",
@@ -259,6 +264,7 @@ class OffloadScheduler:
             return
         self.counters[C.LOOKUP_TOKENS] += request.num_tokens
         self.counters[C.HIT_TOKENS] += num_external_tokens
+        self.admission.admitted(request.request_id)
         if blocks is None:
             block_ids = self._block_ids(request.request_id)
         else:
@@ -278,6 +284,7 @@ class OffloadScheduler:
         # Reconcile vLLM's view first: preemptions since the last plan (a reset may have preempted
         # a request that this same schedule() already admitted again).
         self.requests.preempted(scheduler_output.preempted_req_ids or ())
+        self.admission.ran(scheduler_output.num_scheduled_tokens)
         loads, load_slots = self.loads.emit(waits_for_load)
         # A newly scheduled request's block ids are in the output already (vLLM built them for the
         # workers); the others come from the KV cache manager.
@@ -335,6 +342,7 @@ class OffloadScheduler:
         dispatched yet (lazy mode): every save already in a plan is dispatched by the workers
         before any later step can reuse the blocks."""
         req_id = request.request_id
+        self.admission.finished(req_id)
         load_in_flight = self.loads.forget(req_id)
         for t in self.tiers:
             t.forget(req_id)

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from tpuoffload import counters as C
-from tpuoffload.config import DP, GDN, OffloadConfig, check_features, check_fits_in_ram
+from tpuoffload.config import OffloadConfig, check_fits_in_ram
 from tpuoffload.layout import CacheLayout, CachePools, KVGroupMap
 from tpuoffload.messages import (
     RANK_SAVE_ID_SHIFT,
@@ -121,9 +121,6 @@ class OffloadWorker:
         caches = list(runner.kv_caches)
         pools = CachePools.of(caches)
         layouts = [CacheLayout.from_caches(pools.arrays(caches, p)) for p in range(pools.num)]
-        # The batch axes split the blocks (data parallelism: DPScheduler) where the first group does.
-        batch_split = any(g.num_shards > 1 for g in layouts[0].groups)
-        check_features(self.config, {shape for shape, on in ((DP, batch_split), (GDN, pools.num > 1)) if on})
         self._check_kv_groups(runner, pools, len(caches))
         pool_bytes = self.config.pool_bytes(layouts[0].device_bytes_per_chunk, pools.num)
         check_fits_in_ram(sum(pool_bytes))
