@@ -53,14 +53,15 @@ def _spec(**extra) -> SliceSpec:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_gdn_hybrid_under_dpscheduler_hits_on_both_ranks_and_across_them(make_slice):
+@pytest.mark.parametrize("lazy", [pytest.param(False, id="eager"), pytest.param(True, id="lazy")])
+def test_gdn_hybrid_under_dpscheduler_hits_on_both_ranks_and_across_them(make_slice, lazy):
     """Both ranks save state rows and KV at exact block boundaries and serve second-wave prefixes
     from host RAM, also another rank's (cross-rank loads of state chunks and KV chunks); every state
     row and attention position read is exact on every host, tokens are right, every host
     dispatched the same programs at every step, nothing leaks."""
     from test_podslice import _assert_clean_end
 
-    pod = make_slice(_spec())
+    pod = make_slice(_spec(lazy_offload=lazy))
     assert type(pod.scheduler).__name__ == "DPScheduler" and pod.dp_ranks == 2
     rank_cfgs = pod.scheduler.per_rank_kv_cache_configs
     assert [c.mamba_num_blocks for c in rank_cfgs] == [pod.gdn.mamba_num_blocks // 2] * 2  # DPScheduler's split
