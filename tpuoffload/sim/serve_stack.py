@@ -619,34 +619,56 @@ def _completion(server: Server, prompt: str, max_tokens: int, timeout: float = 3
     return {"ok": choice.get("finish_reason") != "error", "text": choice["text"], "finish_reason": choice.get("finish_reason")}
 
 
+def _vllm_cli(argv: list[str], env: dict[str, str], log_path: str) -> None:
+    """The ``vllm`` console script's ``main`` with ``argv``, in a child forked from the launcher
+    (``bench``): its output to ``log_path``, its exit status the script's."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    sys.exit(main())
+
+
 def bench(server: Server, workload: Workload, tag: str, timeout_s: float = 600.0) -> dict[str, Any]:
-    """``vllm bench serve --backend openai --dataset-name prefix_repetition`` (vLLM's own client,
-    run as this machine's plain ``vllm`` CLI: it needs no shim) against ``server``."""
+    """``vllm bench serve --backend openai --dataset-name prefix_repetition`` (vLLM's own client:
+    the ``vllm`` console script's ``main`` with these arguments; it needs no shim) against
+    ``server``. Each run is a child forked from this launcher, which imported vLLM's CLI once: a
+    fresh ``vllm`` process spends about 28 s importing on this 2-core machine, and a plan runs seven
+    benches. The child runs under ``timeout_s`` and is killed past it."""
+    import importlib
+    import multiprocessing
+
+    importlib.import_module("vllm.entrypoints.cli.main")  # once here, inherited by every forked bench
+
     w = workload
     result_dir = os.path.join(server.workdir, "bench")
     os.makedirs(result_dir, exist_ok=True)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "bench", "serve", "--backend", "openai",
-           "--base-url", server.url, "--model", MODEL_NAME, "--tokenizer", server.model_dir,
-           "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(w.prefix_len),
-           "--prefix-repetition-suffix-len", str(w.suffix_len), "--prefix-repetition-num-prefixes",
-           str(w.num_prefixes), "--prefix-repetition-output-len", str(w.output_len), "--num-prompts",
-           str(w.num_prompts), "--max-concurrency", str(w.concurrency), "--ignore-eos", "--temperature", "0",
-           "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
-           "--disable-tqdm", "--save-result", "--result-dir", result_dir, "--result-filename", f"{tag}.json"]
+    argv = ["bench", "serve", "--backend", "openai",
+            "--base-url", server.url, "--model", MODEL_NAME, "--tokenizer", server.model_dir,
+            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(w.prefix_len),
+            "--prefix-repetition-suffix-len", str(w.suffix_len), "--prefix-repetition-num-prefixes",
+            str(w.num_prefixes), "--prefix-repetition-output-len", str(w.output_len), "--num-prompts",
+            str(w.num_prompts), "--max-concurrency", str(w.concurrency), "--ignore-eos", "--temperature", "0",
+            "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+            "--disable-tqdm", "--save-result", "--result-dir", result_dir, "--result-filename", f"{tag}.json"]
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", JAX_PLATFORMS="cpu")
     env.pop("VLLM_TARGET_DEVICE", None)
     log_path = os.path.join(result_dir, f"{tag}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc, 1.0)
-            raise RuntimeError(f"vllm bench serve ran past {timeout_s} s; log {log_path}")
-    if rc != 0:
+    proc = multiprocessing.get_context("fork").Process(target=_vllm_cli, args=(argv, env, log_path), daemon=True)
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise RuntimeError(f"vllm bench serve ran past {timeout_s} s; log {log_path}")
+    if proc.exitcode != 0:
         with open(log_path) as f:
-            raise RuntimeError(f"vllm bench serve exited {rc}:\n{f.read()[-4000:]}")
+            raise RuntimeError(f"vllm bench serve exited {proc.exitcode}:\n{f.read()[-4000:]}")
     with open(os.path.join(result_dir, f"{tag}.json")) as f:
         res = json.load(f)
     keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
