@@ -473,6 +473,7 @@ class OffloadScheduler:
             "queued_flush_or_release": self.requests.num_pending(),
             "loads_planned": self.loads.num_planned(),
             "loads_in_flight": self.loads.num_in_flight(),
+            "loads_waiting_to_run": self.admission.waiting,
             "pinned_chunks": self.index.num_pinned(),
             "saving_chunks": self.index.num_saving(),
             "ledger_pending": len(self.ledger),
