@@ -31,7 +31,7 @@ import pytest
 from tpuoffload.manager.kv_groups import KV_POOL, NULL_BLOCK, STATE_POOL, KVCacheGroups
 from tpuoffload.sim import gdn_layout as gl
 
-from test_gdn_offload import BS, EXTRA, VARIANTS, _check_clean, _engine, _loads, _tokens, _wipe
+from test_gdn_offload import BS, EXTRA, VARIANTS, _check_clean, _engine, _tokens, _wipe
 
 # Host RAM for every chunk of the first wave (no eviction: every prefix can be hit).
 LAZY = {**EXTRA, "num_cpu_chunks": 512, "lazy_offload": True}
@@ -125,12 +125,14 @@ def test_lazy_offload_saves_state_rows_in_their_step_and_attention_at_the_finish
     try:
         groups = eng.offload.kv_groups
         assert groups.held_to_finish == (False, False, False, True)
-        rows, plans, loads = Rows(eng, groups.state_group), _plans(eng), _loads(eng)
+        rows, plans = Rows(eng, groups.state_group), _plans(eng)
         prefixes = two_waves(eng)
         assert rows.reused > 0  # the hazard happened: rows freed and handed out before their owner finished
         t = eng.stats.reduce()
         assert t.get("hit_tokens", 0) == sum(len(p) for p in prefixes), (t, eng.offload.index.pool_sizes)
-        for _, load, pools in loads:
+        pool_of = eng.offload.index.pool_of  # a slot's pool is fixed: read after the run
+        for load in (ld for host, plan in plans for ld in plan.loads):
+            pools = pool_of(np.asarray(list(load.slots), np.int64))
             n = len(prefixes[int(load.req_id[1:])]) // BS
             assert sorted(pools.tolist()) == [KV_POOL] * n + [STATE_POOL], (load.req_id, pools)
         # Lazy where it is safe: attention chunks only in flushes, state rows only in their step.
