@@ -6,7 +6,8 @@
   repeated; a connector reset revokes what the hosts hold.
 * One host in process (InProcessEngine, vLLM's real scheduler): stop, start again, the same
   prefixes load from the restored host RAM, byte-exact; after a connector reset nothing from before
-  it survives a restart.
+  it survives a restart; the engine keeps stepping with no request while a checkpoint or the
+  restore reports are due (vLLM's has_pending_push_work), with negative controls.
 * The pod slice, N = 2 and 4 processes (jax.distributed): restart byte-exact on every host, chaos on
   the restarted slice, refusals (another host count, a flipped byte) start cold and stay correct.
 """
@@ -23,13 +24,14 @@ import pytest
 from tpuoffload import counters as C
 from tpuoffload.messages import (DISK_ROW, RESTORED_BASE, RESTORED_ROW, DiskReport, OffloadWorkerReport,
                                  PersistReport, unpack_keys)
-from tpuoffload.persist.request import read_done, request_checkpoint
+from tpuoffload.persist.request import POLL_INTERVAL_S, read_done, request_checkpoint
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.index import READY, ChunkIndex
 from tpuoffload.manager.restart import WarmRestart
 from tpuoffload.manager.ledger import CompletionLedger
 from tpuoffload.manager.save_planner import SavePlanner
 from tpuoffload.manager.staging import StagingBudget
+from tpuoffload.sim.vllm_setup import make_request
 
 
 # ---------------------------------------------------------------------------- the scheduler's side
@@ -322,6 +324,64 @@ def test_operator_request_in_process_writes_a_checkpoint_and_answers(tmp_path):
     assert engine.stats.totals()[C.CHECKPOINTS_COMMITTED] == 1
     assert os.path.isdir(os.path.join(persist, f"ckpt-{done.seq}"))
     engine.close()
+
+
+def _no_keepalive(monkeypatch) -> None:
+    """Negative control: the one mechanism off (the tier never asks vLLM to keep stepping)."""
+    monkeypatch.setattr(WarmRestart, "keeps_engine_stepping", property(lambda self: False))
+
+
+@pytest.mark.parametrize("keepalive", [True, False], ids=["keepalive", "control"])
+def test_a_checkpoint_asked_as_traffic_ends_is_answered_without_more_traffic(tmp_path, monkeypatch, keepalive):
+    """The operator asks, one last request (one token: done in its first step) plans the checkpoint,
+    then no request comes. vLLM's own Scheduler.has_requests asks the connector's
+    has_pending_push_work, so the engine steps (scheduling nothing) until every host reported the
+    checkpoint; the control stops with the request and never answers."""
+    if not keepalive:
+        _no_keepalive(monkeypatch)
+    persist = str(tmp_path / "ckpt")
+    engine = _engine(persist)
+    _run(engine, _wave("a"))
+    req = request_checkpoint(persist)
+    time.sleep(POLL_INTERVAL_S)  # the request file is read at the next step
+    last = make_request("last", list(range(100, 140)), max_tokens=1, block_size=16)
+    engine.add_request(last)
+    steps = engine.run()
+    totals = engine.stats.totals()
+    assert totals[C.CHECKPOINTS_PLANNED] == 1  # both ways: the last request's step planned it
+    done = read_done(persist)
+    if keepalive:
+        assert steps > 1 and done is not None and done.id == req.id and done.ok, (steps, done)
+        assert os.path.isdir(os.path.join(persist, f"ckpt-{done.seq}"))
+        assert not engine.has_work()  # and then it idles
+    else:
+        assert done is None and totals[C.CHECKPOINTS_COMMITTED] == 0, (steps, done)
+    engine.close()
+
+
+@pytest.mark.parametrize("keepalive", [True, False], ids=["keepalive", "control"])
+def test_restored_chunks_are_loadable_for_the_first_request(tmp_path, monkeypatch, keepalive):
+    """A restarted engine steps before any request until every host reported what it restored
+    (has_pending_push_work), so the first request after a restart already loads restored KV; the
+    control's first request finds nothing (the restore is adopted in its own first step)."""
+    if not keepalive:
+        _no_keepalive(monkeypatch)
+    persist = str(tmp_path / "ckpt")
+    first = _engine(persist)
+    _run(first, _wave("a"))
+    saved = first.stats.totals()[C.CHUNKS_SAVED]
+    first.close()
+    second = _engine(persist)
+    idle_steps = second.run()  # no request yet: what the engine does while it waits for traffic
+    assert second.stats.totals()[C.RESTORED_READY] == (saved if keepalive else 0), idle_steps
+    _run(second, _wave("b", n=1))
+    totals = second.stats.totals()
+    assert second.mismatches() == 0
+    if keepalive:
+        assert idle_steps >= 1 and totals[C.HIT_TOKENS] > 0 and totals[C.CHUNKS_LOADED] > 0
+    else:
+        assert idle_steps == 0 and totals[C.HIT_TOKENS] == 0 and totals[C.RESTORED_READY] == saved
+    second.close()
 
 
 # ---------------------------------------------------------------------------- the pod slice

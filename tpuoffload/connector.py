@@ -227,6 +227,13 @@ class TPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.take_events()
 
     @override
+    def has_pending_push_work(self) -> bool:
+        """vLLM's scheduler asks before idling: True keeps it stepping while the hosts owe reports
+        no request waits for (a checkpoint being written, restore reports due; manager/tier.py).
+        tpu-inference's DPScheduler does not ask (0.32): there they come with the next request."""
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    @override
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (e.g. after a weight update): nothing
         saved before is ever loaded after, saves in flight included."""

@@ -219,6 +219,10 @@ class OffloadScheduler:
     def _saves_blocked(self) -> bool:
         return any(t.blocks_saves for t in self.tiers)
 
+    def has_pending_push_work(self) -> bool:
+        """Whether vLLM should keep stepping with no request in flight (``Tier.keeps_engine_stepping``)."""
+        return any(t.keeps_engine_stepping for t in self.tiers)
+
     def _open_snapshot(self) -> None:
         name = self.dp.snapshot_name(self.dp_rank)
         if self.config.stats_dir and name is not None:

@@ -118,6 +118,15 @@ class WarmRestart(Tier):
     def blocks_saves(self) -> bool:
         return self.saves_blocked
 
+    @property
+    @override
+    def keeps_engine_stepping(self) -> bool:
+        """A checkpoint planned and not yet reported by every host (its ``timeout_s`` bounds it), or
+        the restore reports still due: without it an operator's checkpoint asked as traffic ends,
+        or one planned in the last step before the engine idled, would be answered only when the
+        next request comes, and restored chunks would not be loadable for the first requests."""
+        return self.saves_blocked
+
     @override
     def start_step(self, step: int) -> None:
         self._checkpoint_now = self.plan(step)

@@ -40,6 +40,15 @@ class Tier(abc.ABC):
         reading the stores, or restore reports are still due."""
         return False
 
+    @property
+    def keeps_engine_stepping(self) -> bool:
+        """True while this tier waits for the hosts' reports of work vLLM's requests do not
+        account for (a checkpoint being written, restore reports due): vLLM asks
+        ``has_pending_push_work`` before it idles, and keeps stepping (steps that schedule no
+        token still carry the plan and the reports) while any tier says True. Must turn False by
+        itself within a bounded time, reports or not (a tier's own timeout)."""
+        return False
+
     def wants(self, request: "Request", local_blocks: int, ram_hits: int) -> bool:
         """In ``get_num_new_matched_tokens`` (no side effect on the plan): True while the request
         should wait for this tier (vLLM is told "ask again")."""

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from tpuoffload.snapshot import write_atomic
 
 REQUEST_NAME = "CHECKPOINT_REQUEST"
+POLL_INTERVAL_S = 1.0  # the scheduler reads the request file at most this often
 DONE_NAME = "CHECKPOINT_DONE"
 
 
@@ -92,7 +93,7 @@ class RequestWatcher:
     """Polled by the scheduler each step; returns each request once. Never raises: an unreadable
     directory or file is no request."""
 
-    def __init__(self, directory: str, poll_interval_s: float = 1.0,
+    def __init__(self, directory: str, poll_interval_s: float = POLL_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path = os.path.join(directory, REQUEST_NAME)
         self.directory = directory
@@ -167,7 +168,7 @@ def checkpoint_command(directory: str, wait: float) -> int:
     except OSError as e:
         print(f"cannot write a request in {directory}: {e}", file=sys.stderr)
         return 2
-    print(f"requested checkpoint {req.id} in {directory}")
+    print(f"requested checkpoint {req.id} in {directory}", flush=True)
     if wait <= 0:
         return 0
     done = wait_done(directory, req.id, wait)

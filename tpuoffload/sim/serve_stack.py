@@ -409,8 +409,8 @@ class ServerRun:
     the rounds, that host's Ray worker is killed with requests in flight. ``persist``: warm restart
     on, with the ``persist_path`` every such server of the run shares, so a later server restores
     what an earlier one checkpointed. ``checkpoint_round``: the operator's checkpoint
-    (``tpuoffload checkpoint DIR --wait``) asked as that round starts (the engine takes it at a
-    step: an idle vLLM engine runs none) and waited for after it.
+    (``tpuoffload checkpoint DIR --wait``) asked before that round's requests are sent (an idle
+    vLLM engine runs no step, so reads no request) and waited for after it.
     ``baseline``: the run (without the connector) whose greedy tokens this one's must equal."""
 
     name: str
@@ -753,10 +753,18 @@ class OperatorCheckpoint:
     exit status, output and the engine's answer (``CHECKPOINT_DONE``)."""
 
     def __init__(self, persist_path: str, wait_s: float = 240.0) -> None:
+        from tpuoffload.persist.request import POLL_INTERVAL_S
+
         self.persist_path, self.wait_s, self.t0 = persist_path, wait_s, time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "tpuoffload.cli", "checkpoint", persist_path,
                                       "--wait", str(wait_s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
+        # Returns once the request is on disk and the idle engine's next step will read it (it reads
+        # the file at most once a poll interval): the round's first step plans the checkpoint, and
+        # the engine steps until every host answered (has_pending_push_work), however short the
+        # round. Without this the round could end before the CLI (a fresh interpreter) wrote it.
+        self.first_line = self.proc.stdout.readline() if self.proc.stdout else ""
+        time.sleep(POLL_INTERVAL_S)
 
     def answer(self) -> dict[str, Any]:
         from tpuoffload.persist.request import read_done
@@ -766,6 +774,7 @@ class OperatorCheckpoint:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             output, _ = self.proc.communicate()
+        output = self.first_line + output
         done = read_done(self.persist_path)
         return {"rc": self.proc.returncode, "after_s": round(time.monotonic() - self.t0, 1), "output": output[-1000:],
                 "done": None if done is None else done.__dict__}
