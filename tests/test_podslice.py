@@ -89,6 +89,7 @@ def test_prefix_repetition_chaos(make_slice, num_hosts, devices_per_host):
     res = run_prefix_repetition(pod, WORKLOAD)
     assert res.finished + res.aborted == res.requests, res
     assert res.aborted > 0 and pod.preemptions > 0, (res.aborted, pod.preemptions)
+    assert pod.preemptions == pod.vllm_preemptions  # the connector counts every preemption vLLM reported
     assert res.wrong_outputs == []
     totals = pod.stats.totals()
     assert totals["chunks_loaded"] > 0, res.stats

@@ -111,6 +111,15 @@ def test_fast_soak_few_seeds(tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_dp_soak_preemption_storm(tmp_path):
+    """Under tpu-inference's DPScheduler a storm seed preempts (counted by the connector: the
+    DPScheduler's combined output leaves preemptions out) and still ends clean."""
+    rc, out, data = soak(tmp_path, "--mode", "fast", "--dp", "any", "--runs", "1", "--seed", "7032")
+    _check_clean(rc, out, data, 1)
+    assert data["results"][0]["preemptions"] > 0, data["results"][0]
+
+
+@pytest.mark.timeout(900)
 def test_podslice_soak_one_run(tmp_path):
     rc, out, data = soak(tmp_path, "--mode", "podslice", "--hosts", "2", "--runs", "1", "--seed", "9100")
     _check_clean(rc, out, data, 1)

@@ -62,7 +62,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 # Bump when make_scenario draws differently: a seed names a run only together with this version.
-SCENARIO_VERSION = 1
+SCENARIO_VERSION = 2  # 2: preemption storms under --dp
 FAILURE_KINDS = ("digest", "mismatch", "hang", "leak", "error", "crash")
 RESET_KINDS = ("plain", "running", "connector", "running+connector")
 # Under DPScheduler, vLLM refuses reset_running_requests while a load is in flight (its "not
@@ -155,7 +155,8 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in requests)
     need = -(-longest // block_size) + 1  # one request must fit on its own (at most 10 blocks)
     # A few pool sizes only, so the JAX compilation cache serves every run after the first few.
-    if rng.random() < 0.4:  # preemption storms
+    storm = rng.random() < 0.4
+    if storm:  # preemption storms
         num_blocks = rng.choice([n for n in (12, 16, 24) if n > need])
     else:
         num_blocks = rng.choice((48, 96))
@@ -226,6 +227,18 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
         # Pod-slice mode: 2 JAX processes x 4 devices (the batch axis spans the hosts); fast mode: the
         # in-process slice holds separate per-host caches, so one host with all 8 devices.
         hosts, devices_per_host = (2, 4) if mode == "podslice" else (1, 8)
+        if storm:
+            # Each rank serves a share of the requests, and outputs of 1-8 tokens seldom need a new
+            # block, so the storm above preempts nothing there: under DP every request decodes
+            # 24-56 tokens more, and each rank's pool holds the longest request and half a median
+            # one (one block spare), so admitted requests outgrow it as they decode (seeds
+            # 7030-7037: 11 preemptions, against 0 with the pool above). Its own generator: every
+            # other draw of a seed stays what it was.
+            grow = random.Random(f"soak-dp-storm-{seed}")
+            for r in requests:
+                r["max_tokens"] += grow.randint(24, 56)
+            blocks = sorted(-(-(len(r["prompt"]) + r["max_tokens"]) // block_size) for r in requests)
+            num_blocks = blocks[-1] + 1 + blocks[len(blocks) // 2] // 2
         num_blocks *= ranks
         # Lazy offload works under DPScheduler; small host RAM keeps its eviction, above the rows
         # every device keeps spare per batch shard (backend/slot_table.py:SHARD_SPARE_ROWS).

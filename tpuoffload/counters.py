@@ -87,6 +87,7 @@ LOOKUP_TOKENS = "lookup_tokens"
 HIT_TOKENS = "hit_tokens"
 LOADS_CANCELLED = "loads_cancelled"
 LOADS_DEFERRED = "loads_deferred"
+REQUESTS_PREEMPTED = "requests_preempted"
 DISCARDED = "discarded"
 FAILED_REQUESTS = "failed_requests"
 CROSS_RANK_HIT_TOKENS = "cross_rank_hit_tokens"
@@ -190,6 +191,8 @@ REGISTRY: dict[str, CounterInfo] = {c.name: c for c in (
     CounterInfo(LOADS_CANCELLED, _S, "Planned loads not sent because vLLM no longer waited for them"),
     CounterInfo(LOADS_DEFERRED, _S, "Hits answered 'ask again' because enough loaded requests already waited to run "
                 "(GDN/mamba state rows in tpu-inference's compact pool: manager/admission.py)"),
+    CounterInfo(REQUESTS_PREEMPTED, _S, "Preemptions vLLM reported to this scheduler half (SchedulerOutput.preempted_req_ids; "
+                "under DPScheduler each rank's own, which tpu-inference's combined output leaves out)"),
     CounterInfo(DISCARDED, _S, "Chunks dropped from the index after a load of them failed on a host"),
     CounterInfo(CROSS_RANK_HIT_TOKENS, _S, "DPScheduler: prompt tokens served from chunks another DP rank saved"),
     CounterInfo(CROSS_RANK_DISCARDED, _S, "DPScheduler: other ranks' chunks dropped from this rank's view after a "

@@ -287,7 +287,9 @@ class OffloadScheduler:
         self.ledger.check_reporters(step)
         # Reconcile vLLM's view first: preemptions since the last plan (a reset may have preempted
         # a request that this same schedule() already admitted again).
-        self.requests.preempted(scheduler_output.preempted_req_ids or ())
+        preempted = scheduler_output.preempted_req_ids or ()
+        self.counters[C.REQUESTS_PREEMPTED] += len(preempted)
+        self.requests.preempted(preempted)
         self.admission.ran(scheduler_output.num_scheduled_tokens)
         loads, load_slots = self.loads.emit(waits_for_load)
         # A newly scheduled request's block ids are in the output already (vLLM built them for the

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tpuoffload import counters as C
 from tpuoffload.manager.offload_scheduler import leaks_in
 from tpuoffload.sim.engine import absorb_outputs
 from tpuoffload.snapshot import read_rank_snapshots
@@ -249,7 +250,7 @@ class PodSlice:
         self.stats = OffloadStats()
         self.mismatches: list[int] = [0] * spec.num_hosts
         self.first_mismatch_step: int | None = None
-        self.preemptions = 0  # requests vLLM preempted (SchedulerOutput.preempted_req_ids), all steps
+        self.vllm_preemptions = 0  # SchedulerOutput.preempted_req_ids, all steps (0 under DPScheduler: see preemptions)
         self.final: list[dict] = []
         self.start_state: list[dict] = []
         self.closed = False
@@ -494,7 +495,7 @@ class PodSlice:
             if live:
                 self.abort([self._rng.choice(live)])
         so = self.scheduler.schedule()
-        self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
+        self.vllm_preemptions += len(getattr(so, "preempted_req_ids", None) or ())
         replies = self._exchange(("step", so), self.spec.step_timeout_s, f"step {self.steps}")
         outputs = [r[0] for r in replies]
         self._check_digests([r[1] for r in replies])
@@ -512,6 +513,13 @@ class PodSlice:
         failed_loads = merged.kv_connector_output.failed_recving if merged.kv_connector_output else None
         if failed_loads and c.abort_failed_load_rate:
             self.abort(r for r in sorted(failed_loads) if self._rng.random() < c.abort_failed_load_rate)
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions so far, as the connector counted them (``requests_preempted``): under
+        DPScheduler each rank's own, which tpu-inference's combined SchedulerOutput leaves out (so
+        ``vllm_preemptions`` stays 0 there)."""
+        return self.stats.totals()[C.REQUESTS_PREEMPTED]
 
     def _absorb_dp_stats(self, merged) -> None:
         """DPScheduler drops ``kv_connector_stats`` when it combines its ranks' stats (tpu-inference
