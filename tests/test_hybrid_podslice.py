@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 from test_podslice import WORKLOAD, _assert_clean_end
 
+from tpuoffload import counters as C
 from tpuoffload.sim.chaos import Chaos
 from tpuoffload.sim.podslice import SliceSpec
 from tpuoffload.sim.workload import run_prefix_repetition
@@ -55,7 +56,13 @@ def test_hybrid_model_under_dpscheduler_hits_across_ranks_and_recomputes_failure
     DP both need it); vLLM recomputes them on every host. Every request finishes with the right
     tokens, no position is read wrong (the model's outputs depend on every read), a rank loads
     chunks another rank saved (cross-rank hits of both groups), every rank spills to its own files
-    and fetches back, every host dispatched the same programs, nothing leaks."""
+    and fetches back, every host dispatched the same programs, nothing leaks.
+
+    Then warm restart: the slice shuts down (every host checkpoints every rank's slots of both
+    groups), the same deployment starts again on its ``persist_path`` and disk directories, every
+    rank adopts the rows its own part of each host's checkpoint reports and the chunk files its
+    hosts kept, and the first wave after the restart (vLLM's HBM empty) loads its prefixes from
+    them, every position read exact."""
     from test_dp_scheduler import SPREAD
 
     from tpuoffload.snapshot import read_rank_snapshots
@@ -63,7 +70,8 @@ def test_hybrid_model_under_dpscheduler_hits_across_ranks_and_recomputes_failure
     chaos = Chaos(seed=11, lose_slot_host=1, lose_slot_rate=0.3)
     spec = dataclasses.replace(
         _spec(save_timeout_s=30.0, num_cpu_chunks=12 + 16, cpu_bytes_to_use=None,
-              disk_path=str(tmp_path / "disk-{host}"), disk_bytes_to_use=1 << 26),
+              disk_path=str(tmp_path / "disk-{host}"), disk_bytes_to_use=1 << 26,
+              persist_path=str(tmp_path / "ckpt"), persist_timeout_s=60.0),
         hybrid="gpt-oss-like-dp2", kv_budget_bytes=2 * BUDGET)
     pod = make_slice(spec, chaos)
     assert type(pod.scheduler).__name__ == "DPScheduler" and pod.dp_ranks == 2
@@ -78,3 +86,23 @@ def test_hybrid_model_under_dpscheduler_hits_across_ranks_and_recomputes_failure
     assert totals["disk_read_chunks"] > 0 and totals.get("disk_read_failed", 0) == 0, totals
     _assert_clean_end(pod)
     print(f"hybrid under DPScheduler: {res}")
+
+    held = [t.get(C.PERSIST_SAVED_CHUNKS, 0) for t in pod.shutdown()]  # each host: every rank's slots
+    assert held[0] == held[1], held
+    again = make_slice(spec)  # no fault now: every restored load must be exact
+    for _ in range(4):  # empty steps: the restore reports reach every rank (DPScheduler does not
+        again.step()    # ask has_pending_push_work, so vLLM would wait for a request)
+    # Each rank's chunks: the few host RAM still held at shutdown, and the files its spills left on
+    # the host that holds its batch shard (the other host holds no byte of them, and says so:
+    # before, its empty report made every file "not kept alike" and all were deleted).
+    ranks = [snap["totals"] for snap in read_rank_snapshots(again.stats_dir).values()]
+    restored = [(t.get(C.RESTORED_READY, 0), t.get(C.DISK_RESTORED_READY, 0)) for t in ranks]
+    assert len(ranks) == 2 and all(disk > 0 for _, disk in restored), (restored, held)
+    assert sum(ram for ram, _ in restored) == held[0] and not any(t.get(C.DISK_RESTORED_DROPPED) for t in ranks), ranks
+    res2 = run_prefix_repetition(again, dataclasses.replace(SPREAD, num_requests=16, waves=1))
+    assert res2.finished == res2.requests and res2.wrong_outputs == [], res2
+    assert res2.per_wave_loaded[0] > 0 and again.mismatches == [0, 0], (res2, again.mismatches)
+    after = again.stats.totals()
+    assert after["disk_read_chunks"] > 0 and after["load_errors"] == 0 and after.get("disk_read_failed", 0) == 0, after
+    _assert_clean_end(again)
+    print(f"hybrid under DPScheduler, restarted: {restored} chunks restored per rank, {res2}")

@@ -204,6 +204,26 @@ def test_disk_files_every_host_kept_alike_are_indexed_again_and_the_rest_deleted
     assert counters[C.DISK_RESTORED_READY] == 2 and counters[C.DISK_RESTORED_DROPPED] == 4
 
 
+def test_a_host_that_holds_no_byte_of_the_files_has_no_say_on_them(tmp_path):
+    """Under DPScheduler a rank whose batch shard has no device on host 1 keeps its files on host 0
+    only (host 1's disk tier for it is NoChunkFiles): host 1 reports no file and says it is blind
+    to that pool, so host 0's files are adopted. The two files host 0 no longer has are not."""
+    part, disk, counters, _ = disk_part()
+    part.on_report({0: DiskReport(kept=disk_rows((7, 100), (3, 200), (9, 300)))})
+    part.on_report({1: DiskReport(kept=b"", blind=(0,))})
+    assert not part.blocks_saves
+    assert [disk.index.slot_of(key(k)) is not None for k in (100, 200, 300)] == [True, True, True]
+    assert counters[C.DISK_RESTORED_READY] == 3 and counters[C.DISK_RESTORED_DROPPED] == 0
+    # Negative control: the same host not saying it is blind counts as keeping nothing: all dropped.
+    part, disk, counters, _ = disk_part()
+    part.on_report({0: DiskReport(kept=disk_rows((7, 100), (3, 200), (9, 300)))})
+    part.on_report({1: DiskReport(kept=b"")})
+    assert len(disk.index) == 0 and counters[C.DISK_RESTORED_DROPPED] == 3
+    # A blind report merged with a later one keeps its blindness (vLLM's aggregator merges reports).
+    merged = DiskReport(kept=b"", blind=(0,)).merge(DiskReport(saved=((0, 2),)))
+    assert merged.blind == (0,) and merged.kept == b"" and merged.saved == ((0, 2),)
+
+
 def test_disk_files_kept_are_never_adopted_after_the_timeout_or_a_reset(tmp_path):
     for how in ("timeout", "reset"):
         part, disk, counters, clock = disk_part()

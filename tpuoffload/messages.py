@@ -359,15 +359,19 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 @dataclass(frozen=True)
 class DiskReport:
     """One host's disk-tier news: spills written or failed (ranges of disk ids) and, with warm
-    restart, the chunk files it kept at start-up (``DISK_ROW`` rows, least recent first)."""
+    restart, the chunk files it kept at start-up (``DISK_ROW`` rows, least recent first) and the
+    slot pools of which it holds no byte (``blind``: under DPScheduler, a rank whose batch shard
+    has no device on this host; its kept rows say nothing about those pools)."""
 
     saved: tuple[Range, ...] = ()
     failed: tuple[Range, ...] = ()
     kept: bytes | None = None
+    blind: tuple[int, ...] = ()
 
     def merge(self, other: "DiskReport") -> "DiskReport":
+        first = self if self.kept is not None else other
         return DiskReport(merge_ranges(self.saved, other.saved), merge_ranges(self.failed, other.failed),
-                          self.kept if self.kept is not None else other.kept)
+                          first.kept, first.blind)
 
 
 @dataclass(frozen=True)

@@ -157,16 +157,23 @@ class DiskIndex:
             self._drops.append(np.concatenate([self._keys[entries], pools], axis=1))
 
     # ---------------------------------------------------------------- warm restart
-    def adopt(self, kept: list[np.ndarray]) -> tuple[int, int]:
+    def adopt(self, kept: list[np.ndarray], blind: list[tuple[int, ...]] | None = None) -> tuple[int, int]:
         """Warm restart: the chunk files every host kept alike (``DISK_ROW`` rows of each host, least
         recently used first; the same pool included) become READY under the disk ids they were
-        written with, each in its pool's entries, in host 0's recency order; every other file a
-        host kept is deleted on every host. Call before the first spill (no save is planned until
-        the restore is settled). Returns (adopted, dropped)."""
-        common = kept[0]
-        for rows in kept[1:]:
-            common = common[np.isin(_void(common), _void(rows))]
-        common = common[(common["pool"] >= 0) & (common["pool"] < self.num_pools)]
+        written with, each in its pool's entries, in the recency order of the first host that holds
+        bytes of the pool; every other file a host kept is deleted on every host. ``blind[h]``: the
+        pools of which host ``h`` holds no byte (it keeps no file of them, reads and writes none):
+        it has no say on them, and a pool no host holds is adopted from nobody. Call before the
+        first spill (no save is planned until the restore is settled). Returns (adopted, dropped)."""
+        blind = blind or [()] * len(kept)
+        alike = []
+        for pool in range(self.num_pools):
+            seeing = [rows[rows["pool"] == pool] for rows, b in zip(kept, blind) if pool not in b]
+            common = seeing[0] if seeing else kept[0][:0]
+            for rows in seeing[1:]:
+                common = common[np.isin(_void(common), _void(rows))]
+            alike.append(common)
+        common = np.concatenate(alike)
         keys, valid = HashKeys.of_rows(common)
         common = common[valid]
         keys, keep, _, _ = self.index.select_new(keys)  # one entry per hash (invariant 5)
@@ -409,8 +416,8 @@ class DiskTierPlanner(Tier):
 
     Warm restart: every host reports the files it kept once (``DiskReport.kept``, repeated while
     ``DiskPlan.waiting``); until every host did, or ``timeout_s`` passed, no save is planned (a
-    spill could take a kept file's disk id). Then the files every host kept alike become fetchable
-    and the rest is deleted everywhere (``DiskIndex.adopt``); if the reports never all come, or a
+    spill could take a kept file's disk id). Then the files every host that holds bytes of their
+    pool kept alike become fetchable and the rest is deleted everywhere (``DiskIndex.adopt``); if the reports never all come, or a
     reset comes first, nothing is adopted and a reset deletes every file.
     """
 
@@ -423,6 +430,7 @@ class DiskTierPlanner(Tier):
         self.counters = counters
         self.clock = clock
         self._kept: dict[int, np.ndarray] | None = {} if keeps_files else None  # None: settled
+        self._blind: dict[int, tuple[int, ...]] = {}  # host -> pools of which it holds no byte
         self._kept_deadline = clock() + timeout_s
         self.timeout_s = timeout_s
         self._fetch = _EMPTY_BATCH
@@ -472,8 +480,10 @@ class DiskTierPlanner(Tier):
                 self.disk.report(host, ok=part.saved, failed=part.failed)
             if self._kept is not None and part.kept is not None and 0 <= host < self.num_hosts:
                 self._kept[host] = np.frombuffer(part.kept, DISK_ROW)
+                self._blind[host] = part.blind
         if self._kept is not None and len(self._kept) == self.num_hosts:
-            adopted, dropped = self.disk.adopt([self._kept[h] for h in range(self.num_hosts)])
+            hosts = range(self.num_hosts)
+            adopted, dropped = self.disk.adopt([self._kept[h] for h in hosts], [self._blind[h] for h in hosts])
             self._kept = None
             self.counters[C.DISK_RESTORED_READY] += adopted
             self.counters[C.DISK_RESTORED_DROPPED] += dropped

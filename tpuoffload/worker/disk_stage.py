@@ -295,7 +295,8 @@ class DiskStage(WorkerTier):
             self._kept = None
         if not (written or failed or kept is not None):
             return None
-        return DiskReport(id_ranges(written), id_ranges(failed), kept)
+        blind = tuple(p for p, t in enumerate(self.tiers) if isinstance(t, NoChunkFiles)) if kept is not None else ()
+        return DiskReport(id_ranges(written), id_ranges(failed), kept, blind)
 
     @override
     def idle_report(self) -> dict[str, int]:
