@@ -12,6 +12,19 @@ arrived, decoded with vLLM's msgspec types, are applied to a router's view
 own loadable set, asked of its indexes hash by hash: 0 differences. Every announced block must also
 join vLLM's HBM events: same hash, tokens and parent as vLLM's own BlockStored for it.
 
+The same chaos, with warm restart, for two hybrid models, each KV cache group's chunks announced
+with its group and spec kind: a sliding-window hybrid (gpt-oss-like: vLLM's hybrid KV cache
+manager) and a GDN hybrid (Qwen3.5-like: tpu-inference's arrays, compact state pool and hybrid
+coordinator under vLLM's scheduler; attention chunks and state chunks in host RAM's two slot pools,
+the mirror groups announcing nothing).
+
+The chaos does not depend on the threads' timing, however loaded the machine: faults are counted
+(``EveryNth``), saves finish on a beat of one step (so which of them a dropped report confirmed is
+fixed), the scheduler half's clock moves only when the test moves it, and the requests with blocks
+to save are walked in arrival order, not in a set's (``_engine``). Without a disk tier (the two
+hybrids) every run is the same step for step, whatever Python's hash seed; the disk tier's spills
+and fetches still finish on their own threads (reported in their step or a later one).
+
 Negative control: the same run with chunks announced as soon as they are named for a save (before
 every host confirmed them) must show differences.
 
@@ -23,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,47 +45,86 @@ import numpy as np
 import pytest
 
 from tpuoffload import counters as C
-from tpuoffload.sim.event_view import EventSubscriber, EventView, loadable
+from tpuoffload.manager.events import MEDIUM_CPU
+from tpuoffload.sim.event_view import MEDIUM_GPU, EventSubscriber, EventView, loadable
 from tpuoffload.worker.faults import FaultInjector, FaultPoint
 
 RAM_CHUNKS = 16
 DISK_CHUNKS = 40
 CHUNK_FILE = 4096 + 65536  # the sim layout's 64 KiB chunk and the file header
 SAVE_TIMEOUT_S = 30.0
+# The GDN hybrid (``_gdn_spec``): host RAM of 32 KV chunks, 3/8 of it for state chunks (each the
+# size of about 4 KV chunks): 20 KV slots and 3 state slots, for 4 prefixes of 3 blocks (``_wave``);
+# 8 requests a wave; every third slot check of a load loses a slot (a load checks its KV slots,
+# then its state slots: some loads fail on either, some succeed).
+GDN_RAM_CHUNKS = 32
+GDN_STATE_FRACTION = 0.375
+GDN_PREFIX_BLOCKS = 3
+GDN_WAVE = 8
+GDN_LOAD_EVERY = 3
 
 
 class EveryNth(FaultInjector):
-    """On this host every ``save_every``-th save fails and every ``load_every``-th load loses its
-    first slot (counted, so each run sees them whatever the threads' timing; a step loads all its
-    hits at once, so the few steps that load all lose one)."""
+    """On this host every ``load_every``-th load loses its first slot (a step loads all its hits at
+    once, so the few steps that load all lose one) and the saves of every ``save_every``-th step
+    that saves fail, on a fixed beat, so that each run sees the same whatever the threads' timing.
+
+    The beat (``beat``, by ``_step``): each step's saves are held (in flight, unreported) until the
+    next step begins and finish before it runs, so each is confirmed or failed in the report of the
+    step after its own. Which saves a dropped report carries and which chunks are READY to evict or
+    to hit, hence every chaos counter, are then the same in every run, however slow the threads.
+    A step's saves finish concurrently (several save threads, a pool each for KV and state chunks),
+    so they fail or succeed together: the first of them to finish decides for all."""
 
     def __init__(self, save_every: int, load_every: int) -> None:
         self.every = {FaultPoint.SAVE_PROGRAM: save_every, FaultPoint.LOAD_SLOT_CHECK: load_every}
-        self.calls: Counter = Counter()
+        self.calls: Counter = Counter()  # loads; steps whose saves finished
+        self.gate = threading.Event()
+        self.gate.set()
+        self.beats = 0
+        self._decided = (-1, False)  # (beat, whether the saves released on it fail)
+        self._lock = threading.Lock()
+
+    def beat(self) -> None:
+        """Let the saves held so far finish (``_step`` waits for them, then closes the gate)."""
+        self.beats += 1
+        self.gate.set()
 
     def hit(self, point: FaultPoint, n: int) -> set[int]:
         every = self.every.get(point, 0)
+        if point is FaultPoint.SAVE_PROGRAM:  # (on a save thread)
+            assert self.gate.wait(SAVE_TIMEOUT_S), "a save held past its beat"
+            if not every or not n:
+                return set()
+            with self._lock:
+                beat, fail = self._decided
+                if beat != self.beats:
+                    self.calls[point] += 1
+                    fail = self.calls[point] % every == 0
+                    self._decided = (self.beats, fail)
+            if fail:
+                raise RuntimeError("test: device-to-host copy failed")
+            return set()
         if not every or not n:
             return set()
         self.calls[point] += 1
-        if self.calls[point] % every:
-            return set()
-        if point is FaultPoint.SAVE_PROGRAM:
-            raise RuntimeError("test: device-to-host copy failed")
-        return {0}
+        return set() if self.calls[point] % every else {0}
 
 
 @dataclass(frozen=True)
 class Lifetime:
     """One engine's run: its hosts, warm restart (in one process: one host), lazy offload, a hybrid
     model (vLLM's hybrid KV cache manager: a sliding-window and a full-attention KV cache group; no
-    disk tier then), and its waves (``_waves``)."""
+    disk tier then) or a GDN hybrid (Qwen3.5-like: tpu-inference's hybrid coordinator, a GDN state
+    group, two that mirror it and a full-attention group; host RAM of a KV and a state slot pool),
+    and its waves (``_waves``)."""
 
     hosts: int
     waves: str
     persist: bool = False
     lazy: bool = False
     hybrid: bool = False
+    gdn: bool = False
 
 
 def _engine(tmp_path, endpoint: str, life: Lifetime):
@@ -81,18 +134,52 @@ def _engine(tmp_path, endpoint: str, life: Lifetime):
 
     hosts = life.hosts
     config = {"num_cpu_chunks": RAM_CHUNKS, "save_timeout_s": SAVE_TIMEOUT_S}
-    if not life.hybrid:
+    if life.gdn:
+        config.update(num_cpu_chunks=GDN_RAM_CHUNKS, state_ram_fraction=GDN_STATE_FRACTION)
+    if not life.hybrid and not life.gdn:
         config.update(disk_path=str(tmp_path / "disk-{host}"), disk_bytes_to_use=DISK_CHUNKS * CHUNK_FILE)
     if life.persist:
         config["persist_path"] = str(tmp_path / "ckpt")
     if life.lazy:
         config["lazy_offload"] = True
-    faults = [EveryNth(save_every=5 if h == hosts - 1 else 0, load_every=1 if h == 0 else 0) for h in range(hosts)]
+    load_every = GDN_LOAD_EVERY if life.gdn else 1
+    faults = [EveryNth(save_every=5 if h == hosts - 1 else 0, load_every=load_every if h == 0 else 0)
+              for h in range(hosts)]
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     model = (dict(hybrid=dataclasses.replace(GPT_OSS_LIKE, max_model_len=1024), kv_budget_bytes=8 << 20)
-             if life.hybrid else dict(num_blocks=48))
-    return InProcessEngine(EngineSpec(num_hosts=hosts, extra_config=config, kv_events=kv_events, **model),
-                           faults=faults)
+             if life.hybrid else dict(gdn=_gdn_spec()) if life.gdn else dict(num_blocks=48))
+    engine = InProcessEngine(EngineSpec(num_hosts=hosts, extra_config=config, kv_events=kv_events, **model),
+                             faults=faults)
+    engine.faults = faults
+    # The scheduler half walks the requests that may have blocks to save in a set's order
+    # (manager/lifecycle.py: RequestLifecycle._filled), which Python's string hashing picks anew in
+    # every process: when host RAM cannot take every candidate of a step, which request's blocks
+    # get the slots, hence which prefixes hit later, changed with PYTHONHASHSEED (the hybrid run
+    # loaded nothing, so no load failed, under one seed in five). Walked in arrival order here.
+    lifecycle = engine.offload.requests
+    assert type(lifecycle._saving) is set and not lifecycle._saving, "lifecycle.py changed: revisit"
+    lifecycle._saving = _InOrder()
+    return engine
+
+
+class _InOrder(dict):
+    """The set operations ``RequestLifecycle`` uses on ``_saving``, iterating in insertion order."""
+
+    def add(self, key) -> None:
+        self[key] = None
+
+    def discard(self, key) -> None:
+        self.pop(key, None)
+
+    def difference_update(self, keys) -> None:
+        for key in keys:
+            self.pop(key, None)
+
+
+def _gdn_spec():
+    from tpuoffload.sim import gdn_layout as gl
+
+    return dataclasses.replace(gl.QWEN35_LIKE, max_num_seqs=4, max_num_batched_tokens=256)
 
 
 class Watch:
@@ -114,10 +201,11 @@ class Watch:
 
         pub.publish = publish
         sub.connect(lambda: pub.publish(KVEventBatch(ts=time.time(), events=[])))
-        # After reports were lost the scheduler half's clock jumps by the save timeout, so the
-        # saves they confirmed expire (with any other in flight then).
+        # The scheduler half's clock (save deadlines) stands still but for one jump: after reports
+        # were lost it jumps by the save timeout, so the saves they confirmed expire (with any
+        # other in flight then). A slow step (a first compile, a loaded machine) expires nothing.
         self.skew = 0.0
-        engine.offload.clock = lambda: time.monotonic() + self.skew
+        engine.offload.clock = lambda: self.skew
 
     def check(self, _engine=None) -> None:
         self.sub.drain_until(self.published - 1, self.view)
@@ -136,7 +224,7 @@ def _run(engine, watch: Watch, requests, reset_at: int | None = None, drop: froz
         engine.add_request(r)
     n = 0
     while engine.has_work():
-        engine.step()
+        _step(engine)
         watch.check()
         n += 1
         if drop and n == max(drop) + 2:
@@ -148,8 +236,22 @@ def _run(engine, watch: Watch, requests, reset_at: int | None = None, drop: froz
             reset_at = None
         assert n < 2000, "engine not idle"
     engine.drop_report = None
+    for f in engine.faults:  # the last step's saves (settle waits for them)
+        f.beat()
     engine.settle()
     watch.check()
+
+
+def _step(engine) -> None:
+    """One engine step on the saves' beat (``EveryNth``): the saves held so far finish first, this
+    step's are held until the next step (or ``_run``'s end)."""
+    for f in engine.faults:
+        f.beat()
+    for conn in engine.connectors:
+        assert conn.worker.wait_idle(SAVE_TIMEOUT_S)
+    for f in engine.faults:
+        f.gate.clear()
+    engine.step()
 
 
 def _holding(engine) -> bool:
@@ -162,16 +264,28 @@ def _holding(engine) -> bool:
                for r in engine.scheduler.requests.values())
 
 
-def _wave(tag: str, count: int = 12):
+def _wave(engine, tag: str, count: int = 12):
     """``count`` requests over 4 prefixes of 6 blocks (the same in every wave), each with its own
-    suffix of a block and a half (new in every wave)."""
+    suffix of a block and a half (new in every wave).
+
+    A GDN hybrid's hit needs the state chunk at its last block, saved only where a step ended
+    (vLLM's mamba "align" mode ends a prefill's step at its last whole block): there the prefixes
+    are of ``GDN_PREFIX_BLOCKS`` blocks; the first 4 requests' suffixes are a block and a half (each
+    saves a new block and the state after it, each wave), the others' shorter than a block (each
+    saves its prefix's state, last in the wave, so that the next wave can hit the prefix whole)."""
     from tpuoffload.sim.vllm_setup import make_request
 
     rng = random.Random(3)
     prefixes = [[rng.randrange(3, 30000) for _ in range(96)] for _ in range(4)]
     rng = random.Random(tag)
-    return [make_request(f"{tag}{i}", prefixes[i % 4] + [rng.randrange(3, 30000) for _ in range(24)],
-                         max_tokens=4, block_size=16) for i in range(count)]
+    if engine.spec.gdn is None:
+        return [make_request(f"{tag}{i}", prefixes[i % 4] + [rng.randrange(3, 30000) for _ in range(24)],
+                             max_tokens=4, block_size=16) for i in range(count)]
+    from tpuoffload.sim import gdn_layout as gl
+
+    return [gl.make_request(engine.gdn_layout, f"{tag}{i}", prefixes[i % 4][:16 * GDN_PREFIX_BLOCKS]
+                            + [rng.randrange(3, 30000) for _ in range(24 if i < 4 else 8)], max_tokens=4)
+            for i in range(count)]
 
 
 def _waves(engine, watch: Watch, waves: str, seed: int) -> None:
@@ -184,7 +298,7 @@ def _waves(engine, watch: Watch, waves: str, seed: int) -> None:
             assert engine.scheduler.reset_prefix_cache()
             watch.check()
         storm = tag.isupper()
-        _run(engine, watch, _wave(tag), reset_at=6 if storm else None,
+        _run(engine, watch, _wave(engine, tag, GDN_WAVE if engine.spec.gdn else 12), reset_at=6 if storm else None,
              drop=frozenset(rng.randrange(1, 5) for _ in range(3)) if storm else frozenset())
 
 
@@ -192,6 +306,7 @@ def _waves(engine, watch: Watch, waves: str, seed: int) -> None:
 LIFETIMES = (Lifetime(2, "aB"), Lifetime(1, "aB", lazy=True), Lifetime(1, "aBa", persist=True),
              Lifetime(1, "c", persist=True))
 HYBRID_LIFETIMES = (Lifetime(1, "aBa", persist=True, hybrid=True), Lifetime(1, "c", persist=True, hybrid=True))
+GDN_LIFETIMES = (Lifetime(1, "aBa", persist=True, gdn=True), Lifetime(1, "c", persist=True, gdn=True))
 
 
 def _chaos_run(tmp_path, lifetimes=LIFETIMES, broken: bool = False):
@@ -213,6 +328,7 @@ def _chaos_run(tmp_path, lifetimes=LIFETIMES, broken: bool = False):
             engine.settle()  # a restart: the hosts' restore reports arrive with the first steps' outputs
             w.check()
             restored = dict(w.view.stored)
+            w.restored = w.view.offloaded()
             _waves(engine, w, life.waves, seed=k)
             watches.append(w)
             totals.append(engine.stats.totals())
@@ -253,7 +369,7 @@ def test_events_of_every_kv_cache_group_are_exact(tmp_path):
     host RAM holds for every group."""
     watches, totals, restored = _chaos_run(tmp_path, lifetimes=HYBRID_LIFETIMES)
     diffs = [w.diffs for w in watches]
-    groups = {key[2] for w in watches for key in w.view.ever}
+    groups = {key[2] for w in watches for key in w.view.ever if key[1] != MEDIUM_GPU}
     print(f"KV events, two KV cache groups: {sum(w.checks for w in watches)} checks, {sum(diffs)} differences; "
           f"announced {[w.view.stored for w in watches]} in groups {sorted(groups)}")
     assert diffs == [0, 0] and groups == {0, 1}
@@ -263,6 +379,39 @@ def test_events_of_every_kv_cache_group_are_exact(tmp_path):
     assert restored == {"CPU": totals[-1][C.RESTORED_READY], "STORAGE": 0} and restored["CPU"] > 0, restored
     for w in watches:
         assert w.sub.gaps == 0 and not w.view.errors, w.view.errors[:5]
+
+
+@pytest.mark.timeout(300)
+def test_events_of_a_gdn_hybrid_are_exact(tmp_path):
+    """A GDN hybrid (Qwen3.5-like: tpu-inference's arrays, compact state pool and hybrid coordinator
+    under vLLM's scheduler) through the same chaos and a warm restart: attention chunks (the KV
+    slot pool) and state chunks (the state slot pool: one row of every GDN layer, saved at the
+    block where a step ended) are announced under vLLM's hash of their block, each with its group
+    and spec kind; the mirror groups announce nothing; the view equals what host RAM holds of both
+    pools, after every step."""
+    watches, totals, restored = _chaos_run(tmp_path, lifetimes=GDN_LIFETIMES)
+    diffs = [w.diffs for w in watches]
+    kv_groups = watches[0].engine.offload.kv_groups
+    state, attention = kv_groups.state_group, kv_groups.windows.index(None)
+    offloaded = {key for w in watches for key in w.view.ever if key[1] != MEDIUM_GPU}
+    print(f"KV events, GDN hybrid ({kv_groups.describe()}): {sum(w.checks for w in watches)} checks, "
+          f"{sum(diffs)} differences; announced {[w.view.stored for w in watches]}, withdrawn "
+          f"{[w.view.removed for w in watches]}, restored {restored}")
+    assert diffs == [0, 0]
+    assert {key[2] for key in offloaded} == {state, attention}, sorted({key[2] for key in offloaded})
+    for w in watches:
+        assert w.sub.gaps == 0 and not w.view.errors, w.view.errors[:5]
+        assert w.view.kinds == {state: {"mamba"}, attention: {"full_attention"}}, w.view.kinds
+    # State chunks were withdrawn too (evicted, discarded, revoked), not only attention chunks.
+    withdrawn = {key for w in watches for key in w.view.ever - w.view.held if key[1] == MEDIUM_CPU}
+    assert {key[2] for key in withdrawn} == {state, attention}
+    runs = sum(totals, Counter())
+    assert runs[C.EVICTED] > 0 and runs[C.SAVE_FAILURES] > 0 and runs[C.LEDGER_EXPIRED] > 0, runs
+    assert runs[C.FAILED_REQUESTS] > 0 and runs[C.DISCARDED] > 0 and runs[C.REVOKED] > 0 and runs[C.RESETS] == 1, runs
+    assert runs[C.CHUNKS_LOADED] > 0, runs  # and loads that did not fail
+    # The restart announced what it restored, chunks of both pools, before any new save.
+    assert restored == {"CPU": totals[-1][C.RESTORED_READY], "STORAGE": 0} and restored["CPU"] > 0, restored
+    assert {key[2] for key in watches[-1].restored} == {state, attention}
 
 
 @pytest.mark.timeout(300)

@@ -131,6 +131,10 @@ class InProcessEngine:
         self.gdn_layout = layouts[0]  # what requests are built from (gl.make_request)
         extra = dict(spec.extra_config, **({"num_hosts": spec.num_hosts} if spec.num_hosts > 1 else {}))
         vllm_config = gl.make_vllm_config(gdn, extra)
+        if spec.kv_events is not None:  # what --kv-events-config parses into (vllm_setup.make_vllm_config)
+            from vllm.config.kv_events import KVEventsConfig
+
+            vllm_config.kv_events_config = KVEventsConfig(**spec.kv_events)
         self.scheduler, _ = gl.make_scheduler(layouts[0], vllm_config=vllm_config)
         self.runners, self.connectors = [], []
         for host, layout in enumerate(layouts):

@@ -88,6 +88,7 @@ class EventView:
         self.errors: list[tuple] = []
         self.stored = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}  # hashes announced
         self.removed = {MEDIUM_CPU: 0, MEDIUM_STORAGE: 0}
+        self.kinds: dict[int, set[str]] = {}  # group -> the spec kinds its offloaded chunks were announced with
         # hash -> (tokens, parent) from vLLM's HBM events (shared across a restart's views)
         self.gpu_blocks: dict = {} if gpu_blocks is None else gpu_blocks
         self.batches = 0
@@ -129,8 +130,9 @@ class EventView:
                 self.stored[ev.medium] += 1
                 if key in self.held:
                     self.errors.append(("stored twice", key))
-                if ev.kv_cache_spec_kind not in ("full_attention", "sliding_window") or len(tokens) != bs:
+                if ev.kv_cache_spec_kind not in ("full_attention", "sliding_window", "mamba") or len(tokens) != bs:
                     self.errors.append(("payload", key, ev.kv_cache_spec_kind, len(tokens)))
+                self.kinds.setdefault(ev.group_idx, set()).add(ev.kv_cache_spec_kind)
                 gpu = self.gpu_blocks.get(h)
                 if gpu is None:
                     self.errors.append(("hash unknown to vLLM's HBM events", key))
