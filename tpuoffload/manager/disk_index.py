@@ -417,8 +417,9 @@ class DiskTierPlanner(Tier):
     Warm restart: every host reports the files it kept once (``DiskReport.kept``, repeated while
     ``DiskPlan.waiting``); until every host did, or ``timeout_s`` passed, no save is planned (a
     spill could take a kept file's disk id). Then the files every host that holds bytes of their
-    pool kept alike become fetchable and the rest is deleted everywhere (``DiskIndex.adopt``); if the reports never all come, or a
-    reset comes first, nothing is adopted and a reset deletes every file.
+    pool kept alike become fetchable and the rest is deleted everywhere (``DiskIndex.adopt``); if
+    the reports never all come, or a reset comes first, nothing is adopted and a reset deletes
+    every file.
     """
 
     name = "disk"
@@ -429,8 +430,8 @@ class DiskTierPlanner(Tier):
         self.num_hosts = num_hosts
         self.counters = counters
         self.clock = clock
-        self._kept: dict[int, np.ndarray] | None = {} if keeps_files else None  # None: settled
-        self._blind: dict[int, tuple[int, ...]] = {}  # host -> pools of which it holds no byte
+        # host -> (its kept files as DISK_ROW rows, the pools of which it holds no byte); None: settled
+        self._kept: dict[int, tuple[np.ndarray, tuple[int, ...]]] | None = {} if keeps_files else None
         self._kept_deadline = clock() + timeout_s
         self.timeout_s = timeout_s
         self._fetch = _EMPTY_BATCH
@@ -453,7 +454,7 @@ class DiskTierPlanner(Tier):
     @override
     def start_step(self, step: int) -> None:
         if self._kept is not None and self.clock() > self._kept_deadline:
-            self.counters[C.DISK_RESTORED_DROPPED] += max((len(r) for r in self._kept.values()), default=0)
+            self.counters[C.DISK_RESTORED_DROPPED] += max((len(r) for r, _ in self._kept.values()), default=0)
             self._kept = None  # never adopted: the files are evicted first, a reset deletes them
 
     @override
@@ -479,11 +480,10 @@ class DiskTierPlanner(Tier):
             if part.saved or part.failed:
                 self.disk.report(host, ok=part.saved, failed=part.failed)
             if self._kept is not None and part.kept is not None and 0 <= host < self.num_hosts:
-                self._kept[host] = np.frombuffer(part.kept, DISK_ROW)
-                self._blind[host] = part.blind
+                self._kept[host] = (np.frombuffer(part.kept, DISK_ROW), part.blind)
         if self._kept is not None and len(self._kept) == self.num_hosts:
-            hosts = range(self.num_hosts)
-            adopted, dropped = self.disk.adopt([self._kept[h] for h in hosts], [self._blind[h] for h in hosts])
+            rows, blind = zip(*(self._kept[h] for h in range(self.num_hosts)))
+            adopted, dropped = self.disk.adopt(list(rows), list(blind))
             self._kept = None
             self.counters[C.DISK_RESTORED_READY] += adopted
             self.counters[C.DISK_RESTORED_DROPPED] += dropped

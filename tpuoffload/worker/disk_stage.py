@@ -172,6 +172,7 @@ class DiskStage(WorkerTier):
         self._counted: Counter[str] = Counter()
         self._before_donate = before_donate
         self._kept: bytes | None = self.kept_rows() if deployment is not None else None
+        self._blind = tuple(p for p, t in enumerate(self.tiers) if isinstance(t, NoChunkFiles))  # reported with _kept
         self._kept_sent = False
         self._waiting = False
         for p, tier in enumerate(self.tiers):
@@ -295,8 +296,7 @@ class DiskStage(WorkerTier):
             self._kept = None
         if not (written or failed or kept is not None):
             return None
-        blind = tuple(p for p, t in enumerate(self.tiers) if isinstance(t, NoChunkFiles)) if kept is not None else ()
-        return DiskReport(id_ranges(written), id_ranges(failed), kept, blind)
+        return DiskReport(id_ranges(written), id_ranges(failed), kept, self._blind if kept is not None else ())
 
     @override
     def idle_report(self) -> dict[str, int]:
