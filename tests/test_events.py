@@ -20,10 +20,11 @@ the mirror groups announcing nothing).
 
 The chaos does not depend on the threads' timing, however loaded the machine: faults are counted
 (``EveryNth``), saves finish on a beat of one step (so which of them a dropped report confirmed is
-fixed), the scheduler half's clock moves only when the test moves it, and the requests with blocks
-to save are walked in arrival order, not in a set's (``_engine``). Without a disk tier (the two
-hybrids) every run is the same step for step, whatever Python's hash seed; the disk tier's spills
-and fetches still finish on their own threads (reported in their step or a later one).
+fixed), the scheduler half's clock moves only when the test moves it, and the scheduler half walks
+the requests with blocks to save in the scheduler's order (``RequestLifecycle._filled``). Without a
+disk tier (the two hybrids) every run is the same step for step, whatever Python's hash seed; the
+disk tier's spills and fetches still finish on their own threads (reported in their step or a later
+one).
 
 Negative control: the same run with chunks announced as soon as they are named for a save (before
 every host confirmed them) must show differences.
@@ -151,29 +152,7 @@ def _engine(tmp_path, endpoint: str, life: Lifetime):
     engine = InProcessEngine(EngineSpec(num_hosts=hosts, extra_config=config, kv_events=kv_events, **model),
                              faults=faults)
     engine.faults = faults
-    # The scheduler half walks the requests that may have blocks to save in a set's order
-    # (manager/lifecycle.py: RequestLifecycle._filled), which Python's string hashing picks anew in
-    # every process: when host RAM cannot take every candidate of a step, which request's blocks
-    # get the slots, hence which prefixes hit later, changed with PYTHONHASHSEED (the hybrid run
-    # loaded nothing, so no load failed, under one seed in five). Walked in arrival order here.
-    lifecycle = engine.offload.requests
-    assert type(lifecycle._saving) is set and not lifecycle._saving, "lifecycle.py changed: revisit"
-    lifecycle._saving = _InOrder()
     return engine
-
-
-class _InOrder(dict):
-    """The set operations ``RequestLifecycle`` uses on ``_saving``, iterating in insertion order."""
-
-    def add(self, key) -> None:
-        self[key] = None
-
-    def discard(self, key) -> None:
-        self.pop(key, None)
-
-    def difference_update(self, keys) -> None:
-        for key in keys:
-            self.pop(key, None)
 
 
 def _gdn_spec():
@@ -648,3 +627,124 @@ def test_dpscheduler_ranks_publish_on_their_own_port_as_their_own_rank():
         for sub in subs:
             sub.close(0)
         sched.shutdown()
+
+
+# ---------------------------------------------------------------------------- each DPScheduler rank, exact
+# In a rank process (forked by DPScheduler, with the patches RankEvents installs before the fork):
+# its scheduler half, the requests it was asked about, the hashes known from earlier lifetimes.
+_RANK_SIDE: dict = {}
+
+
+def _unpatched(fn):
+    return getattr(fn, "unpatched", fn)
+
+
+class RankEvents:
+    """The KV events of every rank of a DPScheduler pod slice (tpu-inference's rank processes, each
+    with its own vLLM scheduler and publisher built from one ``--kv-events-config`` binding
+    ``tcp://*:PORT``), checked batch by batch against that rank's own truth.
+
+    The truth comes from inside each rank process: installed before the slice forks them, a patch
+    of vLLM's ``ZmqEventPublisher.publish`` appends, each time the rank's scheduler hands its
+    publisher a batch, what the rank's scheduler half can serve at that moment (``loadable``: asked
+    of its indexes hash by hash, over the hashes of every request the half was asked about) to the
+    file of the rank that DPScheduler started the process as. The rank's n-th record and its n-th
+    batch (sequence number n) describe the same moment. Here a SUB socket per rank, connected to
+    PORT + r before the slice starts, decodes rank r's batches into a router's view; after the
+    n-th, the view must equal the n-th record. ``spec_fields`` go into the slice's SliceSpec."""
+
+    def __init__(self, monkeypatch, path, ranks: int, after: "RankEvents | None" = None) -> None:
+        import pickle
+
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        from tpuoffload.manager.offload_scheduler import OffloadScheduler
+        from tpuoffload.manager.topology import dp_scheduler_rank
+
+        self.ranks, self.dir = ranks, path
+        path.mkdir(parents=True)
+        port = _free_ports(ranks)
+        self.spec_fields = {"kv_events": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": f"tcp://*:{port}"}}
+        self.subs = [EventSubscriber(connect=f"tcp://127.0.0.1:{port + r}") for r in range(ranks)]
+        # Each rank's view joins its own HBM events (a restart's, its previous lifetime's too).
+        self.views = [EventView(dict(after.views[r].gpu_blocks) if after is not None else None) for r in range(ranks)]
+        self.diffs, self.checks = [0] * ranks, [0] * ranks
+        self.restored: list[set] = [set()] * ranks  # what each rank announced before its first request
+        # Every block hash the ranks were asked about, this lifetime's and the earlier ones' (a
+        # restart restores chunks of the hashes of an earlier lifetime's requests).
+        self.hashes: set = set(after.hashes) if after is not None else set()
+        self._offsets = [0] * ranks
+        _RANK_SIDE.clear()
+        _RANK_SIDE.update(known=frozenset(self.hashes), half=None, requests={})
+
+        # (A later lifetime's patches replace an earlier one's: each wraps the original.)
+        init, matched = _unpatched(OffloadScheduler.__init__), _unpatched(OffloadScheduler.get_num_new_matched_tokens)
+        publish = _unpatched(ZmqEventPublisher.publish)
+        out = str(path)
+
+        def init_(half, *args, **kwargs):
+            init(half, *args, **kwargs)
+            _RANK_SIDE["half"] = half
+
+        def matched_(half, request, num_computed_tokens):
+            _RANK_SIDE["requests"][request.request_id] = request
+            return matched(half, request, num_computed_tokens)
+
+        def publish_(pub, batch):
+            publish(pub, batch)
+            side = _RANK_SIDE
+            hashes = {h for r in side["requests"].values() for h in r.block_hashes}
+            try:
+                truth = loadable(side["half"], hashes | side["known"]) if side["half"] is not None else set()
+            except Exception as e:  # reported by the test
+                truth = f"{type(e).__name__}: {e}"
+            with open(f"{out}/rank{dp_scheduler_rank()}.pkl", "ab") as f:
+                pickle.dump((truth, hashes), f)
+
+        init_.unpatched, matched_.unpatched, publish_.unpatched = init, matched, publish
+        monkeypatch.setattr(OffloadScheduler, "__init__", init_)
+        monkeypatch.setattr(OffloadScheduler, "get_num_new_matched_tokens", matched_)
+        monkeypatch.setattr(ZmqEventPublisher, "publish", publish_)
+
+    def _records(self, rank: int) -> list:
+        import pickle
+
+        records = []
+        try:
+            with open(self.dir / f"rank{rank}.pkl", "rb") as f:
+                f.seek(self._offsets[rank])
+                while True:
+                    try:
+                        records.append(pickle.load(f))
+                    except EOFError:
+                        break
+                self._offsets[rank] = f.tell()
+        except FileNotFoundError:
+            pass
+        return records
+
+    def check(self) -> None:
+        """Apply every batch each rank published so far, comparing after each with its record."""
+        for r, (sub, view) in enumerate(zip(self.subs, self.views)):
+            for truth, hashes in self._records(r):
+                assert not isinstance(truth, str), f"rank {r}: {truth}"
+                self.hashes |= hashes
+                got = sub.recv(20.0)
+                assert got is not None, f"rank {r}: batch {sub.last_seq + 1} did not arrive"
+                seq, batch = got
+                sub.gaps += seq != sub.last_seq + 1
+                sub.last_seq = seq
+                view.apply(batch)
+                self.diffs[r] += len(truth ^ view.offloaded())
+                self.checks[r] += 1
+            assert not sub.sock.poll(0), f"rank {r}: a batch without its record"
+
+    def note_restored(self) -> None:
+        """After the restart's first (empty) steps: what each rank announced of its restored chunks."""
+        self.check()
+        self.restored = [v.offloaded() for v in self.views]
+
+    def close(self) -> None:
+        for sub in self.subs:
+            sub.close()

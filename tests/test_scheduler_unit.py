@@ -429,6 +429,22 @@ def test_staging_budget_cut_and_counters_account_for_every_candidate():
     assert sum(t[k] for k in (C.SAVES_ISSUED, C.DEDUP_BATCH, C.DEDUP_INDEX, C.SKIPPED_STAGING, C.SKIPPED_NO_SPACE)) == 12
 
 
+def test_scarce_staging_goes_to_requests_in_the_schedulers_order():
+    """When staging cannot take every candidate of a step, the scheduler's order (running requests
+    first, then new ones) decides whose blocks are saved, never a set's order of request ids, which
+    Python's hash seed picks anew in every process (so which prefixes hit later would too).
+    Without the fix (iterating ``RequestLifecycle._saving``) 24 ids scheduled in the reverse of
+    their admission come out in a hash-dependent order."""
+    f = Fake(extra={"num_staging_blocks": 12, "num_cpu_chunks": 64})
+    reqs = [f.request(f"r{i:02d}", f"p{i}", 1) for i in range(24)]
+    for r in reqs:
+        f.admit(r)
+    order = list(reversed(reqs))
+    meta = f.step({r.request_id: r.num_tokens for r in order})
+    assert meta.save.block_ids == tuple(f.blocks[r.request_id][0] for r in order[:12])
+    assert [f.ready(r) for r in order] == [1] * 12 + [0] * 12
+
+
 def test_stats_and_snapshot_use_registered_names_and_metadata_stays_small():
     f = Fake()
     req = f.request("a", "p", 8)

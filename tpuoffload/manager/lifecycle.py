@@ -268,13 +268,14 @@ class RequestLifecycle:
         """(record, full, end) for each scheduled request that may still have blocks to save,
         ``full`` being its full blocks once this step's forward ran (capped by the save limit and by
         the hashes vLLM has computed), ``end`` its computed tokens then."""
-        scheduled = so.num_scheduled_tokens
         done = []
         bs = self.block_size
         no_limit = 1 << 62 if self.save_decode_blocks else 0  # else: prompt blocks only
-        for req_id in self._saving:
-            n_sched = scheduled.get(req_id)
-            if n_sched is None:
+        # In the scheduler's order (running requests first, then new ones), never in the set's:
+        # when host RAM cannot take every candidate, this order decides whose blocks get the slots,
+        # and a set's order of strings changes with every process's hash seed.
+        for req_id, n_sched in so.num_scheduled_tokens.items():
+            if req_id not in self._saving:
                 continue
             rec = self._records[req_id]
             req = rec.request
