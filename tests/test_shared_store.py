@@ -167,7 +167,11 @@ def test_redis_maxmemory_lru_evicts_and_reads_are_whole_or_nothing():
         for o, d in objs:
             assert put(store, o, d)
         present = store.exists_many([o.name for o, _ in objs])
-        assert 0 < sum(present) < len(objs) and not present[0] and present[-1]
+        assert 0 < sum(present) < len(objs) and present[-1]
+        # Redis's LRU is approximate (it evicts the oldest of a few sampled keys), so an old object
+        # may survive (the first one did once, in the suite): the oldest are evicted far more often
+        # than the newest, which a random eviction would not do.
+        assert sum(present[:50]) < sum(present[-50:]) // 2, present
         for o, d in objs:
             got, err, _ = decode_object(o, store.get(o.name), 64 << 10)
             assert err in (None, ObjectError.ABSENT)
