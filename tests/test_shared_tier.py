@@ -181,6 +181,43 @@ def test_a_fetch_cancelled_while_a_slow_host_still_reads_it_is_not_held(populate
     assert out == populated[1]
 
 
+def test_a_fetch_the_ram_ledger_expires_before_its_install_is_not_held(populated, tmp_path, monkeypatch):
+    """Host 0's report that it verified a fetch is lost on the way, and the RAM save the fetch
+    claimed expires (``save_timeout_s`` 1 s) before the fetch's own deadline (twice the store's 3 s):
+    the ledger drops the fetch, which no install or cancel has named yet. Every host must drop the
+    bytes it holds for it, not keep them for the rest of its life (found by tools/soak.py --dp any,
+    seed 7348: ``shared_held`` 2 on the host after the run settled)."""
+    from dataclasses import replace
+
+    from tpuoffload.worker.shared_stage import SharedStage
+
+    root = _copy(populated, tmp_path)
+    lost: list[tuple] = []
+    report = SharedStage.report
+
+    def losing_host_0s_first_fetched(self):
+        out = report(self)
+        if out is not None and out.fetched and self.host == 0 and not lost:
+            lost.append(out.fetched)
+            out = replace(out, fetched=())
+        return out
+
+    monkeypatch.setattr(SharedStage, "report", losing_host_0s_first_fetched)
+    b = _engine(f"file://{root}?timeout_s=3", save_timeout_s=1.0)
+    for r in _wave("b"):
+        b.add_request(r)
+    b.run(max_steps=200_000)  # empty steps while the fetch waits for the ledger (1 s)
+    for conn in b.connectors:
+        assert conn.worker.wait_idle(30)
+    b.settle()
+    out = {rid[1:]: toks for rid, toks in b.outputs.items()}
+    t = b.stats.totals()
+    assert lost and t[C.SHARED_FETCHES_FAILED] > 0 and t[C.SHARED_READ_CHUNKS] > 0, (lost, t)  # read, then expired
+    assert_engine_clean(b)  # nothing held on any host
+    b.close()
+    assert out == populated[1]
+
+
 def test_a_deployment_with_another_layout_never_reads_the_objects(populated, tmp_path):
     """An engine of another cache layout (one host instead of two: another sharding over hosts)
     looks in its own namespace: nothing found, nothing fetched."""

@@ -67,8 +67,14 @@ def soak(tmp_path, *args: str, timeout: float = 600) -> tuple[int, str, dict]:
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = _tagged(tag)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    for pid in left:  # with its process group: a redis-server's title hides its environment from _tagged
+        try:
+            group = os.getpgid(pid)
+            if group != os.getpgrp():
+                os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     assert not left, f"processes left behind by the soak: {left}\n{out[-3000:]}"
     data = json.loads(summary.read_text()) if summary.exists() else {}
     return proc.returncode, out, data
@@ -117,6 +123,48 @@ def test_dp_soak_preemption_storm(tmp_path):
     rc, out, data = soak(tmp_path, "--mode", "fast", "--dp", "any", "--runs", "1", "--seed", "7032")
     _check_clean(rc, out, data, 1)
     assert data["results"][0]["preemptions"] > 0, data["results"][0]
+
+
+@pytest.mark.timeout(600)
+def test_dp_soak_warm_restart_loads_restored_chunks(tmp_path):
+    """Under DPScheduler a seed that draws warm restart (persist_path; the slice shut down cleanly
+    before wave 1, every host checkpointing every rank's slots, and a new one started on the same
+    directories): the new slice's ranks adopt what the host restored, wave 1 loads restored chunks,
+    and the run ends clean over both slices' requests (outputs, leaks, wrong reads)."""
+    rc, out, data = soak(tmp_path, "--mode", "fast", "--dp", "any", "--runs", "1", "--seed", "7379")
+    _check_clean(rc, out, data, 1)
+    r = data["results"][0]
+    assert "warm restart before wave 1" in r["knobs"], r["knobs"]
+    assert r["restarts"] == 1 and r["persist_saved"] > 0 and r["restored_ready"] > 0, r
+    assert r["restored_loaded"] > 0, r  # wave 1 read restored host RAM (every position checked)
+    assert r["finished"] + r["aborted"] == r["requests"] == 16, r  # both slices' requests, all accounted
+    row = table(out)["warm restart"]
+    assert re.match(r"1 runs restarted, \d+ chunks checkpointed, [1-9]\d* restored chunks adopted", row), row
+
+
+@pytest.mark.timeout(600)
+def test_dp_soak_shared_tier_fetches_from_redis(tmp_path):
+    """Under DPScheduler a seed that draws the shared tier (the soak child's own redis-server below
+    host RAM) and a cold new slice before wave 1: wave 1 fetches prefixes from the store, the run
+    ends clean, and the redis-server dies with the soak (``soak`` checks that no process carrying
+    the test's tag, redis included, is left)."""
+    rc, out, data = soak(tmp_path, "--mode", "fast", "--dp", "any", "--runs", "1", "--seed", "8433")
+    _check_clean(rc, out, data, 1)
+    r = data["results"][0]
+    assert "the shared tier (redis)" in r["knobs"] and r["cold_restarts"] == 1, r["knobs"]
+    assert r["shared_written"] > 0 and r["shared_fetched"] > 0 and r["shared_read"] >= r["shared_fetched"], r
+    assert table(out)["shared tier"].startswith("1 runs (1 with a cold new slice)"), table(out)["shared tier"]
+
+
+@pytest.mark.timeout(300)
+def test_dp_soak_redis_dies_with_a_killed_child(tmp_path):
+    """The same seed past a 5 s deadline: the parent kills the child mid-run (a hang) and, with
+    it, the child's redis-server, which runs in a process group of its own (``soak`` fails if any
+    process with the test's tag, redis-server included, outlives the soak)."""
+    rc, out, data = soak(tmp_path, "--mode", "fast", "--dp", "any", "--runs", "1", "--seed", "8433",
+                         "--run-timeout", "5")
+    assert rc == 1 and [r["kind"] for r in data["results"]] == ["hang"], out[-3000:]
+    assert "run killed after 5 s" in data["results"][0]["message"]
 
 
 @pytest.mark.timeout(900)

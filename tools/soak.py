@@ -23,7 +23,15 @@ TP 2, ``any``: the seed picks; 2 hosts x 4 devices in pod-slice mode, one host i
 scheduler and one tpuoffload scheduler half per rank, in forked processes), with a block pool that
 keeps every rank busy (and host RAM above the rows each device keeps spare per batch shard),
 chaos that also aborts requests right after their load failed, and in half the runs each rank's
-disk tier below its host RAM.
+disk tier below its host RAM. Some runs restart warm (``persist_path`` under the run's log dir,
+some with periodic checkpoints as well): before a later wave the slice is shut down cleanly (every
+host checkpoints every rank's slots), a new one starts on the same directories, empty steps let
+every rank adopt what the hosts restored (on one host every restored chunk must be answered), and
+the later waves load restored chunks; the chaos goes on. Some runs put the shared tier (a
+redis-server the child process starts, emptied before each run, killed with the child) below host
+RAM, half of them with a cold new slice (no checkpoint) before a later wave, which finds the
+earlier prefixes only in the store. A restarted run's requests, wrong reads, faults and counters
+are those of both slices: every request's output is checked whichever slice served it.
 
 The synthetic model's written KV and sampled tokens depend on every context position it read
 (tpuoffload/sim/runner.py), so a wrong read anywhere taints everything computed after it. A run
@@ -31,7 +39,16 @@ fails when the hosts' dispatch digests or sampled tokens diverge (digest), a con
 position or a generated token is wrong (mismatch), it stops making progress or runs past its
 deadline (hang: the run is killed), anything is held after it settled (leak: the scheduler half's
 ``leak_report()``, each host's in-flight saves and staging bytes and, where the host reports it,
-its ``idle_report()``; vLLM's requests and block pool), or anything else raises (error).
+its ``idle_report()``; vLLM's requests and block pool; also before a restart, when the last wave
+settled), or anything else raises (error).
+
+What a restart under chaos excuses: chunks whose saves failed or were revoked by a connector
+reset before the shutdown are not restored; a checkpoint some host failed to write is not
+restored (an older complete one is, or none: a cold start); a restored chunk whose hash another
+restored slot of its rank also holds is dropped (a save the scheduler had expired stays committed
+on the host beside a later copy); restored loads may fail (lost slots: recomputed). Never
+excused: a restored chunk read with other bytes (a wrong context position or output), a request
+lost between the slices, or, on one host, a restored chunk the ranks never answered.
 
 Runs execute in a child process (``--child``, one per batch of runs, so imports and JAX compiles
 are paid once; the JAX persistent compilation cache is shared by every child and pod-slice worker).
@@ -62,7 +79,10 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 # Bump when make_scenario draws differently: a seed names a run only together with this version.
-SCENARIO_VERSION = 2  # 2: preemption storms under --dp
+# 2: preemption storms under --dp. 3: under --dp, warm restart (persist_path; the slice shut down and
+# started again between two waves) and the shared tier (a redis-server below host RAM), each from its
+# own generator: every draw of version 2 stays what it was.
+SCENARIO_VERSION = 3
 FAILURE_KINDS = ("digest", "mismatch", "hang", "leak", "error", "crash")
 RESET_KINDS = ("plain", "running", "connector", "running+connector")
 # Under DPScheduler, vLLM refuses reset_running_requests while a load is in flight (its "not
@@ -100,6 +120,14 @@ class Scenario:
     hybrid: str | None = None
     # A data-parallel layout of tpuoffload.sim.tpu_layouts.LAYOUTS, scheduled by DPScheduler.
     dp_layout: str | None = None
+    # Warm restart (persist_path under the run's log dir): before this wave the slice is shut down
+    # cleanly (every host writes its checkpoint) and a new one starts on the same directories.
+    # ``restart_cold``: no persist_path (the shared tier's runs): the new slice starts empty, as
+    # another replica of the deployment would, and finds earlier prefixes only in the shared store.
+    restart_before_wave: int | None = None
+    restart_cold: bool = False
+    # The shared tier below host RAM: a redis-server of the run's child process (run_scenario).
+    shared: bool = False
 
     def knobs(self) -> str:
         """A one-line description of what this run turned on."""
@@ -111,11 +139,20 @@ class Scenario:
         if self.stall:
             on.append(f"stall(host {self.stall[0]} at step {self.stall[1]})")
         cache = self.hybrid or self.dp_layout or f"{self.num_kv_heads} KV heads {self.dtype}"
+        tiers = [name for name, on in (("a disk tier", self.extra_config.get("disk_bytes_to_use")),
+                                       ("the shared tier (redis)", self.shared)) if on]
+        restart = ""
+        if self.restart_cold:
+            restart = f", a cold new slice (no checkpoint) before wave {self.restart_before_wave}"
+        elif self.restart_before_wave is not None:
+            every = self.extra_config.get("persist_interval_s")
+            restart = (f", warm restart before wave {self.restart_before_wave}"
+                       f"{f' (checkpoints every {every} s)' if every else ''}")
         return (f"{len(self.requests)} requests in {len({r['wave'] for r in self.requests})} waves, "
                 f"{cache} on {self.hosts}x{self.devices_per_host} devices, "
                 f"{self.num_blocks} GPU blocks, "
                 f"{self.extra_config.get('num_cpu_chunks', 'plenty of')} host slots"
-                f"{' and a disk tier' if self.extra_config.get('disk_bytes_to_use') else ''}, "
+                f"{''.join(' and ' + t for t in tiers)}{restart}, "
                 f"{'lazy' if self.extra_config.get('lazy_offload') else 'eager'}; chaos: {', '.join(on) or 'none'}")
 
 
@@ -215,7 +252,7 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
 
         devices_per_host = max(1, HYBRID_LAYOUTS[hybrid].num_devices // hosts)
         num_blocks = num_blocks if num_blocks >= 48 else 48
-    dp_layout = None
+    dp_layout, restart_before_wave, restart_cold, shared = None, None, False, False
     if dp is not None:
         # 8 devices on 2 hosts; every rank gets the block pool a scenario without DP would (a tiny
         # one for preemption storms included), so every rank is busy; chaos also aborts requests
@@ -264,12 +301,38 @@ def make_scenario(seed: int, mode: str, hosts: int, broken: str | None = None, h
             extra["disk_bytes_to_use"] = 1 << 24
             extra["num_cpu_chunks"] = min(extra["num_cpu_chunks"], SHARD_SPARE_ROWS + disk.randint(2, 8))
             extra["save_timeout_s"] = 10.0
+        # Warm restart in some runs of two waves or more: before a later wave the slice is shut
+        # down cleanly (each host checkpoints every rank's slots) and a new one starts on the same
+        # directories; that wave then finds the prefixes in the restored host RAM (and disk). In
+        # some, checkpoints every few seconds as well (planned by rank 0's half; saves wait while
+        # one is written). Its own generator: every other draw of a seed stays what it was.
+        waves = len({r["wave"] for r in requests})
+        warm = random.Random(f"soak-restart-{seed}")
+        if waves >= 2 and warm.random() < 0.4:
+            restart_before_wave = warm.randint(1, waves - 1)
+            # Saves that live to be checkpointed (a checkpoint step is slow, and saves wait for it).
+            extra.update(persist_timeout_s=30.0, save_timeout_s=max(extra["save_timeout_s"], 10.0))
+            if warm.random() < 0.3:
+                extra["persist_interval_s"] = round(warm.uniform(0.5, 3.0), 2)
+        # The shared tier below host RAM in some runs (a redis-server: run_scenario), with host RAM
+        # small enough that later waves find some prefixes only there; in half of those without a
+        # warm restart, before a later wave the slice is replaced by a cold one (no checkpoint: a
+        # replica that never served these prefixes), which finds them only in the store. Its own
+        # generator too.
+        tier = random.Random(f"soak-shared-{seed}")
+        if tier.random() < 0.3:
+            shared = True
+            extra["num_cpu_chunks"] = min(extra["num_cpu_chunks"], SHARD_SPARE_ROWS + tier.randint(2, 8))
+            extra["save_timeout_s"] = max(extra["save_timeout_s"], 10.0)
+            if waves >= 2 and restart_before_wave is None and tier.random() < 0.5:
+                restart_before_wave, restart_cold = tier.randint(1, waves - 1), True
     return Scenario(seed=seed, mode=mode, hosts=hosts, devices_per_host=devices_per_host,
                     num_kv_heads=kv_heads_per_host * hosts, dtype=dtype, num_blocks=num_blocks,
                     max_num_seqs=rng.choice((4, 8, 16)), max_num_batched_tokens=rng.choice((64, 128, 256)),
                     extra_config=extra, chaos=chaos, point_faults=point_faults, reset_rate=reset_rate,
                     requests=requests, stall=stall, settle_between_waves=settle_between_waves, hybrid=hybrid,
-                    dp_layout=dp_layout)
+                    dp_layout=dp_layout, restart_before_wave=restart_before_wave, restart_cold=restart_cold,
+                    shared=shared)
 
 
 # ================================================================ one run (child process)
@@ -291,6 +354,21 @@ class RunResult:
     disk_written: int = 0  # chunk files written (spills) and read back (fetches), all hosts
     disk_read: int = 0
     preemptions: int = 0
+    # Warm restart: slice restarts, chunks the hosts wrote into checkpoints before it (periodic ones
+    # and the shutdown's), restored chunks the new slice's ranks adopted from host RAM and from
+    # disk, and loads of restored host-RAM chunks after the restart (fast mode counts them:
+    # InProcSlice.restored_loads; None in pod-slice mode).
+    restarts: int = 0
+    cold_restarts: int = 0  # the slice replaced by a cold one (no checkpoint: the shared tier's runs)
+    persist_saved: int = 0
+    restored_ready: int = 0
+    disk_restored_ready: int = 0
+    restored_loaded: int | None = None
+    # The shared tier: objects the hosts wrote, chunks fetched back into host RAM (every host
+    # verified), objects read.
+    shared_written: int = 0
+    shared_fetched: int = 0
+    shared_read: int = 0
     resets: dict[str, int] = field(default_factory=dict)
     resets_refused: int = 0  # vLLM raised "not supported yet": a running request waits for remote KV
     resets_declined: int = 0  # returned False: blocks still in use (without reset_running_requests)
@@ -364,16 +442,115 @@ def _hybrid_budget(sc: Scenario) -> int:
     return sc.num_blocks * (probe // kv_cache_config(HYBRID_LAYOUTS[sc.hybrid], probe, hma=True).num_blocks)
 
 
-def _with_dirs(extra: dict[str, Any], log_dir: str) -> dict[str, Any]:
-    """The scenario's config with the run's own directories: a disk tier's under ``log_dir``."""
-    extra = dict(extra)
+def _with_dirs(sc: Scenario, log_dir: str, shared_url: str | None = None) -> dict[str, Any]:
+    """The scenario's config with the run's own directories under ``log_dir`` (a disk tier's, warm
+    restart's checkpoints) and the shared tier's URL."""
+    extra = dict(sc.extra_config)
     if extra.get("disk_bytes_to_use"):
         extra["disk_path"] = os.path.join(log_dir, "disk-{host}")
+    if sc.restart_before_wave is not None and not sc.restart_cold:
+        extra["persist_path"] = os.path.join(log_dir, "ckpt")
+    if sc.shared:
+        if shared_url is None:
+            raise ValueError(f"seed {sc.seed} draws the shared tier: run_scenario needs a redis URL")
+        extra["shared_url"] = f"{shared_url}?timeout_s=10"
     return extra
 
 
-def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> RunResult:
-    """One run. Never raises: every failure becomes the result's kind and message."""
+def _fresh_dirs(log_dir: str) -> None:
+    """A run starts cold: no checkpoint or chunk file of an earlier run of the seed (--repeat)."""
+    import glob
+    import shutil
+
+    for path in [os.path.join(log_dir, "ckpt")] + glob.glob(os.path.join(log_dir, "disk-*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class _Lives:
+    """What the slices of a run that were shut down for a restart did, and then the last
+    slice's wrong reads and faults (``run_scenario`` adds its other figures): the requests' outputs,
+    the hosts' wrong reads and injected faults, the counters."""
+
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)
+    steps: int = 0
+    preemptions: int = 0
+    mismatches: int = 0
+    first_mismatch_step: int | None = None
+    faults: Counter = field(default_factory=Counter)
+    faults_reported: bool = True
+    totals: Counter = field(default_factory=Counter)
+
+    def add_states(self, states: list[dict], pod) -> None:
+        self.mismatches += sum(s["mismatches"] for s in states)
+        if self.first_mismatch_step is None and pod.first_mismatch_step is not None:
+            self.first_mismatch_step = self.steps + pod.first_mismatch_step
+        self.faults_reported &= all("faults_injected" in s for s in states)
+        for s in states:
+            self.faults.update(s.get("faults_injected") or {})
+
+    def add_slice(self, pod) -> None:
+        self.outputs.update(pod.outputs)  # request ids are unique across waves
+        self.finished |= pod.finished
+        self.aborted |= pod.aborted
+        self.steps += pod.steps
+        self.preemptions += pod.preemptions
+        self.totals.update(pod.stats.totals())
+
+
+class RestartLost(Exception):
+    """A warm restart on one host whose ranks did not answer every chunk the host restored."""
+
+
+def _shut_down(pod, lives: _Lives, res: RunResult, settled: bool, cold: bool) -> None:
+    """The first half of a restart: the record of ``pod`` (every host's wrong reads and faults
+    and, with the last wave settled, whatever is held, as at the end of a run), then its clean
+    shutdown (every host writes its checkpoint, unless ``cold``)."""
+    from tpuoffload import counters as C
+
+    states = pod.worker_state()
+    lives.add_states(states, pod)
+    if settled:
+        held = {**_leaks(pod), **_vllm_leaks(pod.scheduler), **_worker_leaks(states)}
+        res.leaks.update({f"before restart {res.restarts + res.cold_restarts + 1}: {k}": v for k, v in held.items()})
+    hosts = pod.shutdown()
+    lives.add_slice(pod)
+    if cold:
+        res.cold_restarts += 1
+        return
+    res.restarts += 1
+    res.persist_saved += sum(h.get(C.PERSIST_SAVED_CHUNKS, 0) for h in hosts)
+
+
+def _warm_up(pod, restart: int, max_steps: int = 30) -> None:
+    """The second half: empty steps on the new slice (at least 4) until every rank's half has
+    answered every chunk the hosts restored (DPScheduler does not ask has_pending_push_work, so
+    without them the restore reports would wait for the next request). On one host each restored
+    chunk must be answered within them: adopted, or dropped because the rank adopted another copy
+    of its hash (a save the scheduler had expired stays committed on the host, and a later save of
+    the same prefix went to another slot: both are in the checkpoint). No other host can disagree,
+    and no save or reset comes before the reports, so nothing else excuses a drop there; with
+    several hosts a chunk one host failed to save is dropped too."""
+    from tpuoffload import counters as C
+
+    for i in range(max_steps):
+        pod.step()
+        t = pod.stats.totals()
+        restored, answered = t[C.PERSIST_RESTORED_CHUNKS], t[C.RESTORED_READY] + t[C.RESTORED_DROPPED]
+        if i >= 3 and answered * pod.spec.num_hosts >= restored:
+            break
+    if pod.spec.num_hosts == 1 and answered != restored:
+        raise RestartLost(f"warm restart {restart}: the host restored {restored} chunks, its ranks adopted "
+                          f"{t[C.RESTORED_READY]} and dropped {t[C.RESTORED_DROPPED]} after {i + 1} empty steps")
+
+
+def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int,
+                 shared_store: "SharedStore | None" = None) -> RunResult:
+    """One run. Never raises: every failure becomes the result's kind and message. ``shared_store``:
+    the store of a scenario with the shared tier (emptied first)."""
+    from tpuoffload import counters as C
     from tpuoffload.sim.podslice import DigestMismatch, PodSlice, SliceError, SliceSpec
     from tpuoffload.sim.chaos import Chaos, PointFaults
     from tpuoffload.sim.vllm_setup import make_request
@@ -382,28 +559,45 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
     t0 = time.monotonic()
     res = RunResult(seed=sc.seed, knobs=sc.knobs(), requests=len(sc.requests))
     rng = random.Random(f"soak-driver-{sc.seed}")
-    spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host, num_kv_heads=sc.num_kv_heads,
-                     dtype=sc.dtype, num_blocks=sc.num_blocks,
-                     max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-                     extra_config=_with_dirs(sc.extra_config, log_dir), step_timeout_s=30.0,
-                     hybrid=sc.hybrid, kv_budget_bytes=_hybrid_budget(sc), max_model_len=256 if sc.hybrid else 0,
-                     layout=sc.dp_layout)
+    _fresh_dirs(log_dir)
     chaos = Chaos(**sc.chaos)
     pf = PointFaults(**sc.point_faults) if sc.point_faults else None
     pod = None
+    lives = _Lives()  # the slices shut down for a restart
     try:
-        if sc.mode == "fast":
-            from tpuoffload.sim.inproc_slice import InProcSlice
+        shared_url = None
+        if sc.shared and shared_store is not None:
+            shared_store.flush()  # nothing of an earlier run
+            shared_url = shared_store.url
+        spec = SliceSpec(num_hosts=sc.hosts, devices_per_host=sc.devices_per_host, num_kv_heads=sc.num_kv_heads,
+                         dtype=sc.dtype, num_blocks=sc.num_blocks,
+                         max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                         extra_config=_with_dirs(sc, log_dir, shared_url), step_timeout_s=30.0,
+                         hybrid=sc.hybrid, kv_budget_bytes=_hybrid_budget(sc),
+                         max_model_len=256 if sc.hybrid else 0, layout=sc.dp_layout)
 
-            pod = InProcSlice(spec, chaos, log_dir=log_dir, point_faults=pf, stall=sc.stall)
-        else:
-            pod = PodSlice(spec, chaos, log_dir=log_dir, point_faults=pf)
+        def start():
+            if sc.mode == "fast":
+                from tpuoffload.sim.inproc_slice import InProcSlice
+
+                return InProcSlice(spec, chaos, log_dir=log_dir, point_faults=pf, stall=sc.stall)
+            return PodSlice(spec, chaos, log_dir=log_dir, point_faults=pf)
+
+        pod = start()
         last, last_change = None, time.monotonic()
         for wave in sorted({r["wave"] for r in sc.requests}):
             if wave:
                 if sc.settle_between_waves and not pod.settle(30.0):
                     raise Hang(f"saves unresolved 30 s after wave {wave - 1}; {_stuck(pod)}")
-                res.resets_declined += not pod.scheduler.reset_prefix_cache()  # HBM forgets; host RAM remains
+                if wave == sc.restart_before_wave:  # a new slice: HBM empty, host RAM (and disk) restored
+                    _shut_down(pod, lives, res, sc.settle_between_waves, sc.restart_cold)
+                    pod = None
+                    pod = start()
+                    if not sc.restart_cold:
+                        _warm_up(pod, res.restarts)
+                    last = None
+                else:
+                    res.resets_declined += not pod.scheduler.reset_prefix_cache()  # HBM forgets; host RAM remains
             arrivals: dict[int, list[dict]] = {}
             for r in sc.requests:
                 if r["wave"] == wave:
@@ -427,36 +621,38 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
                 if mark != last:
                     last, last_change = mark, now
                 elif now - last_change > stall_s and not arrivals:
-                    raise Hang(f"no progress for {stall_s:.0f} s after step {pod.steps}; {_stuck(pod)}")
+                    raise Hang(f"no progress for {stall_s:.0f} s after step {lives.steps + pod.steps}; {_stuck(pod)}")
                 else:
                     time.sleep(0.002)  # nothing moved: do not spin empty steps
-                if pod.steps >= max_steps:
+                if lives.steps + pod.steps >= max_steps:
                     raise Hang(f"not done after {max_steps} steps; {_stuck(pod)}")
         if not pod.settle(30.0):
             res.leaks["unsettled"] = _leaks(pod)
         states = pod.worker_state()
-        res.mismatches = sum(s["mismatches"] for s in states)
-        res.faults_reported = all("faults_injected" in s for s in states)
-        for s in states:
-            for point, n in (s.get("faults_injected") or {}).items():
-                res.faults_injected[point] = res.faults_injected.get(point, 0) + n
+        lives.add_states(states, pod)
+        res.mismatches = lives.mismatches
+        res.faults_reported = lives.faults_reported
+        res.faults_injected = dict(lives.faults)
         res.leaks.update(_leaks(pod))
         res.leaks.update(_vllm_leaks(pod.scheduler))
         res.leaks.update(_worker_leaks(states))
+        # Every request, whichever slice served it (a warm restart ends one slice and starts another).
+        outputs = {**lives.outputs, **pod.outputs}
+        finished, aborted = lives.finished | pod.finished, lives.aborted | pod.aborted
         wrong = []
         for r in sc.requests:
             want = expected_output(r["prompt"], r["max_tokens"], 32000)
-            got = pod.outputs.get(r["req_id"], [])
-            if r["req_id"] in pod.aborted:
+            got = outputs.get(r["req_id"], [])
+            if r["req_id"] in aborted:
                 ok = got == want[:len(got)]
             else:
-                ok = r["req_id"] in pod.finished and got == want
+                ok = r["req_id"] in finished and got == want
             if not ok:
                 wrong.append(r["req_id"])
         res.wrong_outputs = len(wrong)
         if res.mismatches or wrong:
             res.kind = "mismatch"
-            res.message = (f"{res.mismatches} context positions wrong (first at step {pod.first_mismatch_step}), "
+            res.message = (f"{res.mismatches} context positions wrong (first at step {lives.first_mismatch_step}), "
                            f"wrong outputs: {wrong[:8]}")
         elif res.leaks:
             res.kind = "leak"
@@ -473,24 +669,76 @@ def run_scenario(sc: Scenario, log_dir: str, stall_s: float, max_steps: int) -> 
 
         res.kind, res.message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
+        totals, steps, preemptions = Counter(lives.totals), lives.steps, lives.preemptions
+        finished, aborted = set(lives.finished), set(lives.aborted)
         if pod is not None:
-            totals = pod.stats.totals()
-            res.steps = pod.steps
-            res.finished = len(pod.finished & {r["req_id"] for r in sc.requests})
-            res.aborted = len(pod.aborted)
-            res.chunks_saved, res.chunks_loaded = totals["chunks_saved"], totals["chunks_loaded"]
-            res.load_errors, res.save_failures = totals["load_errors"], totals["save_failures"]
-            res.expired = totals["ledger_expired"]
-            res.disk_written, res.disk_read = totals["disk_written_chunks"], totals["disk_read_chunks"]
-            res.preemptions = pod.preemptions
+            last_totals = pod.stats.totals()
+            totals.update(last_totals)
+            steps, preemptions = steps + pod.steps, preemptions + pod.preemptions
+            finished |= pod.finished
+            aborted |= pod.aborted
+            if res.restarts:  # what the slice after the restart adopted and loaded
+                res.restored_ready = last_totals[C.RESTORED_READY]
+                res.disk_restored_ready = last_totals[C.DISK_RESTORED_READY]
+                loads = getattr(pod, "restored_loads", None)
+                res.restored_loaded = min(loads) if loads else None  # a chunk counts once every host loaded it
             pod.close()
+        res.steps = steps
+        res.finished = len(finished & {r["req_id"] for r in sc.requests})
+        res.aborted = len(aborted)
+        res.chunks_saved, res.chunks_loaded = totals[C.CHUNKS_SAVED], totals[C.CHUNKS_LOADED]
+        res.load_errors, res.save_failures = totals[C.LOAD_ERRORS], totals[C.SAVE_FAILURES]
+        res.expired = totals[C.LEDGER_EXPIRED]
+        res.disk_written, res.disk_read = totals[C.DISK_WRITTEN_CHUNKS], totals[C.DISK_READ_CHUNKS]
+        res.shared_written, res.shared_read = totals[C.SHARED_WRITTEN_CHUNKS], totals[C.SHARED_READ_CHUNKS]
+        res.shared_fetched = totals[C.SHARED_FETCHES_READY]
+        res.preemptions = preemptions
     res.wall_s = time.monotonic() - t0
     return res
+
+
+class SharedStore:
+    """The child's redis-server for the seeds that draw the shared tier (tpuoffload.sim.redis_server:
+    a free port, no persistence, its own process group under ``timeout -s KILL lifetime_s``).
+    It dies with the child: the child stops it before it exits (also when its parent disappears),
+    and the parent, told its process group in the child's "ready" event, kills that group with
+    the child's (``_Child.kill``)."""
+
+    def __init__(self, lifetime_s: int) -> None:
+        from tpuoffload.sim.redis_server import RedisServer
+
+        self.server = RedisServer(lifetime_s=lifetime_s)
+        self.pgid = self.server.proc.pid  # a session of its own: its pid is its process group
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def flush(self) -> None:
+        import socket
+
+        with socket.create_connection(("127.0.0.1", self.server.port), timeout=10) as s:
+            s.sendall(b"FLUSHALL\r\n")
+            reply = s.recv(64)
+        if not reply.startswith(b"+OK"):
+            raise RuntimeError(f"redis FLUSHALL answered {reply!r}")
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+_STORE: SharedStore | None = None  # the child's (child_main)
+
+
+def _stop_store() -> None:
+    if _STORE is not None:
+        _STORE.stop()
 
 
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
+    _stop_store()
     os._exit(3)
 
 
@@ -505,14 +753,19 @@ def child_main(args: argparse.Namespace) -> None:
     import tpuoffload.sim.podslice  # noqa: F401  (imports vLLM and JAX before the first deadline starts)
     if args.mode == "fast":
         import tpuoffload.sim.inproc_slice  # noqa: F401
-    emit(event="ready")
-    for seed in map(int, args.seeds.split(",")):
-        sc = make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid, args.dp)
-        emit(event="start", seed=seed)
-        log_dir = os.path.join(args.log_dir, f"seed-{seed}")
-        res = run_scenario(sc, log_dir, args.stall_s, args.max_steps)
+    global _STORE
+    seeds = list(map(int, args.seeds.split(",")))
+    scenarios = [make_scenario(seed, args.mode, args.hosts, args.broken, args.hybrid, args.dp) for seed in seeds]
+    if any(sc.shared for sc in scenarios):  # outlives no deadline of the batch (the parent's backstop)
+        _STORE = SharedStore(lifetime_s=int(len(seeds) * (args.run_timeout or DP_RUN_TIMEOUT) + 600))
+    emit(event="ready", store_pgid=_STORE.pgid if _STORE is not None else None)
+    for sc in scenarios:
+        emit(event="start", seed=sc.seed)
+        log_dir = os.path.join(args.log_dir, f"seed-{sc.seed}")
+        res = run_scenario(sc, log_dir, args.stall_s, args.max_steps, _STORE)
         emit(event="result", result=dataclasses.asdict(res))
     out.flush()
+    _stop_store()
     os._exit(0)  # skip the slow interpreter teardown of torch/vLLM/JAX
 
 
@@ -524,7 +777,8 @@ class _Child:
         r, w = os.pipe()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--result-fd", str(w), "--mode", args.mode,
                "--hosts", str(args.hosts), "--seeds", ",".join(map(str, seeds)), "--log-dir", args.log_dir,
-               "--stall-s", str(args.stall_s), "--max-steps", str(args.max_steps)]
+               "--stall-s", str(args.stall_s), "--max-steps", str(args.max_steps),
+               "--run-timeout", str(args.run_timeout)]
         if args.broken:
             cmd += ["--broken", args.broken]
         if args.hybrid:
@@ -546,6 +800,7 @@ class _Child:
         self.fd = r
         os.set_blocking(r, False)
         self.buf = b""
+        self.store_pgid: int | None = None  # the child's redis-server's process group (its "ready" event)
 
     def next_event(self, deadline: float) -> dict | None:
         """The next event, or None if the deadline passed or the child died without one."""
@@ -564,13 +819,19 @@ class _Child:
                 self.buf += chunk
 
     def kill(self) -> None:
-        """SIGKILL the child's process group and reap it; safe to call twice."""
+        """SIGKILL the child's process group and its redis-server's, and reap the child; safe to
+        call twice."""
         if self.fd is None:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        if self.store_pgid is not None and _is_redis_group(self.store_pgid):  # not a pid reused since
+            try:
+                os.killpg(self.store_pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
@@ -600,6 +861,15 @@ class _Child:
             return f"(no log: {e})"
 
 
+def _is_redis_group(pgid: int) -> bool:
+    """Whether process ``pgid`` still runs a redis-server (SharedStore's ``timeout`` around it)."""
+    try:
+        with open(f"/proc/{pgid}/cmdline", "rb") as f:
+            return b"redis-server" in f.read()
+    except OSError:
+        return False
+
+
 def replay_command(args: argparse.Namespace, seed: int) -> str:
     cmd = [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable,
            "tools/soak.py", "--mode", args.mode, "--hosts", str(args.hosts), "--seed", str(seed), "--runs", "1"]
@@ -623,6 +893,28 @@ def _line(i: int, total: int, r: RunResult) -> str:
     return f"{head} FAIL {r.kind}: {first[:300]}\n{'':>20}{stats}\n{'':>20}{r.knobs}"
 
 
+def _restart_row(results: list[RunResult]) -> str:
+    runs = [r for r in results if r.restarts]
+    if not runs:
+        return "none drawn"
+    counted = [r.restored_loaded for r in runs if r.restored_loaded is not None]
+    loaded = (f"{sum(counted)} restored chunks loaded after the restart ({sum(1 for n in counted if n)} of "
+              f"{len(counted)} runs loaded some)" if counted else "restored loads not counted (pod-slice hosts)")
+    files = sum(r.disk_restored_ready for r in runs)
+    return (f"{len(runs)} runs restarted, {sum(r.persist_saved for r in runs)} chunks checkpointed, "
+            f"{sum(r.restored_ready for r in runs)} restored chunks adopted (+{files} chunk files), {loaded}")
+
+
+def _shared_row(results: list[RunResult]) -> str:
+    runs = [r for r in results if r.shared_written or "shared tier" in r.knobs]
+    if not runs:
+        return "none drawn"
+    cold = sum(1 for r in runs if r.cold_restarts)
+    return (f"{len(runs)} runs ({cold} with a cold new slice), {sum(r.shared_written for r in runs)} objects written, "
+            f"{sum(r.shared_fetched for r in runs)} chunks fetched back ({sum(r.shared_read for r in runs)} objects "
+            f"read); {sum(1 for r in runs if r.shared_fetched)} runs fetched some")
+
+
 def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: float) -> str:
     failed = [r for r in results if r.kind != "ok"]
     kinds = Counter(r.kind for r in failed)
@@ -644,6 +936,8 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
         ("save failures", f"{sum(r.save_failures for r in results)}; expired {sum(r.expired for r in results)}"),
         ("disk tier", f"{sum(r.disk_written for r in results)} chunk files written, "
                       f"{sum(r.disk_read for r in results)} read back (all hosts)"),
+        ("warm restart", _restart_row(results)),
+        ("shared tier", _shared_row(results)),
         ("preemptions", f"{sum(r.preemptions for r in results)}"),
         ("resets", f"{sum(resets.values())} ({', '.join(f'{k} {resets[k]}' for k in RESET_KINDS)}); vLLM "
                    f"declined {sum(r.resets_declined for r in results)} (blocks in use), refused "
@@ -660,7 +954,7 @@ def render_table(args: argparse.Namespace, results: list[RunResult], wall_s: flo
     ]
     width = max(len(k) for k, _ in rows)
     title = (f"soak --mode {args.mode} --hosts {args.hosts}" + (f" --broken {args.broken}" if args.broken else "")
-             + (f" --hybrid {args.hybrid}" if args.hybrid else "")
+             + (f" --hybrid {args.hybrid}" if args.hybrid else "") + (f" --dp {args.dp}" if args.dp else "")
              + f"  (scenarios v{SCENARIO_VERSION})")
     lines = [title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows]
     if failed:
@@ -710,6 +1004,7 @@ def parent_main(args: argparse.Namespace) -> int:
             print(f"soak: the child process did not start ({why}); last lines of {child.log_path}:\n{child.tail()}",
                   file=sys.stderr)
             return 2
+        child.store_pgid = event.get("store_pgid")
         for seed in todo:
             res, child_gone = _next_result(args, child, seed)
             results.append(res)

@@ -452,6 +452,8 @@ class SharedTierPlanner(Tier):
                 if fetch is None:
                     continue
                 fetched.add(sid)
+                if sid not in self._installing:  # dropped by the RAM ledger (expired) before any install
+                    self._cancel.append(sid)     # or cancel named it: the hosts drop what they hold of it
                 self._installing.discard(sid)
                 self.counters[C.SHARED_FETCHES_READY if ok else C.SHARED_FETCHES_FAILED] += 1
                 wait = self._waits.get(fetch[0])

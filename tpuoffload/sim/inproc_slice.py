@@ -5,11 +5,14 @@ instead of a pipe to a worker process. It inherits everything above the transpor
 chaos of the scheduler side (random aborts, dropped and doubled worker reports), vLLM's
 ``KVOutputAggregator`` merging the hosts' outputs, the per-step comparison of every host's dispatch
 digest and sampled tokens (``DigestMismatch`` / ``MisplacedDispatch``, the same errors with the
-same messages), ``run``, ``settle`` and ``worker_state``. It replaces only ``_start`` (build the
-hosts here), ``_exchange_once`` (hand each host the message in turn), ``_tail`` and ``close``.
+same messages), ``run``, ``settle``, ``worker_state`` and ``shutdown`` (vLLM's clean shutdown: each
+host's connector shuts down, with warm restart on writing its checkpoint, and answers its counters;
+then the scheduler). It replaces only ``_start`` (build the hosts here), ``_exchange_once`` (hand
+each host the message in turn), ``_tail`` and ``close``.
 
-Each host is what a worker process of the pod slice is: a WORKER-role ``TPUOffloadConnector``
-whose ``OffloadWorker`` has ``host_id=i`` and its own injected ``ChaosInjector``, and a
+Each host is what a worker process of the pod slice is (tpuoffload/sim/slice_worker.py): a
+WORKER-role ``TPUOffloadConnector`` whose ``OffloadWorker`` has ``host_id=i``, the deployment and
+KV cache config the engine gives it, its own injected ``ChaosInjector`` and chaos disk faults, and a
 ``SyntheticRunner`` on its own mesh of a disjoint subset of this process's CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count`` must provide ``num_hosts x
 devices_per_host``), holding its own cache as tpu-inference allocates it: ``SliceSpec.host_layout()``,
@@ -25,6 +28,13 @@ Differences from the multi-process slice, and what they mean:
 * Nothing in-process can interrupt a host that hangs. Run it under an outside deadline that kills
   the process (tools/soak.py runs it in a child process and kills that process group).
 * There are no per-host logs: a SliceError quotes no log lines.
+* A host cannot be SIGKILLed alone: ``Chaos.die_in_checkpoint_host`` is refused (it needs the
+  worker processes of ``PodSlice``).
+
+Beyond the pod slice, ``restored_loads`` counts, per host, the chunks restored from a warm-restart
+checkpoint (save ids ``restored_save_id``) that the steps' plans loaded and the host did not report
+failed (the requests in its ``failed_recving``, or blocks in its ``invalid_block_ids``): the
+evidence that a restarted slice read its restored host RAM.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from typing import Any
 
 from typing_extensions import override
 from tpuoffload.sim.podslice import PodSlice, SliceError, SliceSpec
-from tpuoffload.sim.chaos import Chaos, ChaosInjector, PointFaults
+from tpuoffload.messages import RESTORED_BASE
+from tpuoffload.sim.chaos import Chaos, ChaosDiskFaults, ChaosInjector, PointFaults
 from tpuoffload.sim.dispatch_marks import mark_hooks
 from tpuoffload.sim.tpu_layouts import create_caches
 
@@ -56,6 +67,7 @@ class _Host:
     injector: ChaosInjector
     rng: random.Random  # step delays
     stall_at_step: int | None = None  # negative control: block forever at this step
+    shut_down: bool = False  # its connector was shut down ("shutdown"): ``close`` leaves it
 
 
 class InProcSlice(PodSlice):
@@ -68,6 +80,7 @@ class InProcSlice(PodSlice):
                  point_faults: PointFaults | None = None, stall: tuple[int, int] | None = None) -> None:
         self.hosts: list[_Host] = []
         self._stall = stall
+        self.restored_loads: list[int] = []  # per host (module docstring)
         super().__init__(spec, chaos, log_dir=log_dir or _LOG_DIR, point_faults=point_faults)
 
     # ---------------------------------------------------------------- hosts
@@ -79,8 +92,12 @@ class InProcSlice(PodSlice):
         from tpuoffload.connector import TPUOffloadConnector
         from tpuoffload.sim.runner import SyntheticRunner
         from tpuoffload.worker.offload_worker import OffloadWorker
+        from tpuoffload.worker.persistence import Deployment
 
         spec, chaos = self.spec, self.chaos
+        if chaos.die_in_checkpoint_host is not None:
+            raise SliceError("a host killed in its checkpoint (die_in_checkpoint_host) needs the worker processes "
+                             "of PodSlice: in one process it would kill them all")
         devices = jax.devices()
         need = spec.num_hosts * spec.devices_per_host
         if len(devices) < need:
@@ -103,10 +120,12 @@ class InProcSlice(PodSlice):
                                      serves=roles.get("serves"), windows=roles.get("windows", (None,)))
             if roles:
                 runner.layer_name_to_kvcache_index = roles["layer_name_to_kvcache_index"]
-            connector = TPUOffloadConnector(self.scheduler.vllm_config, KVConnectorRole.WORKER,
-                                            self._kv_cache_config())
+            vllm_config, kv_cache_config = self.scheduler.vllm_config, self._kv_cache_config()
+            connector = TPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
             injector = ChaosInjector(chaos, rank, self.point_faults)
-            connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector)
+            connector.worker = OffloadWorker(connector.config, host_id=rank, faults=injector, deployment=Deployment(
+                vllm_config.model_config.model, vllm_config.cache_config.block_size),
+                disk_faults=ChaosDiskFaults(chaos, rank), kv_cache_config=kv_cache_config)
             connector.register_runner(runner)
             mark_hooks(connector, runner)
             if chaos.broken:
@@ -115,6 +134,7 @@ class InProcSlice(PodSlice):
                 break_engine(connector.worker.engine.engines[0], chaos.broken, rank)
             stall = self._stall[1] if self._stall is not None and self._stall[0] == rank else None
             self.hosts.append(_Host(rank, runner, connector, injector, random.Random(chaos.seed * 7 + rank), stall))
+        self.restored_loads = [0] * len(self.hosts)
         self.start_state = self.worker_state()
 
     def _serve(self, host: _Host, msg: tuple) -> Any:
@@ -126,7 +146,12 @@ class InProcSlice(PodSlice):
             if host.stall_at_step is not None and runner.stats.steps >= host.stall_at_step:
                 threading.Event().wait()  # negative control: a host that never answers
             out = runner.execute(msg[1], connector)
+            self.restored_loads[host.rank] += _restored_loaded(msg[1], out)
             return out, connector.worker.digests[-1], runner.wrong_reads()
+        if msg[0] == "shutdown":  # vLLM's clean shutdown of a worker: the connector's last word
+            host.shut_down = True
+            connector.shutdown()
+            return dict(connector.worker.totals)
         engine = connector.worker.engine
         if msg[0] == "idle":
             return engine.wait_idle(msg[1])
@@ -172,9 +197,37 @@ class InProcSlice(PodSlice):
 
     @override
     def close(self) -> None:
-        """Shut every host's connector down (waits for its background writes); safe to call twice."""
+        """Shut every host's connector down (waits for its background writes) unless ``shutdown``
+        did, and end DPScheduler's rank processes; safe to call twice."""
         if self.closed:
             return
         self.closed = True
-        for host in self.hosts:
-            host.connector.shutdown()
+        try:
+            for host in self.hosts:
+                if not host.shut_down:
+                    host.shut_down = True
+                    host.connector.shutdown()
+        finally:
+            self._rank_finalizer()  # DPScheduler's rank processes block forever on their pipes otherwise
+
+
+def _restored_loaded(scheduler_output, output) -> int:
+    """Chunks restored from a checkpoint that this step's plans loaded and the host did not report
+    failed (InProcSlice.restored_loads)."""
+    meta = getattr(scheduler_output, "kv_connector_metadata", None)
+    plans = getattr(meta, "requests_meta", None) or ()
+    kv = output.kv_connector_output
+    failed = set(kv.failed_recving or ()) if kv is not None else set()
+    invalid = set(kv.invalid_block_ids or ()) if kv is not None else set()
+    n = 0
+    for plan in plans:
+        for load in plan.loads:
+            if load.req_id in failed or invalid.intersection(load.block_ids):
+                continue
+            # A restored id, possibly moved by another rank's offset (LoadRequest): far above every
+            # id a scheduler issues.
+            n += sum(1 for i in load.save_ids if i >= _RESTORED_FLOOR)
+    return n
+
+
+_RESTORED_FLOOR = RESTORED_BASE >> 1
