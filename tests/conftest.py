@@ -3,6 +3,11 @@ import os
 # Must run before jax is imported anywhere: several CPU devices for the sharded-cache tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# vLLM's optional ``humming`` kernels, once imported (GDN layers do), start two background Python
+# processes in every importing process to build their CUDA launcher and NVRTC binary; nothing here
+# has CUDA, and on two cores they compete with the tests. The package's own switch turns that off
+# (inherited by every process the tests start: pod-slice workers, servers, Ray nodes).
+os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
 
 
