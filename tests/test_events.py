@@ -629,6 +629,44 @@ def test_dpscheduler_ranks_publish_on_their_own_port_as_their_own_rank():
         sched.shutdown()
 
 
+def test_each_dp_ranks_restart_records_are_kept_and_read(tmp_path):
+    """Under DPScheduler every rank's scheduler half writes the event records of its chunks beside
+    the checkpoints (manager/event_meta.py), each its own file; at the next start a half reads every
+    rank's, so each rank's restored chunks are found. Before, a rank's half could not write them at
+    all (its index's sink, RankNews, did not pass the records on: the rank process raised at
+    shutdown), and both ranks named one file, the last writer's records replacing the other's."""
+    from tpuoffload.config import parse_config
+    from tpuoffload.manager import OffloadScheduler
+    from tpuoffload.manager.event_meta import load_meta
+    from tpuoffload.manager.events import EventFormat
+    from tpuoffload.manager.hash_table import HashKeys
+    from tpuoffload.manager.topology import DPRank
+    from tpuoffload.messages import PersistReport
+
+    path = str(tmp_path / "ckpt")
+    fmt = EventFormat(width=32, block_size=16, int_hashes=True, group_specs=(("full_attention", None),))
+
+    def rank_half(rank: int | None):
+        half = OffloadScheduler(parse_config({"num_cpu_chunks": 64, "persist_path": path}), block_size=16,
+                                chunk_bytes=1024, num_hosts=1, events=fmt,
+                                dp=DPRank(ranks=2, num_blocks=64, source=1000 + (rank or 0)))
+        half.dp_rank = rank  # (what the workers' first report tells a rank's half)
+        half.tier("persist").on_report({0: PersistReport(restored=b"")})
+        return half
+
+    requests = [_request("a", 3, 1), _request("b", 2, 2)]
+    for rank, req in enumerate(requests):  # each rank saves its own request's blocks, then shuts down
+        half = rank_half(rank)
+        _confirm(half, _save(half, [(req, 0, len(req.block_hashes))]), [0])
+        half.close()
+    meta = load_meta(path, rank_half(None)._events_log)  # a rank of the next start, before any report
+    assert meta is not None and len(meta) == 5
+    for req in requests:
+        rows, found = meta.lookup(HashKeys.of(list(req.block_hashes)))
+        assert found.all(), req.request_id
+        assert [r.tobytes() for r in rows["hash"]] == list(req.block_hashes)
+
+
 # ---------------------------------------------------------------------------- each DPScheduler rank, exact
 # In a rank process (forked by DPScheduler, with the patches RankEvents installs before the fork):
 # its scheduler half, the requests it was asked about, the hashes known from earlier lifetimes.

@@ -12,7 +12,10 @@ outputs depend on every KV value read) equal a run that recomputes. Negative con
 by content hash alone (every group as group 0): the groups' objects collide in the store, and the
 byte audit catches the wrong group's bytes. The shared tier's path through separate host
 processes is tests/test_shared_podslice.py's (one group; a hybrid pod-slice run of this, 344 s
-on this 2-core box, was left out of the suite for time)."""
+on this 2-core box, was left out of the suite for time).
+
+Under tpu-inference's DPScheduler (below, a pod slice of 2 processes, DP 2 x TP 2): both groups'
+chunks each rank computed are published and fetched back by the other rank, on the other host."""
 
 from __future__ import annotations
 
@@ -178,3 +181,103 @@ def test_the_hit_follows_host_rams_rule_over_ram_and_store_together():
             (0, first[6]), (1, first[6])]
     assert got == want, got
     assert fetch.publish_groups == b"" and len(fetch.publish) == 0
+
+
+# ---------------------------------------------------------------------------- under DPScheduler
+DP_RANKS = 2
+DP_PREFIX_BLOCKS = 6  # within the 8-block window: a hit loads every block of both groups
+
+
+def _dp_spec(url: str):
+    """gpt-oss-like under tpu-inference's DPScheduler: DP 2 x TP 2 over a 2-process pod slice (each
+    rank's batch shard on one host's 2 devices), the shared tier on ``url``."""
+    from tpuoffload.sim.podslice import SliceSpec
+
+    config = {"num_cpu_chunks": 64, "shared_url": url, "save_timeout_s": 30.0, "load_wait_timeout_s": 10.0}
+    return SliceSpec(num_hosts=2, devices_per_host=2, hybrid="gpt-oss-like-dp2", kv_budget_bytes=2 * 48 * 2 * 32768,
+                     max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256, extra_config=config,
+                     step_timeout_s=60.0)
+
+
+def _dp_rank_totals(pod) -> list[dict]:
+    from tpuoffload.snapshot import read_rank_snapshots
+
+    snaps = read_rank_snapshots(pod.stats_dir)
+    assert len(snaps) == DP_RANKS, list(snaps)
+    return [snap["totals"] for _, snap in sorted(snaps.items())]
+
+
+def _per_host(pod, name: str) -> list[int]:
+    """Counter ``name`` as each host reported it (stats keys ``<host>|<seq>|<name>``)."""
+    out = [0] * pod.spec.num_hosts
+    for key, value in pod.stats.data.items():
+        source, _, counter = key.split("|")
+        if counter == name and source.isdigit():
+            out[int(source)] += value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dpscheduler_slices_share_both_groups_chunks_across_ranks_and_hosts(make_slice):
+    """The gpt-oss-like hybrid through tpu-inference's own DPScheduler with a real redis-server as
+    the shared tier. Slice A serves groups of one 6-block prompt per rank and publishes every
+    group's chunks: one object per chunk and group, each a whole rank's chunk written by the host
+    holding its batch shard, all in one namespace (both ranks have the same layout). Slice C, a
+    fresh deployment on the same store, gets each group rotated, so that each rank is asked for
+    what A's other rank computed: each rank fetches both groups' chunks of every prompt block from
+    objects the other rank's host wrote (each host wrote one rank's), loads them, and reads
+    every position exact on every host; every output right, identical dispatch digests, nothing
+    leaked, nothing sent back to the store."""
+    import redis
+
+    from dp_helpers import serve_groups
+    from test_dp_shared import _clean_end
+
+    from tpuoffload.backend.shared_store_redis import KEY_PREFIX
+    from tpuoffload.sim.redis_server import RedisServer
+
+    rng = np.random.default_rng(41)
+    prompts = [[rng.integers(3, 30000, DP_PREFIX_BLOCKS * BS + 5).tolist() for _ in range(DP_RANKS)] for _ in range(2)]
+    per_rank = 2 * DP_PREFIX_BLOCKS * len(prompts)  # both groups' chunks of every prompt block
+    with RedisServer(lifetime_s=600) as server:
+        url = f"{server.url}?timeout_s=30"
+        a = make_slice(_dp_spec(url))
+        assert a.dp_ranks == DP_RANKS and type(a.scheduler).__name__ == "DPScheduler"
+        assert serve_groups(a, prompts, "a") == [list(range(DP_RANKS))] * len(prompts)
+        published = [t.get(C.SHARED_PUBLISH_ISSUED, 0) for t in _dp_rank_totals(a)]
+        assert published == [per_rank] * DP_RANKS, published  # every rank its own prompts', both groups
+        _clean_end(a)
+        # Each host wrote one rank's objects: the ranks' shards are on different hosts.
+        assert _per_host(a, C.SHARED_WRITTEN_CHUNKS) == [per_rank] * 2, a.stats.totals()
+        a.shutdown()  # the hosts finish their background writes
+        client = redis.Redis(port=server.port)
+        names = [k.decode()[len(KEY_PREFIX):] for k in client.scan_iter(KEY_PREFIX + "*")]
+        client.close()
+        # One object per chunk and group: a whole rank's chunk from the one host holding its shard
+        # ("h0of1"), in one namespace, group 0's and group 1's alike.
+        assert len(names) == sum(published), (len(names), published)
+        assert {n.split("/")[1] for n in names} == {"h0of1"} and len({n.split("/")[0] for n in names}) == 1, names[:4]
+        assert Counter(n.rsplit(".g", 1)[1] for n in names) == {"0": sum(published) // 2, "1": sum(published) // 2}
+
+        c = make_slice(_dp_spec(url))
+        rotated = [group[-1:] + group[:-1] for group in prompts]  # rank r gets A's rank r-1's prompt
+        assert serve_groups(c, rotated, "c") == [list(range(DP_RANKS))] * len(prompts)
+        assert c.finished == {f"c{g}-{i}" for g in range(len(prompts)) for i in range(DP_RANKS)}
+        assert c.mismatches == [0, 0], c.mismatches
+        totals = _dp_rank_totals(c)
+        for r, t in enumerate(totals):  # each rank fetched every chunk of both groups and loaded them
+            assert t.get(C.SHARED_FETCHES_READY, 0) == per_rank and not t.get(C.SHARED_FETCHES_FAILED), (r, t)
+            assert t[C.HIT_TOKENS] == DP_PREFIX_BLOCKS * BS * len(prompts), (r, t)
+            assert not t.get(C.SHARED_PUBLISH_ISSUED), (r, t)  # what came from the store is not sent back
+        hc = c.stats.totals()
+        assert hc[C.LOAD_ERRORS] == 0 and hc[C.SHARED_MISS_CORRUPT] == 0, hc
+        # Every chunk of both ranks loaded, as each host counts it (every host runs every rank's loads).
+        assert _per_host(c, C.CHUNKS_LOADED) == [DP_RANKS * per_rank] * 2, hc
+        # Each chunk read once, by the host holding the rank that fetched it (the other rank's host wrote it).
+        assert _per_host(c, C.SHARED_READ_CHUNKS) == [per_rank] * 2, hc
+        _clean_end(c)  # every position every host read exact, digests equal at every step, nothing leaked
+        print(f"hybrid shared tier under DPScheduler: A published {published} chunks per rank ({len(names)} "
+              f"objects), C fetched {[t[C.SHARED_FETCHES_READY] for t in totals]} per rank, loaded "
+              f"{_per_host(c, C.CHUNKS_LOADED)} per host, {hc[C.HIT_TOKENS]} hit tokens")
+        c.close()

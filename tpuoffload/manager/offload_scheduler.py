@@ -38,7 +38,7 @@ from tpuoffload.manager.admission import NO_LIMIT, LoadAdmission
 from tpuoffload.manager.disk_index import DiskIndex, DiskTierPlanner, FetchPlanner
 from tpuoffload.manager.shared_tier import SharedTierPlanner
 from tpuoffload.backend.shared_store import SharedURL
-from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta
+from tpuoffload.manager.event_meta import NO_META_WRITER, MetaWriter, load_meta, meta_file
 from tpuoffload.manager.events import (MEDIUM_CPU, MEDIUM_STORAGE, NO_EVENTS, ChunkEvents, EventFormat, EventLog,
                                        TierEvents)
 from tpuoffload.manager.index import ChunkIndex
@@ -126,7 +126,7 @@ class OffloadScheduler:
         self.index = ChunkIndex(num_slots, counters=self.counters,
                                 events=RankNews(sink) if self.dp.ranks > 1 else sink, pools=pools)
         # Warm restart with events: the records of every named chunk go beside the checkpoints.
-        self._meta_writer = (MetaWriter(config.persist_path, self._events_log, self._event_records)
+        self._meta_writer = (MetaWriter(config.persist_path, self._events_log, self._event_records, self._meta_file)
                              if events is not None and config.persist_path is not None else NO_META_WRITER)
         self.ledger = CompletionLedger(num_hosts, source=hosts_source, counters=self.counters)
         self.staging = StagingBudget(config.staging_capacity(chunk_bytes))
@@ -206,6 +206,13 @@ class OffloadScheduler:
                                            lambda: self.clock(), SharedURL.parse(config.shared_url).timeout_s,
                                            self.loads.take_lookup, self.kv_groups))
         return tiers
+
+    def _meta_file(self) -> str | None:
+        """The restart file of this half's event records: under DPScheduler its rank's, once the
+        workers said which rank it is (until then it holds no chunk: nothing to write)."""
+        if self.dp.ranks == 1:
+            return meta_file(None)
+        return meta_file(self.dp_rank) if self.dp_rank is not None else None
 
     def _event_records(self) -> np.ndarray:
         """The event records of every chunk named in host RAM and on disk (for the restart file)."""

@@ -83,6 +83,10 @@ class RankNews(ChunkEvents):
     def lookup(self, keys: HashKeys) -> tuple[Any, np.ndarray]:
         return self.inner.lookup(keys)
 
+    def entries(self, slots: np.ndarray) -> np.ndarray:
+        """The inner sink's records (the restart file's, with KV events and warm restart on)."""
+        return self.inner.entries(slots)
+
     @override
     def ready(self, slots: np.ndarray, save_ids: np.ndarray) -> None:
         self.inner.ready(slots, save_ids)

@@ -25,9 +25,12 @@ MEDIUM_GPU = "GPU"
 
 class EventSubscriber:
     """A SUB socket bound on 127.0.0.1 (a free port): point a publisher's ``endpoint`` at
-    ``self.endpoint`` (not a bind address, so vLLM's publisher connects to it)."""
+    ``self.endpoint`` (not a bind address, so vLLM's publisher connects to it). With ``connect``
+    (``tcp://127.0.0.1:PORT``) it connects there instead, to a publisher that binds (``tcp://*:PORT``),
+    e.g. each DPScheduler rank's; connected before the publisher starts, it gets the first batch
+    (ZMQ reconnects every 100 ms); ``gaps`` counts any batch missed."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect: str | None = None) -> None:
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -37,8 +40,12 @@ class EventSubscriber:
         self.sock = self._ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if connect is not None:
+            self.sock.connect(connect)
+            self.endpoint = connect
+        else:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self.last_seq = -1  # of the current publisher
         self.gaps = 0  # missing sequence numbers

@@ -91,6 +91,9 @@ class SliceSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     extra_config: dict[str, Any] = field(default_factory=lambda: {"cpu_bytes_to_use": 1 << 22})
+    # vLLM's --kv-events-config (KVEventsConfig fields) for the slice's scheduler (any layout):
+    # under DPScheduler every rank process builds its own publisher from it.
+    kv_events: dict[str, Any] | None = None
     step_timeout_s: float = 60.0  # one step (or one control message), all hosts together
     start_timeout_s: float = 120.0
     log_tail_lines: int = 25  # lines of each concerned host's log quoted in a SliceError
@@ -221,7 +224,7 @@ class PodSlice:
                     os.remove(os.path.join(self.stats_dir, name))
         common = dict(kv_connector_extra_config=extra, max_num_seqs=spec.max_num_seqs,
                       max_num_batched_tokens=spec.max_num_batched_tokens, tensor_parallel_size=spec.num_hosts,
-                      sharding_config=sharding)
+                      sharding_config=sharding, kv_events=spec.kv_events)
         if spec.gdn is not None:
             self.scheduler = self._gdn_scheduler(extra)
         elif spec.hybrid is not None:
@@ -274,6 +277,13 @@ class PodSlice:
         gdn = self.spec.gdn_layout()
         self.gdn = gl.build(gdn, jax.devices()[:gdn.num_devices])  # requests are built from it (gl.make_request)
         vllm_config = gl.make_vllm_config(gdn, dict(extra, num_hosts=self.spec.num_hosts))
+        # A failed load is recomputed, as on the slice's other models (vllm_setup's default, the
+        # README's configuration); vLLM's own default would finish the request with an error.
+        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+        if self.spec.kv_events is not None:  # what --kv-events-config parses into
+            from vllm.config.kv_events import KVEventsConfig
+
+            vllm_config.kv_events_config = KVEventsConfig(**self.spec.kv_events)
         if gdn.dp > 1:
             return gl.make_dp_scheduler(self.gdn, vllm_config)
         return gl.make_scheduler(self.gdn, vllm_config=vllm_config)[0]
