@@ -14,12 +14,15 @@ The pod-slice proof runs 2 JAX processes x 2 CPU devices (DP 2 x TP 2, the qwen3
 layout built by tpu-inference's and vLLM's own code on every host) under tpu-inference's own
 DPScheduler: the synthetic GDN runner reads every state row and every attention position a step
 needs and checks it (a wrong row is a detected wrong read that poisons the request's tokens), the
-harness compares every host's dispatch digest at every step.
+harness compares every host's dispatch digest at every step. One deployment carries every feature
+(a GDN slice takes long to start): host RAM with lazy offload under faults, then eager saves, the
+disk tier, a warm restart, the shared tier in a redis-server, KV events of each rank.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -28,21 +31,23 @@ import types
 import numpy as np
 import pytest
 
+from tpuoffload import counters as C
 from tpuoffload.backend.disk_tier import HEADER_BYTES
 from tpuoffload.messages import DiskReport, pack_keys
 from tpuoffload.sim.podslice import SliceSpec
 from tpuoffload.snapshot import read_rank_snapshots
 from tpuoffload.sim.workload import PrefixRepetition, run_prefix_repetition
 
-# 8 prefixes of 6 blocks, each asked twice in each of 2 waves: second-wave requests find their
-# prefix only in host RAM (vLLM's prefix cache is reset between waves), on either rank.
-WORKLOAD = PrefixRepetition(num_prefixes=8, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
-                            num_requests=16, waves=2, arrivals_per_step=4, seed=3)
 # Per host, as both halves size them (tests/test_chunk_bytes_agree.py): a KV chunk 32 KiB, a state
-# chunk 210 KiB; 10 MiB of host RAM, 40% KV rows (128 per device: 112 slots per rank), 60% state rows
-# (29 per device: 13 state slots per rank, past the 16 spare rows a batch-split store keeps).
-CONFIG = {"cpu_bytes_to_use": 10 << 20, "state_ram_fraction": 0.6, "save_timeout_s": 30.0,
+# chunk 210 KiB. Host RAM: 36 KV rows and 20 state rows per device (20 KV and 4 state slots per rank,
+# past the 16 spare rows a batch-split store keeps), so the workload below overflows both pools.
+CONFIG = {"cpu_bytes_to_use": 5_490_000, "state_ram_fraction": 0.785, "save_timeout_s": 30.0,
           "load_wait_timeout_s": 5.0}
+# 12 prefixes of 6 blocks, each asked twice in each wave (36 KV chunks per rank a wave): more than a
+# rank's host RAM holds. vLLM's prefix cache is reset between waves, so a second wave finds its
+# prefixes only below HBM, on either rank.
+CHURN = PrefixRepetition(num_prefixes=12, prefix_blocks=6, suffix_len=(8, 16), output_len=(4, 8),
+                         num_requests=24, waves=2, arrivals_per_step=4, seed=3)
 
 
 def _spec(**extra) -> SliceSpec:
@@ -51,40 +56,269 @@ def _spec(**extra) -> SliceSpec:
                      start_timeout_s=400.0)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("lazy", [pytest.param(False, id="eager"), pytest.param(True, id="lazy")])
-def test_gdn_hybrid_under_dpscheduler_hits_on_both_ranks_and_across_them(make_slice, lazy):
-    """Both ranks save state rows and KV at exact block boundaries and serve second-wave prefixes
-    from host RAM, also another rank's (cross-rank loads of state chunks and KV chunks); every state
-    row and attention position read is exact on every host, tokens are right, every host
-    dispatched the same programs at every step, nothing leaks."""
-    from test_podslice import _assert_clean_end
-
-    pod = make_slice(_spec(lazy_offload=lazy))
-    assert type(pod.scheduler).__name__ == "DPScheduler" and pod.dp_ranks == 2
-    rank_cfgs = pod.scheduler.per_rank_kv_cache_configs
-    assert [c.mamba_num_blocks for c in rank_cfgs] == [pod.gdn.mamba_num_blocks // 2] * 2  # DPScheduler's split
-    res = run_prefix_repetition(pod, WORKLOAD)
-    assert res.finished == res.requests and res.wrong_outputs == [], res
-    assert pod.mismatches == [0, 0], pod.mismatches
-    hosts = pod.worker_state()
-    for h in hosts:
-        assert h["states_verified"] > 0 and h["state_mismatches"] == 0 and h["mismatches"] == 0, h
-    pools = [h["pool_totals"] for h in hosts]
-    for kv, state in pools:
-        # Every host loaded state rows and KV blocks; some of each came from the other rank.
-        assert kv.get("chunks_loaded", 0) > 0 and state.get("chunks_loaded", 0) > 0, pools
-        assert kv.get("cross_rank_chunks_loaded", 0) > 0 and state.get("cross_rank_chunks_loaded", 0) > 0, pools
-        assert state.get("load_errors", 0) == 0, pools
-    assert res.per_wave_loaded[1] > 0, res
-    # Both ranks served hits from host RAM (each rank's half counts its own, in its snapshot).
+def _rank_totals(pod) -> list[dict]:
+    """Each DP rank's scheduler-half totals (from its snapshot file), rank 0 first."""
     ranks = read_rank_snapshots(pod.stats_dir)
     assert sorted(ranks) == ["scheduler-dp0.json", "scheduler-dp1.json"], list(ranks)
-    assert all(snap["totals"].get("hit_tokens", 0) > 0 for snap in ranks.values()), \
-        {name: snap["totals"] for name, snap in ranks.items()}
-    _assert_clean_end(pod)  # also: identical digests on every host at every step
-    print(f"GDN under DPScheduler: {res}; pool counters per host {pools}")
+    return [ranks[f"scheduler-dp{r}.json"]["totals"] for r in range(2)]
+
+
+def _pool_totals(pod) -> list[list[dict]]:
+    """Per host, its (KV pool, state pool) counters."""
+    return [h["pool_totals"] for h in pod.worker_state()]
+
+
+def _assert_exact_reads(pod) -> None:
+    """Every state row and every attention position each host's runner read was the synthetic
+    model's value (it reads and checks all a step needs)."""
+    assert pod.mismatches == [0, 0], pod.mismatches
+    for h in pod.worker_state():
+        assert h["states_verified"] > 0 and h["state_mismatches"] == 0 and h["mismatches"] == 0, h
+
+
+# ------------------------------------------------------------------ every feature, one deployment
+# The disk split as host RAM is, room for every chunk a rank spills; warm restart; a redis-server.
+TIERS = {"disk_bytes_to_use": 24 << 20, "persist_timeout_s": 60.0}
+PINNED_TAIL = 7  # a prompt of whole blocks then a tail shorter than a block: the state row saved at its last block
+
+
+def _serve_pair(pod, prompts: list[list[int]], tag: str) -> list[int]:
+    """Both prompts added together (DPScheduler gives the i-th to rank i when the ranks are idle),
+    run until idle and settled, every output what the synthetic model computes from scratch.
+    Returns the rank each went to."""
+    from tpuoffload.sim.workload import expected_output
+
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        pod.add_request(pod.make_request(rid, prompt, max_tokens=3))
+    placed = [pod.scheduler.assigned_dp_rank[rid] for rid in ids]
+    pod.run()
+    for rid, prompt in zip(ids, prompts):
+        assert pod.outputs[rid] == expected_output(prompt, 3, 32000), rid
+    assert pod.settle(60.0)
+    return placed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gdn_hybrid_under_dpscheduler_every_feature_at_once(make_slice, tmp_path, monkeypatch):
+    """The Qwen3.5-like hybrid under tpu-inference's DPScheduler (DP 2 x TP 2 over 2 hosts x 2
+    devices) with every tier at once, KV events on, a redis-server shared by both lifetimes of the
+    deployment:
+
+    1. Lazy offload (a request's blocks saved in one flush when it finishes or is preempted). Two
+       prompts, one per rank, publish their KV and state chunks to the store. Then waves of twelve
+       prefixes under faults (slots lost on host 1 before loads: those loads fail by request and
+       vLLM recomputes the requests on every host) overflow both pools of host RAM: each rank
+       serves hits from host RAM, also chunks another rank saved (state and KV), spills to its own
+       files and fetches back, and what the two prompts left is gone from every rank's host RAM
+       (on disk, it is in the files of the rank that computed it, which only that rank reads).
+    2. Warm restart with eager saves: the deployment shuts down (every host checkpoints every
+       rank's slots) and starts again on its ``persist_path`` and disk directories, no fault now.
+       Each rank adopts its checkpointed slots and the chunk files its host kept; the wave of the
+       same prefixes loads them, KV and state chunks, every load exact.
+    3. The two prompts again, each on the other rank: for it only the store holds them, so each
+       rank fetches what the other rank published, its KV chunks and its state chunk, and serves
+       the whole prefix.
+
+    Throughout: every request's tokens right, every state row and attention position each host
+    read exact, identical dispatch digests, nothing leaked; each rank's KV events (its own port,
+    its own rank) say after every batch exactly what that rank's host RAM and disk can serve
+    (test_events.py:RankEvents), restored and fetched chunks included, state and attention chunks
+    each under its group, the mirror groups silent."""
+    from test_events import RankEvents
+    from test_podslice import _assert_clean_end
+
+    from tpuoffload.sim.chaos import Chaos
+    from tpuoffload.sim.redis_server import RedisServer
+
+    server = RedisServer(lifetime_s=900)
+    events = RankEvents(monkeypatch, tmp_path / "events", ranks=2)
+    try:
+        spec = dataclasses.replace(
+            _spec(**TIERS, disk_path=str(tmp_path / "disk-{host}"), persist_path=str(tmp_path / "ckpt"),
+                  shared_url=f"{server.url}?timeout_s=30", lazy_offload=True), **events.spec_fields)
+        rng = np.random.default_rng(5)
+        pair = [rng.integers(3, 30000, 6 * 16 + PINNED_TAIL).tolist() for _ in range(2)]
+
+        # 1. The first lifetime, under faults.
+        pod = _watch(make_slice(spec, Chaos(seed=11, lose_slot_host=1, lose_slot_rate=0.3)), events)
+        assert type(pod.scheduler).__name__ == "DPScheduler" and pod.dp_ranks == 2
+        rank_cfgs = pod.scheduler.per_rank_kv_cache_configs
+        assert [c.mamba_num_blocks for c in rank_cfgs] == [pod.gdn.mamba_num_blocks // 2] * 2  # DPScheduler's split
+        assert _serve_pair(pod, pair, "pair") == [0, 1]
+        res = run_prefix_repetition(pod, CHURN)
+        assert res.finished == res.requests and res.wrong_outputs == [], res
+        _assert_exact_reads(pod)
+        totals = pod.stats.totals()
+        assert totals[C.LOAD_ERRORS] > 0 and totals[C.FAILED_REQUESTS] > 0, totals  # the faults hit, recomputed
+        assert res.per_wave_loaded[1] > 0 and totals[C.CROSS_RANK_CHUNKS_LOADED] > 0, res.stats
+        first_ranks = ranks = _rank_totals(pod)
+        for t in ranks:  # each rank served hits, spilled to its own files, read some back, published
+            assert t.get(C.HIT_TOKENS, 0) > 0 and t.get(C.SPILLS_CONFIRMED, 0) > 0, ranks
+            assert t.get(C.FETCHES_ISSUED, 0) > t.get(C.FETCHES_FAILED, 0), ranks
+            assert t.get(C.SHARED_PUBLISH_ISSUED, 0) > 0, ranks
+        assert totals[C.DISK_READ_CHUNKS] > 0 and totals[C.DISK_READ_FAILED] == 0, totals
+        for kv, state in _pool_totals(pod):  # every host loaded both pools' chunks, some another rank saved
+            assert kv[C.CHUNKS_LOADED] > 0 and state[C.CHUNKS_LOADED] > 0, (kv, state)
+            assert kv[C.CROSS_RANK_CHUNKS_LOADED] > 0 and state[C.CROSS_RANK_CHUNKS_LOADED] > 0, (kv, state)
+        _assert_clean_end(pod)
+        first = _assert_events_exact(events, pod)
+        held = [t.get(C.PERSIST_SAVED_CHUNKS, 0) for t in pod.shutdown()]  # each host: every rank's slots
+        assert held[0] == held[1] > 0, held
+        events.close()
+
+        # 2. Warm restart, eager saves, no fault.
+        events = RankEvents(monkeypatch, tmp_path / "events-again", ranks=2, after=events)
+        spec = dataclasses.replace(spec, extra_config={**spec.extra_config, "lazy_offload": False},
+                                   **events.spec_fields)
+        again = _watch(make_slice(spec), events)
+        for _ in range(4):  # empty steps: the restore reports reach every rank (DPScheduler does not
+            again.step()    # ask has_pending_push_work, so vLLM would wait for a request)
+        events.note_restored()
+        ranks = _rank_totals(again)
+        restored = [(t.get(C.RESTORED_READY, 0), t.get(C.DISK_RESTORED_READY, 0)) for t in ranks]
+        assert all(ram > 0 and disk > 0 for ram, disk in restored), restored
+        assert sum(ram for ram, _ in restored) == held[0], (restored, held)
+        assert not any(t.get(C.RESTORED_DROPPED) or t.get(C.DISK_RESTORED_DROPPED) for t in ranks), ranks
+        # Announced before any request, rank by rank: what the rank restored, on each medium.
+        announced = [(sum(k[1] == "CPU" for k in got), sum(k[1] == "STORAGE" for k in got)) for got in events.restored]
+        assert announced == restored, (announced, restored)
+        res2 = run_prefix_repetition(again, dataclasses.replace(CHURN, waves=1))
+        assert res2.finished == res2.requests and res2.wrong_outputs == [], res2
+        after = again.stats.totals()
+        assert res2.per_wave_loaded[0] > 0 and after[C.DISK_READ_CHUNKS] > 0, (res2, after)
+        assert after[C.LOAD_ERRORS] == 0 and after[C.DISK_READ_FAILED] == 0, after
+        for kv, state in _pool_totals(again):
+            assert kv[C.CHUNKS_LOADED] > 0 and state[C.CHUNKS_LOADED] > 0, (kv, state)
+
+        # 3. The pair on the other ranks: from the store only.
+        before = _rank_totals(again)
+        assert _serve_pair(again, pair[::-1], "swapped") == [0, 1]
+        ranks = _rank_totals(again)
+        for r, t in enumerate(ranks):  # the whole 6-block prefix: 6 KV chunks and a state chunk
+            fetched = t.get(C.SHARED_FETCHES_READY, 0) - before[r].get(C.SHARED_FETCHES_READY, 0)
+            assert fetched >= 7 and not t.get(C.SHARED_FETCHES_FAILED), (r, t)
+            assert t[C.HIT_TOKENS] - before[r][C.HIT_TOKENS] >= 6 * 16, (r, t)
+        _assert_exact_reads(again)
+        assert again.stats.totals()[C.LOAD_ERRORS] == 0
+        _assert_clean_end(again)
+        second = _assert_events_exact(events, again)
+    finally:
+        events.close()
+        server.stop()
+    shown = (C.HIT_TOKENS, C.FAILED_REQUESTS, C.SPILLS_CONFIRMED, C.FETCHES_ISSUED, C.SHARED_PUBLISH_ISSUED,
+             C.SHARED_FETCHES_READY)
+    per_rank = [[{k: t.get(k, 0) for k in shown} for t in life] for life in (first_ranks, ranks)]
+    print(f"GDN under DPScheduler, every feature: {res}; per rank {per_rank[0]}; restarted: {restored} "
+          f"(host RAM, disk) chunks per rank, {res2}; per rank {per_rank[1]}; KV events: {first}, then {second}")
+
+
+def _watch(pod, events):
+    """Check each rank's KV events after every step of ``pod``, each announced block joined to the
+    HBM event of it from any rank of the deployment: a rank announces chunks another rank computed
+    and it fetched from the store (its own HBM never held them), so they are joined to the other
+    rank's HBM events, which arrive steps earlier (the chunk was saved, published, probed and
+    fetched in between)."""
+    hbm: dict = {}
+    for view in events.views:
+        hbm.update(view.gpu_blocks)
+        view.gpu_blocks = hbm
+    step = pod.step
+
+    def step_and_check() -> None:
+        step()
+        events.check()
+
+    pod.step = step_and_check
+    return pod
+
+
+def _assert_events_exact(events, pod) -> str:
+    """Every batch each rank published arrived on its own port, labelled with its rank, and left
+    the router's view of the rank equal to what the rank's indexes could serve then; state and
+    attention chunks were announced under their group and kind (the groups that mirror the
+    state group: nothing), in host RAM and on disk. Returns a summary."""
+    from tpuoffload.manager.kv_groups import KVCacheGroups
+
+    groups = KVCacheGroups.of(pod.gdn.kv_cache_config, pod.scheduler.vllm_config.cache_config.block_size)
+    state, attention = groups.state_group, groups.windows.index(None)
+    events.check()
+    for r, (view, sub) in enumerate(zip(events.views, events.subs)):
+        assert events.checks[r] > 0 and events.diffs[r] == 0, (r, events.checks, events.diffs)
+        assert view.ranks == {r} and sub.gaps == 0 and not view.errors, (r, view.ranks, sub.gaps, view.errors[:5])
+        assert view.kinds == {state: {"mamba"}, attention: {"full_attention"}}, (r, view.kinds)
+        for medium in ("CPU", "STORAGE"):
+            assert {k[2] for k in view.ever if k[1] == medium} == {state, attention}, (r, medium, view.stored)
+    return (f"{events.checks} batches checked per rank, {events.diffs} differences; announced "
+            f"{[v.stored for v in events.views]}, withdrawn {[v.removed for v in events.views]}")
+
+
+def _fetched_records(tmp_path) -> tuple[list, list]:
+    """The scheduler half of a Qwen3.5-like hybrid (a state group, two groups that mirror it, a
+    full-attention group; a KV and a state slot pool) with KV events and the shared tier: a request
+    of 6 blocks and a tail probes the store, every host has every chunk, so the half fetches the
+    6 attention chunks and the state chunk at block 5 (one claim over both pools: the KV pool's
+    chunks first) and the index records each one's event record. Once they are installed
+    (READY) the half announces them. Returns (the BlockStored events, what each should be:
+    (group, hash, parent, tokens))."""
+    import random
+
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    from tpuoffload.config import parse_config
+    from tpuoffload.manager import OffloadScheduler
+    from tpuoffload.manager.events import EventFormat
+    from tpuoffload.manager.kv_groups import MIRROR, STATE_POOL, KVCacheGroups
+    from tpuoffload.messages import SharedReport
+    from tpuoffload.sim.vllm_setup import make_request
+
+    groups = KVCacheGroups((1, MIRROR, MIRROR, None), (STATE_POOL,) * 3 + (0,))
+    fmt = EventFormat(width=32, block_size=16, group_specs=(("mamba", None),) * 3 + (("full_attention", None),))
+    half = OffloadScheduler(parse_config({"num_cpu_chunks": 64, "shared_url": f"file://{tmp_path}/store"}),
+                            block_size=16, chunk_bytes=1024, state_chunk_bytes=4096, num_hosts=2, kv_groups=groups,
+                            events=fmt)
+    tier = half.tier("shared")
+    rng = random.Random(4)
+    request = make_request("r", [rng.randrange(3, 30000) for _ in range(6 * 16 + 7)], block_size=16)
+    assert tier.wants(request, 0, 0)
+    (pid, _, probed, _), = tier.finish_step(0).probe
+    tier.on_report({h: SharedReport(probed=((pid, b"\x01" * len(probed)),)) for h in range(2)})
+    tier.plan_into_ram(1)  # the fetch's claim: its chunks' records written here
+    fetch = tier.finish_step(1).fetch
+    slots, save_ids = np.array(fetch.slots), np.array(fetch.save_ids)
+    assert len(slots) == 7 and sorted(half.index.pool_of(slots).tolist()) == [0] * 6 + [1], fetch
+    half.take_events()
+    half.index.mark_ready(slots, save_ids)  # what a confirmed install does
+    stored = [e for e in half.take_events() if isinstance(e, BlockStored)]
+    hashes, tokens = request.block_hashes, request.all_token_ids
+    want = [(3, ext(hashes[b]), ext(hashes[b - 1]) if b else None, list(tokens[16 * b:16 * b + 16]))
+            for b in range(6)] + [(0, ext(hashes[5]), ext(hashes[4]), list(tokens[80:96]))]
+    got = [(e.group_idx, h, e.block_hashes[i - 1] if i else e.parent_block_hash, e.token_ids[16 * i:16 * i + 16])
+           for e in stored for i, h in enumerate(e.block_hashes)]
+    return got, want
+
+
+def test_a_gdn_hybrids_chunks_fetched_from_the_store_are_announced_with_their_own_records(tmp_path):
+    """Found by the pod slice above (its first fetch from the store stopped rank 1's scheduler:
+    "index 7 out-of-bounds in minimum.reduceat"). A fetch of attention and state chunks claims the
+    KV pool's slots first, so the claim lists its chunks out of the batch's order; the event
+    sink reads them in the batch's order (``SavePlanner.record``)."""
+    got, want = _fetched_records(tmp_path)
+    assert sorted(got, key=repr) == sorted(want, key=repr), (got, want)
+
+
+def test_negative_control_a_fetch_recorded_in_claim_order_stops_the_scheduler(tmp_path, monkeypatch):
+    """The one mechanism removed: the claim's chunks handed to the event sink as the claim lists
+    them (the KV pool's, then the state pool's). The sink then fails on the fetch, as rank 1's
+    scheduler did in the slice."""
+    from tpuoffload.manager.save_planner import SavePlanner
+
+    monkeypatch.setattr(SavePlanner, "record",
+                        lambda self, claim, origins: self.index.events.record(claim.slots, claim.keep, origins))
+    with pytest.raises(IndexError, match="out-of-bounds"):
+        _fetched_records(tmp_path)
 
 
 # ------------------------------------------------------------------ the worker half, one process

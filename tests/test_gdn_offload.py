@@ -195,6 +195,9 @@ def test_a_lost_state_row_on_one_host_is_recomputed_on_every_host(async_scheduli
         prefixes = _waves(eng)
         t = eng.stats.reduce()
         assert fault.lost == 1 and t["load_errors"] == 1 and t["failed_requests"] == 1, t
+        # Recomputed, not failed: every request of both waves ran to its 3 tokens (vLLM's default
+        # policy, ``fail``, would have finished the failed one with an error and no token).
+        assert {rid: len(out) for rid, out in eng.outputs.items()} == {f"{w}{i}": 3 for w in (0, 1) for i in range(3)}
         # Both hosts were handed the same three loads; the first request's failed (host 1) and was
         # recomputed everywhere, the other two were served whole with their states.
         assert [(h, ld.req_id) for h, ld, _ in loads] == [(h, f"1{i}") for h in (0, 1) for i in range(3)]

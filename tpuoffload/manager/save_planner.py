@@ -105,15 +105,23 @@ class SavePlanner:
         if not got:
             return NO_SAVES
         counters[C.SAVES_ISSUED] += got
-        if split:  # the sink reads candidates in batch order
-            order = np.argsort(c.keep, kind="stable")
-            self.index.events.record(c.slots[order], c.keep[order], origins)
-        else:
-            self.index.events.record(c.slots, c.keep, origins)
+        self.record(c, origins)
         blocks = tuple(block_ids) if got == n and not split else tuple(map(block_ids.__getitem__, c.keep.tolist()))
         keys, base = c.keys, c.first_save_id
         return SaveBatch(block_ids=blocks, slots=compact_ints(c.slots, c.run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
+
+    def record(self, claim: Claim, origins: Origins) -> None:
+        """The index's event sink records the chunks ``claim`` named (``origins``: the batch's
+        candidates, in order). The sink reads candidates in batch order, and a claim of several
+        pools (``claim_pools``) lists each pool's chunks apart: they go back in batch order. Every
+        save and every fetch into host RAM from the store records through here."""
+        keep = claim.keep
+        if len(keep) > 1 and bool((keep[1:] < keep[:-1]).any()):
+            order = np.argsort(keep, kind="stable")
+            self.index.events.record(claim.slots[order], keep[order], origins)
+        else:
+            self.index.events.record(claim.slots, keep, origins)
 
     def claim_pools(self, packed: PackedHashes, pools: np.ndarray, step: int) -> Claim:
         """``claim`` of each pool's candidates (``pools``: each candidate's slot pool) in turn, as

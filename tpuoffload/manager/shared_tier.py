@@ -305,8 +305,8 @@ class SharedTierPlanner(Tier):
                 continue
             n, base = len(claim.slots), claim.first_save_id
             blocks = np.nonzero(need)[0]
-            self.ram.events.record(claim.slots, claim.keep, [(wait.request, wait.local + b, 1, g) for b, g in
-                                                             zip(blocks.tolist(), groups.tolist())])  # KV events
+            self.saves.record(claim, [(wait.request, wait.local + b, 1, g) for b, g in
+                                      zip(blocks.tolist(), groups.tolist())])  # KV events
             groups, pools = groups[claim.keep], pools[claim.keep]
             deadline = self.clock() + 2 * self.timeout_s
             for sid in range(base, base + n):

@@ -174,10 +174,13 @@ def model_dir(spec: GdnLayoutSpec) -> str:
 
 
 def make_vllm_config(spec: GdnLayoutSpec, kv_connector_extra_config: dict | None = None,
-                     connector: tuple[str, str] = ("TPUOffloadConnector", "tpuoffload.connector")):
+                     connector: tuple[str, str] = ("TPUOffloadConnector", "tpuoffload.connector"),
+                     kv_load_failure_policy: str = "recompute"):
     """vLLM's config for ``spec`` with prefix caching on; with ``kv_connector_extra_config``, with
     ``connector`` (class name, module path; default ``TPUOffloadConnector``) configured (vLLM then
-    decides HMA from the connector, as on TPU)."""
+    decides HMA from the connector, as on TPU). A failed load is recomputed, as in the README's
+    configuration and ``vllm_setup.make_vllm_config`` (vLLM's own default, ``fail``, would finish
+    the request with an error)."""
     from tpuoffload.sim import vllm_setup  # noqa: F401  (VLLM_TARGET_DEVICE=cpu before vLLM's platform)
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
@@ -196,6 +199,7 @@ def make_vllm_config(spec: GdnLayoutSpec, kv_connector_extra_config: dict | None
     if kv_connector_extra_config is not None:
         kv_transfer_config = KVTransferConfig(kv_connector=connector[0],
                                               kv_connector_module_path=connector[1], kv_role="kv_both",
+                                              kv_load_failure_policy=kv_load_failure_policy,
                                               kv_connector_extra_config=dict(kv_connector_extra_config))
     with vllm_setup.tpu_platform_hybrid_kv_cache():
         vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,

@@ -277,9 +277,6 @@ class PodSlice:
         gdn = self.spec.gdn_layout()
         self.gdn = gl.build(gdn, jax.devices()[:gdn.num_devices])  # requests are built from it (gl.make_request)
         vllm_config = gl.make_vllm_config(gdn, dict(extra, num_hosts=self.spec.num_hosts))
-        # A failed load is recomputed, as on the slice's other models (vllm_setup's default, the
-        # README's configuration); vLLM's own default would finish the request with an error.
-        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
         if self.spec.kv_events is not None:  # what --kv-events-config parses into
             from vllm.config.kv_events import KVEventsConfig
 
