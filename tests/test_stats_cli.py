@@ -817,3 +817,28 @@ def test_scheduler_half_writes_its_last_state_at_shutdown(tmp_path):
     assert last["step"] > 0 and last["totals"]["saves_issued"] > 0
     assert last["leak_gauges"] and all(last[k] == 0 for k in last["leak_gauges"]), last
     engine.close()
+
+
+def test_separate_dp_engines_get_a_table_each(copies, tmp_path, capsys):
+    """``vllm serve --data-parallel-size 2`` without attention DP: engine 1 writes under
+    ``engine-dp1`` of the stats directory (config.per_engine). Each engine is its own deployment
+    (its own host 0): one table each, a stopped host of engine 1 flagged under engine 1 only, the
+    exit status that of the worst engine. Before, the table showed engine 0 alone."""
+    import shutil
+
+    root = tmp_path / "stats"
+    shutil.copytree(copies.path, root)
+    shutil.copytree(copies.path, root / "engine-dp1")
+    rc, out, _ = run_main(capsys, root)
+    assert rc == 0, out
+    assert out.startswith(f"engine 0 ({root}):\n") and f"\nengine 1 ({root / 'engine-dp1'}):\n" in out, out
+    assert out.count("flagged: none") == 2, out
+    host0 = json.loads((root / "engine-dp1" / "host-0.json").read_text())
+    host0["time"] -= 3600  # engine 1's host 0 stopped writing an hour ago
+    (root / "engine-dp1" / "host-0.json").write_text(json.dumps(host0))
+    rc, out, _ = run_main(capsys, root)
+    first, second = out.split(f"\nengine 1 ({root / 'engine-dp1'}):\n")
+    assert rc == 1 and first.rstrip().endswith("flagged: none") and "flagged: host 0" in second, out
+    rc, out, _ = run_main(capsys, root, "--json")
+    doc = json.loads(out)
+    assert sorted(doc["engines"]) == [f"engine 0 ({root})", f"engine 1 ({root / 'engine-dp1'})"], doc.keys()

@@ -238,34 +238,60 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engines(paths: list[str]) -> list[tuple[str | None, list[str]]]:
+    """The deployments to report apart: ``vllm serve --data-parallel-size N`` without attention DP
+    runs N separate engines, engine i > 0 writing under ``engine-dp<i>`` of the stats directory
+    (config.per_engine; a MoE model's engine 0 too). One directory with such subdirectories gives
+    one (label, paths) per engine; anything else is one deployment, unlabelled."""
+    if len(paths) != 1 or not os.path.isdir(paths[0]):
+        return [(None, paths)]
+    root = paths[0]
+    subdirs = sorted(glob.glob(os.path.join(root, "engine-dp*")), key=lambda d: int(d.rsplit("dp", 1)[1] or 0))
+    if not subdirs:
+        return [(None, paths)]
+    top = [(f"engine 0 ({root})", [root])] if glob.glob(os.path.join(root, "*.json")) else []
+    return top + [(f"engine {d.rsplit('dp', 1)[1]} ({d})", [d]) for d in subdirs]
+
+
+def _one_report(paths: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The report of one deployment's snapshots; ``{"error": ...}`` when they cannot be read."""
+    try:
+        snaps = load_snapshots(paths)
+    except StatsInputError as e:
+        return {"error": str(e)}
+    now = time.time()
+    analyse(snaps, now=now, stale_after_s=args.stale_after, inflight_age_s=args.inflight_age,
+            max_step_lag=args.max_step_lag, hung_after_s=args.hung_after)
+    return report(snaps, now)
+
+
 def stats_main(args: argparse.Namespace) -> int:
     while True:
-        try:
-            snaps = load_snapshots(args.paths)
-        except StatsInputError as e:
-            if not args.watch:
+        reps = [(label, _one_report(paths, args)) for label, paths in engines(args.paths)]
+        errors = [rep["error"] for _, rep in reps if "error" in rep]
+        if errors and not args.watch:
+            for e in errors:
                 print(f"tpuoffload stats: {e}", file=sys.stderr)
-                return 2
-            # Watching: a host that has not written its first snapshot yet (or a file being
-            # replaced by a restarted host) is shown and retried, not the end of the watch.
-            rep, snaps = {"error": str(e)}, None
-        if snaps is not None:
-            now = time.time()
-            analyse(snaps, now=now, stale_after_s=args.stale_after, inflight_age_s=args.inflight_age,
-                    max_step_lag=args.max_step_lag, hung_after_s=args.hung_after)
-            rep = report(snaps, now)
+            return 2
+        # Watching: a host that has not written its first snapshot yet (or a file being replaced by
+        # a restarted host) is shown and retried, not the end of the watch.
+        if args.json:  # several engines: one document keyed by engine
+            doc = reps[0][1] if reps[0][0] is None else {"engines": {label: rep for label, rep in reps}}
+        else:
+            text = "\n\n".join((f"{label}:\n" if label else "")
+                                + (render(rep) if "error" not in rep else f"tpuoffload stats: {rep['error']}")
+                                for label, rep in reps)
         if args.watch:
             if args.json:  # one JSON document per line, no terminal control codes
-                rep["time"] = time.time()
-                sys.stdout.write(json.dumps(rep) + "\n")
+                doc["time"] = time.time()
+                sys.stdout.write(json.dumps(doc) + "\n")
             else:
-                out = render(rep) if snaps is not None else f"tpuoffload stats: {rep['error']}"
-                sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out + "\n")
+                sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + text + "\n")
             sys.stdout.flush()
             time.sleep(args.watch)
             continue
-        print(json.dumps(rep, indent=2) if args.json else render(rep))
-        return 1 if rep["flagged"] else 0
+        print(json.dumps(doc, indent=2) if args.json else text)
+        return 1 if any(rep["flagged"] for _, rep in reps) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
