@@ -708,7 +708,7 @@ class RankEvents:
         # Each rank's view joins its own HBM events (a restart's, its previous lifetime's too).
         self.views = [EventView(dict(after.views[r].gpu_blocks) if after is not None else None) for r in range(ranks)]
         self.diffs, self.checks = [0] * ranks, [0] * ranks
-        self.restored: list[set] = [set()] * ranks  # what each rank announced before its first request
+        self.restored: list[set] = [set() for _ in range(ranks)]  # what each rank announced before its first request
         # Every block hash the ranks were asked about, this lifetime's and the earlier ones' (a
         # restart restores chunks of the hashes of an earlier lifetime's requests).
         self.hashes: set = set(after.hashes) if after is not None else set()
