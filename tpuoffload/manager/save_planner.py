@@ -105,19 +105,22 @@ class SavePlanner:
         if not got:
             return NO_SAVES
         counters[C.SAVES_ISSUED] += got
-        self.record(c, origins)
+        self.record(c, origins, in_order=not split)
         blocks = tuple(block_ids) if got == n and not split else tuple(map(block_ids.__getitem__, c.keep.tolist()))
         keys, base = c.keys, c.first_save_id
         return SaveBatch(block_ids=blocks, slots=compact_ints(c.slots, c.run_step), save_ids=range(base, base + got),
                          keys=pack_keys(keys.k1, keys.k2) if self.with_keys else b"")
 
-    def record(self, claim: Claim, origins: Origins) -> None:
+    def record(self, claim: Claim, origins: Origins, in_order: bool | None = None) -> None:
         """The index's event sink records the chunks ``claim`` named (``origins``: the batch's
         candidates, in order). The sink reads candidates in batch order, and a claim of several
         pools (``claim_pools``) lists each pool's chunks apart: they go back in batch order. Every
-        save and every fetch into host RAM from the store records through here."""
+        save and every fetch into host RAM from the store records through here. ``in_order``: the
+        caller knows whether the claim is in batch order (a step's saves, on the hot path: no check)."""
         keep = claim.keep
-        if len(keep) > 1 and bool((keep[1:] < keep[:-1]).any()):
+        if in_order is None:
+            in_order = len(keep) < 2 or not bool((keep[1:] < keep[:-1]).any())
+        if not in_order:
             order = np.argsort(keep, kind="stable")
             self.index.events.record(claim.slots[order], keep[order], origins)
         else:
